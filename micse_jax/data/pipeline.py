@@ -1,0 +1,231 @@
+"""Deterministic, random-access, host-sharded training batches for unsupervised SimCSE.
+
+The corpus is tokenized once, padded to a fixed `max_length` (static shapes, so the
+jitted train step compiles once), into int32 arrays `[N, max_length]`. Batches are then
+a pure function of the step number: resuming from a checkpoint at step `s` only needs
+`s`, and yields exactly the batches of an uninterrupted run.
+
+What grain does here. The batch schedule is the `grain.MapDataset` chain
+
+  MapDataset.range(N)                          # sentence indices
+      .shuffle(seed=base_seed)                 # global shuffle, random access
+      .batch(global_batch_size, drop_remainder=True)
+      .repeat()                                # infinite
+      .map(<this host's rows>).map(<gather token rows>)
+
+and `batch(step)` is `dataset[step]`. In grain 0.2.18 a `MapDataset` index past
+`len(parent)` maps to epoch `index // len(parent)`; `shuffle` permutes each epoch with
+seed `(base_seed + epoch) % 2**32` (a Feistel-style `index_shuffle`, no permutation is
+materialized), and `batch` batches each epoch separately. So:
+
+* Every epoch is a fresh permutation of the corpus, derived from (seed, epoch).
+  `base_seed` is a hash (`np.random.SeedSequence`) of the user seed, so runs with
+  seeds s and s + 1 do not share shifted epoch orders.
+* Epoch boundaries: the last `N % global_batch_size` sentences of each epoch's
+  permutation are dropped (a different set every epoch); batches never wrap across
+  epochs. Hence no global batch holds the same sentence twice, which would make it
+  its own in-batch negative in the contrastive loss. `steps_per_epoch = N // B` and
+  `epoch_of(step) = step // steps_per_epoch`.
+* Host sharding: every host computes the same global batch of indices and keeps rows
+  `[process_index * per_host, (process_index + 1) * per_host)`, so concatenating the
+  hosts' batches in process order gives the global batch row for row.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator, Mapping, Sequence
+
+import grain
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from micse_jax.data.corpus import CorpusError, read_corpus, select_subset
+from micse_jax.tokenization import Tokenizer
+
+TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+DEFAULT_MAX_LENGTH = 32
+
+
+def tokenize_corpus(sentences: Sequence[str], tokenizer: Tokenizer, max_length: int = DEFAULT_MAX_LENGTH,
+                    chunk_size: int = 8192, show_progress: bool = True) -> dict[str, np.ndarray]:
+  """Tokenizes all sentences once, right-padded (and truncated) to `max_length`.
+
+  Args:
+    sentences: the corpus.
+    tokenizer: a `micse_jax.tokenization.Tokenizer`.
+    max_length: fixed sequence length, including special tokens.
+    chunk_size: sentences per call of the HF tokenizer.
+    show_progress: show a tqdm progress bar.
+
+  Returns:
+    The token-batch dict of int32 arrays `[len(sentences), max_length]`.
+  """
+  if max_length <= 0:
+    raise ValueError(f"max_length must be positive, got {max_length}")
+  n = len(sentences)
+  out = {k: np.empty((n, max_length), dtype=np.int32) for k in TOKEN_KEYS}
+  with tqdm(total=n, desc="tokenizing", unit="sent", disable=not show_progress) as bar:
+    for start in range(0, n, chunk_size):
+      chunk = sentences[start:start + chunk_size]
+      enc = tokenizer(chunk, max_length, pad_to=max_length)
+      for k in TOKEN_KEYS:
+        out[k][start:start + len(chunk)] = enc[k]
+      bar.update(len(chunk))
+  return out
+
+
+def _derive_seed(seed: int) -> int:
+  """A well-mixed 32-bit shuffle seed from a non-negative user seed."""
+  if seed < 0:
+    raise ValueError(f"seed must be non-negative, got {seed}")
+  return int(np.random.SeedSequence(int(seed)).generate_state(1, dtype=np.uint32)[0])
+
+
+def _validate_tokens(tokens: Mapping[str, np.ndarray]) -> int:
+  """Checks the token dict has the three `[N, L]` arrays; returns N."""
+  missing = [k for k in TOKEN_KEYS if k not in tokens]
+  if missing:
+    raise ValueError(f"tokens is missing keys {missing}; expected {list(TOKEN_KEYS)}")
+  shapes = {k: np.shape(tokens[k]) for k in TOKEN_KEYS}
+  first = shapes[TOKEN_KEYS[0]]
+  if len(first) != 2 or any(s != first for s in shapes.values()):
+    raise ValueError(f"token arrays must all have the same shape [N, length], got {shapes}")
+  return first[0]
+
+
+class TrainBatches:
+  """Infinite, step-indexed training batches; `batch(step)` is a pure function of step.
+
+  See the module docstring for the shuffle / epoch / sharding semantics.
+  """
+
+  def __init__(self, tokens: Mapping[str, np.ndarray], global_batch_size: int, seed: int,
+               process_index: int = 0, process_count: int = 1):
+    """Builds the grain schedule.
+
+    Args:
+      tokens: dict of int32 arrays `[N, length]` (`TOKEN_KEYS`).
+      global_batch_size: sentences per step summed over all hosts.
+      seed: non-negative shuffle seed.
+      process_index: this host's index in `[0, process_count)`.
+      process_count: number of hosts; must divide `global_batch_size`.
+
+    Raises:
+      ValueError: inconsistent arguments or fewer than `global_batch_size` sentences.
+    """
+    self._num_sentences = _validate_tokens(tokens)
+    self.tokens = {k: np.asarray(tokens[k], dtype=np.int32) for k in TOKEN_KEYS}
+    self._check_sizes(global_batch_size, process_index, process_count)
+    self.global_batch_size = int(global_batch_size)
+    self.process_index = int(process_index)
+    self.process_count = int(process_count)
+    self.per_host_batch_size = self.global_batch_size // self.process_count
+    self.seed = int(seed)
+    self._indices = (grain.MapDataset.range(self._num_sentences)
+                     .shuffle(seed=_derive_seed(self.seed))
+                     .batch(self.global_batch_size, drop_remainder=True)
+                     .repeat())
+    lo = self.process_index * self.per_host_batch_size
+    hi = lo + self.per_host_batch_size
+    self._batches = self._indices.map(lambda idx: idx[lo:hi]).map(self._gather)
+
+  def _check_sizes(self, global_batch_size: int, process_index: int, process_count: int):
+    """Validates batch size, host layout and corpus size."""
+    if global_batch_size <= 0:
+      raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    if process_count <= 0 or not 0 <= process_index < process_count:
+      raise ValueError(f"need 0 <= process_index < process_count, got {process_index}, {process_count}")
+    if global_batch_size % process_count:
+      raise ValueError(f"global_batch_size {global_batch_size} is not divisible by "
+                       f"process_count {process_count}")
+    if self._num_sentences < global_batch_size:
+      raise ValueError(f"{self._num_sentences} sentences are fewer than one global batch "
+                       f"({global_batch_size})")
+
+  def _gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    """Token rows for corpus `indices`."""
+    return {k: v[indices] for k, v in self.tokens.items()}
+
+  @property
+  def num_sentences(self) -> int:
+    """Sentences in the (sub)corpus."""
+    return self._num_sentences
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """Full global batches per epoch (the remainder is dropped)."""
+    return self._num_sentences // self.global_batch_size
+
+  def epoch_of(self, step: int) -> int:
+    """The epoch that `step` belongs to."""
+    return self._check_step(step) // self.steps_per_epoch
+
+  def _check_step(self, step: int) -> int:
+    """Returns `step` as int after checking it is a valid non-negative index."""
+    step = int(step)
+    if not 0 <= step < sys.maxsize:
+      raise ValueError(f"step must be a non-negative integer, got {step}")
+    return step
+
+  def global_indices(self, step: int) -> np.ndarray:
+    """Corpus indices of the whole global batch of `step` (all hosts), int64 `[B]`."""
+    return np.asarray(self._indices[self._check_step(step)], dtype=np.int64)
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """This host's rows of the global batch of `step`: int32 arrays `[per_host, length]`."""
+    return self._batches[self._check_step(step)]
+
+  def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Yields `batch(start_step)`, `batch(start_step + 1)`, ... forever."""
+    step = self._check_step(start_step)
+    while True:
+      yield self.batch(step)
+      step += 1
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    """Iterates from step 0."""
+    return self.iterate(0)
+
+
+def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
+                        global_batch_size: int, seed: int, num_sentences: int | None = None,
+                        subset_seed: int = 0, process_index: int | None = None,
+                        process_count: int | None = None, show_progress: bool = True) -> TrainBatches:
+  """Reads, subsets and tokenizes a corpus file into `TrainBatches`.
+
+  Args:
+    corpus_path: UTF-8 text file, one sentence per line.
+    tokenizer: a `micse_jax.tokenization.Tokenizer`.
+    max_length: fixed padded sequence length.
+    global_batch_size: sentences per step over all hosts.
+    seed: shuffle seed of the batch schedule.
+    num_sentences: few-shot subset size (`None` or <= 0: the whole corpus).
+    subset_seed: seed of the few-shot subset.
+    process_index: this host; defaults to `jax.process_index()`.
+    process_count: number of hosts; defaults to `jax.process_count()`.
+    show_progress: show a tqdm bar while tokenizing.
+
+  Returns:
+    The batch source for this host.
+
+  Raises:
+    CorpusError: bad corpus file, subset larger than the corpus, or fewer sentences
+      than one global batch.
+  """
+  corpus_path = os.fspath(corpus_path)
+  sentences = read_corpus(corpus_path)
+  try:
+    sentences = select_subset(sentences, num_sentences, subset_seed)
+  except CorpusError as e:
+    raise CorpusError(f"{corpus_path}: {e}") from e
+  if len(sentences) < global_batch_size:
+    raise CorpusError(f"corpus {corpus_path} gives {len(sentences)} training sentences, "
+                      f"fewer than one global batch of {global_batch_size}")
+  tokens = tokenize_corpus(sentences, tokenizer, max_length, show_progress=show_progress)
+  if process_index is None:
+    process_index = jax.process_index()
+  if process_count is None:
+    process_count = jax.process_count()
+  return TrainBatches(tokens, global_batch_size, seed, process_index, process_count)

