@@ -99,8 +99,13 @@ def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
   return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
 
 
-def state_dict_to_params(state: dict[str, np.ndarray], reference: dict, source: str) -> dict:
-  """Maps a HF state dict onto the Flax tree `reference` (shapes checked, optional heads kept)."""
+def state_dict_to_params(state: dict[str, np.ndarray], reference: dict, source: str,
+                         initializer=None) -> dict:
+  """Maps a HF state dict onto the Flax tree `reference` (arrays or shapes).
+
+  Shapes are checked; optional heads missing from the checkpoint come from `initializer()`
+  (random init), or from `reference` itself when it holds arrays.
+  """
   expected = dict(weights.flatten(reference))
   loaded: dict[str, np.ndarray] = {}
   for hf_name, value in state.items():
@@ -124,7 +129,9 @@ def state_dict_to_params(state: dict[str, np.ndarray], reference: dict, source: 
     raise ModelLoadError(f"{source} lacks {len(required)} weights the config needs, e.g. {required[0]}")
   if missing:
     logging.warning("%s has no %s; initialised randomly", source, sorted({p.split('/')[0] for p in missing}))
-  flat = {p: jnp.asarray(loaded.get(p, expected[p]), dtype=jnp.float32) for p in expected}
+    if initializer is not None:
+      expected = dict(weights.flatten(initializer()))
+  flat = {p: jnp.asarray(loaded[p] if p in loaded else expected[p], dtype=jnp.float32) for p in expected}
   return weights.unflatten(flat)
 
 
@@ -136,12 +143,21 @@ def load_pretrained(path_or_name: str, *, sow_attention_layers: tuple[int, ...] 
   state = load_hf_state_dict(model_dir)
   model = BertModel(config, sow_attention_layers=tuple(sow_attention_layers),
                     add_mlm_head=add_mlm_head, dtype=dtype)
-  reference = init_params(model, seed)
-  params = state_dict_to_params(state, reference, source=model_dir)
+  params = state_dict_to_params(state, param_shapes(model), source=model_dir,
+                                initializer=lambda: init_params(model, seed))
   return model, params, config, model_dir
+
+
+def _init(model: BertModel, key):
+  dummy = jnp.zeros((1, 2), jnp.int32)
+  return model.init(key, dummy, jnp.ones_like(dummy))["params"]
+
+
+def param_shapes(model: BertModel) -> dict:
+  """The parameter tree as ShapeDtypeStructs (nothing computed)."""
+  return jax.eval_shape(lambda: _init(model, jax.random.PRNGKey(0)))
 
 
 def init_params(model: BertModel, seed: int = 0) -> dict:
   """Randomly initialised parameters (HF init: normal(0.02) kernels, zero biases)."""
-  dummy = jnp.zeros((1, 2), jnp.int32)
-  return jax.jit(lambda k: model.init(k, dummy, jnp.ones_like(dummy)))(jax.random.PRNGKey(seed))["params"]
+  return jax.jit(lambda k: _init(model, k))(jax.random.PRNGKey(seed))

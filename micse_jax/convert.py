@@ -1,0 +1,147 @@
+"""Export a trained encoder as a Hugging Face / sentence-transformers directory.
+
+    python -m micse_jax.convert --workdir DIR [--step N | --best] --output HF_DIR [--mlp_as_pooler]
+    python -m micse_jax.convert --model HF_DIR_OR_HUB_NAME --output HF_DIR
+
+Add `--overwrite` to replace an existing non-empty output directory.
+
+`--workdir` reads a training run's Orbax checkpoint (the latest one unless `--step`/`--best`);
+`--model` re-exports a plain Hugging Face checkpoint. See `micse_jax.export` for what the
+output holds. Bad input gives one `error:` line on stderr, exit status 1, and writes nothing.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defined only when run as a program, so importing `convert` never clashes with other CLIs."""
+  flags.DEFINE_string("workdir", None, "Training workdir to export from.")
+  flags.DEFINE_string("model", None,
+                      "Hugging Face directory or hub name to export from (instead of --workdir).")
+  flags.DEFINE_integer("step", None, "Export the checkpoint of this step (default: the latest).")
+  flags.DEFINE_boolean("best", False, "Export the best (STS-B dev) checkpoint.")
+  flags.DEFINE_string("output", None, "Output directory for the Hugging Face export.")
+  flags.DEFINE_boolean("mlp_as_pooler", False, "Put the trained MLP head into BERT's pooler slot.")
+  flags.DEFINE_boolean("overwrite", False, "Replace an existing non-empty output directory.")
+  flags.DEFINE_integer("max_seq_length", None, "sentence-transformers max_seq_length (default 128).")
+
+
+class ConvertError(ValueError):
+  """The command line or its inputs do not allow an export."""
+
+
+def checkpoint_choice(step: int | None, best: bool) -> str | int:
+  """'latest', 'best' or a step number, from `--step` / `--best`."""
+  if step is not None and best:
+    raise ConvertError("--step and --best are mutually exclusive")
+  if step is not None and step < 0:
+    raise ConvertError(f"--step must be >= 0, got {step}")
+  return step if step is not None else ("best" if best else "latest")
+
+
+def check_args(*, output: str | None, workdir: str | None, model: str | None, step: int | None,
+               best: bool, mlp_as_pooler: bool) -> str | int | None:
+  """Validates the flag combination; returns the checkpoint choice for `--workdir`."""
+  if not output:
+    raise ConvertError("--output is required")
+  if (workdir is None) == (model is None):
+    raise ConvertError("give exactly one of --workdir or --model")
+  if model is not None:
+    if step is not None or best:
+      raise ConvertError("--step/--best select a workdir checkpoint; they do not apply to --model")
+    if mlp_as_pooler:
+      raise ConvertError("--mlp_as_pooler needs a trained MLP head, which only a --workdir has")
+    return None
+  return checkpoint_choice(step, best)
+
+
+def restore_workdir(workdir: str, which: str | int) -> dict:
+  """`micse_jax.training.checkpoint.restore_for_export`, its failures as one-line errors."""
+  if not os.path.isdir(workdir):
+    raise ConvertError(f"workdir does not exist: {workdir}")
+  checkpoint = importlib.import_module("micse_jax.training.checkpoint")
+  try:
+    return checkpoint.restore_for_export(workdir, which)
+  except Exception as e:  # Orbax and file errors alike: report, do not dump a traceback
+    raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {_one_line(e)}") from e
+
+
+def load_model_dir(path_or_name: str) -> dict:
+  """A plain HF checkpoint in the shape `restore_for_export` returns.
+
+  A checkpoint without pooler weights (e.g. a `BertForMaskedLM`) loads with a random pooler;
+  that one is dropped so the export gets the documented all-zero pooler instead.
+  """
+  from micse_jax.models.loading import load_pretrained  # pylint: disable=import-outside-toplevel
+  _, params, config, model_dir = load_pretrained(path_or_name)
+  if not _has_pooler_weights(model_dir):
+    params = {k: v for k, v in params.items() if k != "pooler"}
+  return {"bert_config": config, "encoder_params": params, "head_params": None, "tokenizer_dir": model_dir}
+
+
+def _has_pooler_weights(model_dir: str) -> bool:
+  """Whether the checkpoint in `model_dir` stores pooler weights (safetensors: names only)."""
+  from micse_jax.models import loading, weights  # pylint: disable=import-outside-toplevel
+  st_path = os.path.join(model_dir, "model.safetensors")
+  if os.path.isfile(st_path):
+    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    with safe_open(st_path, framework="numpy") as f:
+      names = list(f.keys())
+  else:
+    names = list(loading.load_hf_state_dict(model_dir))
+  return any(weights.normalize_hf_name(n).startswith("pooler.") for n in names)
+
+
+def convert(*, output: str, workdir: str | None = None, model: str | None = None, step: int | None = None,
+            best: bool = False, mlp_as_pooler: bool = False, overwrite: bool = False,
+            max_seq_length: int | None = None) -> str:
+  """Checks everything cheap first, then restores/loads and exports; returns the output path."""
+  from micse_jax import export  # pylint: disable=import-outside-toplevel
+  which = check_args(output=output, workdir=workdir, model=model, step=step, best=best,
+                     mlp_as_pooler=mlp_as_pooler)
+  output = os.path.abspath(os.path.expanduser(output))
+  export.check_output(output, overwrite)
+  source = load_model_dir(model) if model is not None else restore_workdir(workdir, which)
+  return export.export_hf(
+      output, bert_config=source["bert_config"], encoder_params=source["encoder_params"],
+      tokenizer_dir=source["tokenizer_dir"], head_params=source.get("head_params"),
+      mlp_as_pooler=mlp_as_pooler, overwrite=overwrite, max_seq_length=max_seq_length)
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0] if text else type(e).__name__
+
+
+def main(argv):
+  if len(argv) > 1:
+    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not FLAGS["verbosity"].present:  # keep stderr to warnings and the one error line
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  from micse_jax.export import ExportError  # pylint: disable=import-outside-toplevel
+  from micse_jax.models.loading import ModelLoadError  # pylint: disable=import-outside-toplevel
+  try:
+    out = convert(output=FLAGS.output, workdir=FLAGS.workdir, model=FLAGS.model, step=FLAGS.step,
+                  best=FLAGS.best, mlp_as_pooler=FLAGS.mlp_as_pooler, overwrite=FLAGS.overwrite,
+                  max_seq_length=FLAGS.max_seq_length)
+  except (ConvertError, ExportError, ModelLoadError, NotImplementedError, OSError) as e:
+    _fail(_one_line(e))
+  print(f"exported to {out}")
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

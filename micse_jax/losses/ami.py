@@ -1,0 +1,271 @@
+"""Attention mutual information, AMI (miCSE Sec. 2.2, Alg. 1, Eq. 3-5).
+
+miCSE aligns the attention patterns of the two dropout views of a sentence. The
+attention probabilities of a *slice* (a group of heads of one layer by default)
+are treated as samples of a log-normal variable: their logs are modelled as
+jointly Gaussian across the two views, so the mutual information of the views
+is a function of the Pearson correlation rho of the log-values alone,
+
+    I(X; Y) = -1/2 log(1 - rho^2)                                  (Eq. 4),
+
+estimated per (sentence, slice) from `num_samples` cells drawn uniformly
+without replacement, with the same draw for both views (Alg. 1). The training
+loss adds -lambda * mean I to InfoNCE (Eq. 5), so minimizing it maximizes the
+agreement of the two views' attention.
+
+Everything below has static shapes and is jit-able. The biggest arrays are of
+the size of the attention tensors themselves (the sliced copies, the validity
+mask and the Gumbel noise); the samples are `[B, S, m]`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Sums of squared log-deviations at or below this count as a constant view
+# (undefined rho); float32 rounding of a constant slice stays far below it.
+_MIN_VAR = 1e-10
+
+
+class AMIResult(NamedTuple):
+  """Per-(sentence, slice) output of `attention_mutual_information`.
+
+  Attributes:
+    mi: `[B, S]` Gaussian mutual information -1/2 log(1 - rho^2) (Eq. 4).
+    rho: `[B, S]` weighted Pearson correlation of the two views' log-values.
+    weight: `[B, S]` 1.0 where the pair had at least `min_valid` valid samples
+      and non-constant log-values in both views, else 0.0; means over pairs
+      use it.
+    num_valid: `[B, S]` number of valid cells among the samples.
+    indices: `[B, S, m]` sampled flat cell indices (the same for both views).
+    sample_weight: `[B, S, m]` 1.0 for samples that landed on a valid cell.
+  """
+  mi: jax.Array
+  rho: jax.Array
+  weight: jax.Array
+  num_valid: jax.Array
+  indices: jax.Array
+  sample_weight: jax.Array
+
+
+def slice_attention(att: jax.Array, heads_per_slice: int = 2,
+                    pool_layers: bool = False) -> jax.Array:
+  """Regroups `[L, B, H, T, T]` attention into `[B, S, C]` slices of cells.
+
+  Default: slice = (layer, group of `heads_per_slice` adjacent heads), so
+  S = L * H / heads_per_slice and C = heads_per_slice * T * T. With
+  `pool_layers=True` the chosen layers of a head group share one slice:
+  S = H / heads_per_slice and C = L * heads_per_slice * T * T.
+  """
+  num_layers, batch, heads, t_q, t_k = att.shape
+  if heads % heads_per_slice:
+    raise ValueError(f'{heads} heads cannot be grouped by heads_per_slice={heads_per_slice}')
+  groups = heads // heads_per_slice
+  att = att.reshape(num_layers, batch, groups, heads_per_slice, t_q, t_k)
+  if pool_layers:
+    att = jnp.transpose(att, (1, 2, 0, 3, 4, 5))  # [B, G, L, h, T, T]
+    return att.reshape(batch, groups, num_layers * heads_per_slice * t_q * t_k)
+  att = jnp.transpose(att, (1, 0, 2, 3, 4, 5))  # [B, L, G, h, T, T]
+  return att.reshape(batch, num_layers * groups, heads_per_slice * t_q * t_k)
+
+
+def fold_layer_parity(att: jax.Array) -> jax.Array:
+  """`[L, B, H, T, T]` -> `[L/2, B, 2H, T, T]`; new head m*H + k is layer 2j+m, head k.
+
+  `slice_attention(fold_layer_parity(att), heads_per_slice=1, pool_layers=True)`
+  reproduces the slicing of the official miCSE code: one slice per (head, layer
+  parity), pooling the layers of equal parity among the chosen ones.
+  """
+  num_layers, batch, heads, t_q, t_k = att.shape
+  if num_layers % 2:
+    raise ValueError(f'fold_layer_parity needs an even number of layers, got {num_layers}')
+  att = att.reshape(num_layers // 2, 2, batch, heads, t_q, t_k)
+  att = jnp.transpose(att, (0, 2, 1, 3, 4, 5))
+  return att.reshape(num_layers // 2, batch, 2 * heads, t_q, t_k)
+
+
+def cell_validity(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, *,
+                  heads_per_slice: int = 2, pool_layers: bool = False,
+                  require_positive: bool = True) -> jax.Array:
+  """`[B, S, C]` bool: query and key are real tokens (and both views > 0 if asked).
+
+  Args:
+    att1: `[L, B, H, T, T]` first-view attention probabilities.
+    att2: the same for the second view.
+    attention_mask: `[B, T]`, 1 for real tokens.
+    heads_per_slice: see `slice_attention`.
+    pool_layers: see `slice_attention`.
+    require_positive: also drop cells that are 0 in either view (attention
+      dropout zeros, whose log is -inf).
+  """
+  tokens = attention_mask.astype(bool)
+  pairs = tokens[:, :, None] & tokens[:, None, :]  # [B, Tq, Tk]
+  valid = jnp.broadcast_to(pairs[None, :, None], att1.shape)
+  if require_positive:
+    valid = valid & (att1 > 0) & (att2 > 0)
+  return slice_attention(valid, heads_per_slice, pool_layers)
+
+
+def sample_cells(valid: jax.Array, rng: jax.Array,
+                 num_samples: int) -> tuple[jax.Array, jax.Array]:
+  """Uniform sampling without replacement among valid cells (Alg. 1, sampling step).
+
+  Gumbel-top-k: with equal logits on the valid cells and -inf elsewhere, the k
+  largest perturbed scores form a uniform random k-subset of the valid cells.
+  When fewer than k cells are valid, the surplus picks carry weight 0.
+
+  Args:
+    valid: `[..., C]` bool.
+    rng: PRNG key.
+    num_samples: k; capped at C.
+
+  Returns:
+    (indices `[..., k]` int32, weights `[..., k]` float32 in {0, 1}).
+  """
+  k = min(num_samples, valid.shape[-1])
+  noise = jax.random.gumbel(rng, valid.shape, jnp.float32)
+  scores = jnp.where(valid, noise, -jnp.inf)
+  top, indices = jax.lax.top_k(scores, k)
+  return indices, jnp.isfinite(top).astype(jnp.float32)
+
+
+def _safe_log(x: jax.Array, sample_weight: jax.Array, eps: float) -> jax.Array:
+  """log(max(x, eps)) on weighted samples, 0 elsewhere; finite values and gradients.
+
+  Zero-weight slots are replaced by 1 *before* the log, so whatever they hold
+  (0, or even NaN) reaches neither the value nor the gradient.
+  """
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  keep = sample_weight > 0
+  logs = jnp.log(jnp.maximum(jnp.where(keep, x, 1.0), eps))
+  return jnp.where(keep, logs, 0.0)
+
+
+def weighted_pearson(u: jax.Array, v: jax.Array,
+                     w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Weighted Pearson correlation over the last axis (the rho of Eq. 4).
+
+  rho = sum w du dv / sqrt(sum w du^2 * sum w dv^2), du = u - (sum w u / sum w).
+
+  Returns:
+    (rho, defined): `defined` is False where a view has (numerically) zero
+    weighted variance: no weight, or constant values. rho is 0 there, and the
+    variances are swapped for 1 before the rsqrt so that no inf/NaN appears in
+    the gradient either.
+  """
+  total = jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1e-12)
+  du = u - jnp.sum(w * u, axis=-1, keepdims=True) / total
+  dv = v - jnp.sum(w * v, axis=-1, keepdims=True) / total
+  cov = jnp.sum(w * du * dv, axis=-1)
+  var_u = jnp.sum(w * du * du, axis=-1)
+  var_v = jnp.sum(w * dv * dv, axis=-1)
+  defined = (var_u > _MIN_VAR) & (var_v > _MIN_VAR)
+  safe_u = jnp.where(defined, var_u, 1.0)
+  safe_v = jnp.where(defined, var_v, 1.0)
+  rho = cov * jax.lax.rsqrt(safe_u) * jax.lax.rsqrt(safe_v)
+  return jnp.where(defined, jnp.clip(rho, -1.0, 1.0), 0.0), defined
+
+
+def gaussian_mi(rho: jax.Array, rho2_eps: float = 1e-4) -> jax.Array:
+  """I = -1/2 log(1 - rho^2) (Eq. 4), with rho^2 clamped to <= 1 - rho2_eps."""
+  return -0.5 * jnp.log1p(-jnp.minimum(jnp.square(rho), 1.0 - rho2_eps))
+
+
+def mi_from_samples(x1: jax.Array, x2: jax.Array, sample_weight: jax.Array, *,
+                    log_eps: float = 1e-12, rho2_eps: float = 1e-4,
+                    min_valid: int = 3) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Deterministic core of AMI on already sampled attention values (Eq. 3-4).
+
+  Args:
+    x1: `[..., m]` sampled probabilities of view 1.
+    x2: `[..., m]` the same cells in view 2.
+    sample_weight: `[..., m]` 1.0 for valid samples, 0.0 for padding picks.
+    log_eps: values below it are clamped before the log.
+    rho2_eps: rho^2 is clamped to <= 1 - rho2_eps.
+    min_valid: pairs with fewer valid samples get weight 0 (as do pairs where
+      a view is constant, whose rho is undefined).
+
+  Returns:
+    (mi, rho, pair_weight, num_valid), each `[...]`.
+  """
+  w = sample_weight.astype(jnp.float32)
+  u = _safe_log(x1, w, log_eps)
+  v = _safe_log(x2, w, log_eps)
+  rho, defined = weighted_pearson(u, v, w)
+  num_valid = jnp.sum(w, axis=-1)
+  pair_weight = ((num_valid >= min_valid) & defined).astype(jnp.float32)
+  rho = rho * pair_weight
+  return gaussian_mi(rho, rho2_eps), rho, pair_weight, num_valid
+
+
+def attention_mutual_information(att1: jax.Array, att2: jax.Array,
+                                 attention_mask: jax.Array, rng: jax.Array, *,
+                                 num_samples: int = 150, heads_per_slice: int = 2,
+                                 pool_layers: bool = False, require_positive: bool = True,
+                                 log_eps: float = 1e-12, rho2_eps: float = 1e-4,
+                                 min_valid: int = 3) -> AMIResult:
+  """Per-(sentence, slice) AMI between two views' attention (Alg. 1, Eq. 3-4).
+
+  Args:
+    att1: `[L, B, H, T, T]` post-softmax, post-dropout attention of view 1.
+    att2: the same for view 2 (same sentences, another dropout mask).
+    attention_mask: `[B, T]`, 1 for real tokens.
+    rng: PRNG key for the cell sampling.
+    num_samples: cells sampled per (sentence, slice), capped at the slice size.
+    heads_per_slice: adjacent heads pooled into one slice.
+    pool_layers: pool all given layers of a head group into one slice.
+    require_positive: only sample cells that are > 0 in both views.
+    log_eps: clamp before the log (matters when require_positive is False).
+    rho2_eps: rho^2 is clamped to <= 1 - rho2_eps, capping the MI.
+    min_valid: (sentence, slice) pairs with fewer valid samples get weight 0.
+
+  Returns:
+    An `AMIResult` of `[B, S]` arrays (and the `[B, S, m]` samples).
+  """
+  valid = cell_validity(att1, att2, attention_mask, heads_per_slice=heads_per_slice,
+                        pool_layers=pool_layers, require_positive=require_positive)
+  indices, sample_weight = sample_cells(valid, rng, num_samples)
+  x1 = jnp.take_along_axis(slice_attention(att1, heads_per_slice, pool_layers), indices, -1)
+  x2 = jnp.take_along_axis(slice_attention(att2, heads_per_slice, pool_layers), indices, -1)
+  mi, rho, weight, num_valid = mi_from_samples(
+      x1, x2, sample_weight, log_eps=log_eps, rho2_eps=rho2_eps, min_valid=min_valid)
+  return AMIResult(mi, rho, weight, num_valid, indices, sample_weight)
+
+
+def _weighted_mean(x: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: jax.Array, *,
+             weight: float = 2.5e-3, num_samples: int = 150, heads_per_slice: int = 2,
+             pool_layers: bool = False, require_positive: bool = True,
+             log_eps: float = 1e-12, rho2_eps: float = 1e-4,
+             min_valid: int = 3) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """AMI term of the miCSE objective (Eq. 5): loss = -weight * mean MI.
+
+  The mean runs over (sentence, slice) pairs with at least `min_valid` valid
+  samples (0 when there are none). Arguments as in
+  `attention_mutual_information`; `weight` is lambda of Eq. 5.
+
+  Returns:
+    (loss, metrics) with metrics `ami` (the loss), `ami_mi` (mean MI), `ami_rho`
+    (mean rho), `ami_pairs` (fraction of pairs that counted) and `ami_samples`
+    (mean valid samples per counted pair).
+  """
+  res = attention_mutual_information(
+      att1, att2, attention_mask, rng, num_samples=num_samples,
+      heads_per_slice=heads_per_slice, pool_layers=pool_layers,
+      require_positive=require_positive, log_eps=log_eps, rho2_eps=rho2_eps,
+      min_valid=min_valid)
+  mean_mi = _weighted_mean(res.mi, res.weight)
+  loss = -weight * mean_mi
+  metrics = {
+      'ami': loss,
+      'ami_mi': mean_mi,
+      'ami_rho': _weighted_mean(res.rho, res.weight),
+      'ami_pairs': jnp.mean(res.weight),
+      'ami_samples': _weighted_mean(res.num_valid, res.weight),
+  }
+  return loss, metrics

@@ -1,0 +1,42 @@
+"""Data parallelism: one `Mesh` axis over every device of every host; batch split, state replicated."""
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA_AXIS = "data"
+
+
+def maybe_initialize_distributed() -> None:
+  """Multi-host: `jax.distributed.initialize()` when a cluster launcher set the environment.
+
+  Recognised: JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID), SLURM, TPU pods
+  (auto-detected by JAX itself when JAX_DISTRIBUTED=1).
+  """
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]))
+  elif os.environ.get("JAX_DISTRIBUTED") == "1" or "SLURM_NTASKS" in os.environ and int(
+      os.environ.get("SLURM_NTASKS", "1")) > 1:
+    jax.distributed.initialize()
+
+
+def data_mesh(devices=None) -> Mesh:
+  return Mesh(np.asarray(jax.devices() if devices is None else devices), (DATA_AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assembles each host's rows into one global, batch-sharded array per key."""
+  sharding = batch_sharded(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}

@@ -1,0 +1,28 @@
+"""The one explicit train-state pytree."""
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array          # int32 scalar: optimizer steps taken == data position
+  params: Any              # {'encoder': BERT params, 'head': MLP params}
+  ema_params: Any          # momentum-encoder BERT params ({} when momentum is off)
+  opt_state: Any
+  queue: jax.Array         # [Q, D] normalised momentum embeddings (Q = 0 when off)
+  queue_valid: jax.Array   # [Q] bool: slot has been written
+  queue_ptr: jax.Array     # int32 scalar: next slot to write
+  rng: jax.Array           # uint32[2] base key; each step folds in `step`
+
+
+def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int) -> TrainState:
+  from micse_jax.training.queue import empty_queue  # pylint: disable=import-outside-toplevel
+  queue, valid, ptr = empty_queue(queue_size if momentum else 0, dim)
+  return TrainState(
+      step=jnp.zeros((), jnp.int32), params=params,
+      ema_params=jax.tree.map(jnp.copy, params["encoder"]) if momentum else {},
+      opt_state=tx.init(params), queue=queue, queue_valid=valid, queue_ptr=ptr,
+      rng=jax.random.PRNGKey(seed))

@@ -1,0 +1,212 @@
+"""The training loop: data → jitted step over the device mesh → logs, dev selection, checkpoints."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from micse_jax.data.pipeline import build_train_batches
+from micse_jax.encoder import SentenceEncoder
+from micse_jax.models.bert import BertModel
+from micse_jax.models.heads import MLPHead
+from micse_jax.models.loading import load_pretrained
+from micse_jax.tokenization import Tokenizer
+from micse_jax.training import checkpoint, mesh as mesh_lib
+from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.state import TrainState, create_train_state
+from micse_jax.training.step import build_networks, make_train_step
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN/inf; the last saved checkpoint is the last good state."""
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything a run needs, built (and validated) before anything is written to the workdir."""
+  config: object
+  bert_config: object
+  model_dir: str
+  tokenizer: Tokenizer
+  batches: object
+  nets: object
+  initial_params: dict
+
+
+def prepare(config) -> Run:
+  """Loads the model and corpus; raises ModelLoadError / CorpusError / ValueError on bad input."""
+  if config.batch_size % jax.device_count():
+    raise ValueError(f"batch_size {config.batch_size} is not divisible by {jax.device_count()} devices")
+  if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
+    raise ValueError(f"momentum.queue_size {config.momentum.queue_size} must be >= batch_size {config.batch_size}")
+  _, encoder_params, bert_config, model_dir = load_pretrained(config.model.name_or_path)
+  tokenizer = Tokenizer.from_pretrained(model_dir)
+  batches = build_train_batches(
+      config.data.corpus, tokenizer, max_length=config.model.max_length,
+      global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
+      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0)
+  nets = build_networks(config, bert_config)
+  head = MLPHead(bert_config.hidden_size, bert_config.initializer_range)
+  head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, bert_config.hidden_size)))["params"]
+  return Run(config, bert_config, model_dir, tokenizer, batches, nets,
+             {"encoder": encoder_params, "head": head_params})
+
+
+def initial_state(run: Run, tx) -> TrainState:
+  c = run.config
+  return create_train_state(run.initial_params, tx, seed=c.seed, momentum=c.momentum.enabled,
+                            queue_size=c.momentum.queue_size, dim=run.bert_config.hidden_size)
+
+
+def jit_train_step(run: Run, tx, mesh, state_sharding):
+  step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config))
+  return jax.jit(step_fn, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
+                 out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
+
+
+def _check_finite(metrics: dict, step: int) -> dict:
+  host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  if not math.isfinite(host["loss"]):
+    raise NonFiniteLossError(f"non-finite loss {host['loss']} at step {step}; stopped, "
+                             "the last saved checkpoint is intact (lower optim.learning_rate?)")
+  return host
+
+
+class DevSelector:
+  """Scores STS-B dev (and optionally SICK-R dev) with [CLS] before the MLP; keeps the best."""
+
+  def __init__(self, run: Run, workdir: str):
+    from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
+    self.dir = run.config.eval.senteval_dir
+    self.enabled = run.config.eval_every > 0 and os.path.isdir(self.dir)
+    if run.config.eval_every > 0 and not self.enabled:
+      logging.warning("SentEval data not found at %s: no dev-set model selection", self.dir)
+    if self.enabled:
+      senteval_data.check_senteval_dir(self.dir)
+    self.run = run
+    self.encoder = SentenceEncoder(BertModel(run.bert_config, dtype=run.nets.online.dtype), None,
+                                   run.tokenizer, model_dir=run.model_dir)
+    self.manager = checkpoint.best_manager(workdir)
+    self.best = self._stored_best()
+
+  def _stored_best(self) -> float:
+    step = self.manager.best_step()
+    return float(self.manager.metrics(step)["stsb_dev"]) if step is not None else -math.inf
+
+  def encode_fn(self, params):
+    self.encoder.params, self.encoder.head_params = params["encoder"], params["head"]
+    return lambda s: self.encoder.encode(s, "cls_before_pooler", batch_size=self.run.config.eval.batch_size)
+
+  def __call__(self, state: TrainState) -> dict:
+    from micse_jax.evaluation import sts  # pylint: disable=import-outside-toplevel
+    encode = self.encode_fn(state.params)
+    scores = {"stsb_dev": sts.stsb_dev_spearman(encode, self.dir)}
+    if self.run.config.eval.sickr_dev:
+      scores["sickr_dev"] = sts.sickr_dev_spearman(encode, self.dir)
+    if scores["stsb_dev"] > self.best:
+      self.best = scores["stsb_dev"]
+      checkpoint.save_best(self.manager, int(state.step), state.params, self.best)
+    return scores
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Trains (resuming from `workdir` when it holds checkpoints); returns the final results."""
+  run = prepare(config)  # all input validation happens before the workdir is touched
+  mesh = mesh_lib.data_mesh()
+  tx = make_optimizer(config)
+  abstract_state = jax.eval_shape(lambda: initial_state(run, tx))
+  state_sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), abstract_state)
+  os.makedirs(workdir, exist_ok=True)
+  rolling = checkpoint.rolling_manager(workdir, config.keep_checkpoints)
+  if rolling.latest_step() is not None:
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            abstract_state, state_sharding)
+    state = checkpoint.restore_state(rolling, abstract)
+    logging.info("resumed from step %d", int(state.step))
+  else:
+    state = jax.device_put(initial_state(run, tx), state_sharding)
+  if jax.process_index() == 0:
+    checkpoint.write_run_config(workdir, {**config.to_dict(), "model_dir": run.model_dir,
+                                          "bert_config": run.bert_config.to_dict()})
+  train_step = jit_train_step(run, tx, mesh, state_sharding)
+  selector = DevSelector(run, workdir)
+  writer = _summary_writer(workdir)
+  try:
+    state = _loop(run, state, train_step, mesh, rolling, selector, writer)
+  finally:
+    rolling.wait_until_finished()
+    selector.manager.wait_until_finished()
+    if writer:
+      writer.close()
+  return final_evaluation(run, workdir, state, selector)
+
+
+def _loop(run: Run, state, train_step, mesh, rolling, selector, writer):
+  c = run.config
+  start = int(state.step)
+  bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
+             disable=jax.process_index() != 0, desc="train")
+  pending, tick = None, time.perf_counter()
+  for step in bar:
+    state, metrics = train_step(state, mesh_lib.global_batch(run.batches.batch(step), mesh))
+    if pending is not None:
+      _check_finite(pending, step - 1)  # one step behind: the device keeps working meanwhile
+    pending, done = metrics, step + 1
+    if done % c.log_every == 0 or done == c.num_train_steps:
+      host = _check_finite(metrics, done)
+      now = time.perf_counter()
+      host["steps_per_sec"] = c.log_every / max(now - tick, 1e-9)
+      tick = now
+      bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "ami_mi") if k in host})
+      _write_scalars(writer, done, host)
+    if selector.enabled and (done % c.eval_every == 0 or done == c.num_train_steps):
+      _check_finite(metrics, done)
+      scores = selector(state)
+      _write_scalars(writer, done, scores)
+      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
+    if done % c.checkpoint_every == 0 or done == c.num_train_steps:
+      _check_finite(metrics, done)
+      checkpoint.save_state(rolling, state)
+  return state
+
+
+def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> dict:
+  """Evaluates the best (else the last) params on `eval.final_tasks`; writes results.json."""
+  tasks = run.config.eval.final_tasks
+  if not tasks or not os.path.isdir(run.config.eval.senteval_dir):
+    return {}
+  from micse_jax.evaluate import run_evaluation  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import report  # pylint: disable=import-outside-toplevel
+  params, which = state.params, f"last step {int(state.step)}"
+  if selector.manager.all_steps():
+    best_step = selector.manager.best_step()
+    params = selector.manager.restore(best_step)["params"]
+    which = f"best STS-B dev (step {best_step}, {selector.best:.2f})"
+  results = run_evaluation(selector.encode_fn(params), run.config.eval.senteval_dir, tasks)
+  results.update(model=os.path.abspath(workdir), checkpoint=which, pooler="cls_before_pooler")
+  if jax.process_index() == 0:
+    report.write_json(os.path.join(workdir, "results.json"), results)
+    print(report.markdown_table(results))
+  return results
+
+
+def _summary_writer(workdir: str):
+  if jax.process_index() != 0:
+    return None
+  from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  return SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+
+def _write_scalars(writer, step: int, scalars: dict) -> None:
+  if writer is None:
+    return
+  for k, v in scalars.items():
+    writer.add_scalar(f"train/{k}" if "dev" not in k else f"eval/{k}", float(np.asarray(v)), step)
+  writer.flush()

@@ -1,0 +1,38 @@
+"""Run in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4: 2 steps on a
+4-device mesh vs the 1-device mesh on the same global batch; prints the max abs difference."""
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+
+
+def main(tmp, tokenizer_dir):
+  from micse_jax.training import mesh as mesh_lib, trainer
+  from micse_jax.training.optim import make_optimizer
+  from tests.train_utils import tiny_training_config
+  assert jax.device_count() == 4, jax.devices()
+  config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir)
+  run = trainer.prepare(config)
+  run.initial_params = jax.device_get(run.initial_params)  # host copy: each run donates its own
+  tx = make_optimizer(config)
+  finals = []
+  for devices in (jax.devices()[:1], jax.devices()):
+    mesh = mesh_lib.data_mesh(devices)
+    sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: trainer.initial_state(run, tx)))
+    state = jax.device_put(trainer.initial_state(run, tx), sharding)
+    step = trainer.jit_train_step(run, tx, mesh, sharding)
+    losses = []
+    for i in range(2):
+      state, metrics = step(state, mesh_lib.global_batch(run.batches.batch(i), mesh))
+      losses.append(float(metrics["loss"]))
+    finals.append((jax.device_get(state), losses))
+  (s1, l1), (s4, l4) = finals
+  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) if np.size(a) else 0.0, s1, s4))
+  print(json.dumps({"max_state_diff": max(diffs), "loss_1dev": l1, "loss_4dev": l4,
+                    "num_devices": len(jax.devices())}))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2])

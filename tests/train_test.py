@@ -1,0 +1,196 @@
+"""Trainer: queue/EMA/schedule formulas, one step per objective, 4 devices == 1 device,
+bit-identical resume, non-finite stop, bad input → one error line and nothing written."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from micse_jax.training import checkpoint, trainer
+from micse_jax.training.ema import ema_update
+from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.queue import empty_queue, enqueue
+from micse_jax.training.step import resolve_layers
+from tests.train_utils import tiny_training_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_enqueue_is_a_ring_buffer():
+  q, valid, ptr = empty_queue(5, 2)
+  ref = np.zeros((5, 2), np.float32)
+  ref_ptr, written = 0, set()
+  for n, batch in enumerate([np.full((3, 2), 1.0), np.full((3, 2), 2.0), np.full((4, 2), 3.0)]):
+    q, valid, ptr = enqueue(q, valid, ptr, jnp.asarray(batch, jnp.float32))
+    for row in batch:  # NumPy reference: write one by one at the pointer, wrap around
+      ref[ref_ptr] = row
+      written.add(ref_ptr)
+      ref_ptr = (ref_ptr + 1) % 5
+    np.testing.assert_array_equal(np.asarray(q), ref)
+    assert int(ptr) == ref_ptr
+    assert set(np.flatnonzero(np.asarray(valid))) == written
+
+
+def test_ema_update_formula():
+  online = {"w": jnp.array([1.0, 2.0]), "b": {"c": jnp.array(3.0)}}
+  target = {"w": jnp.array([0.0, 4.0]), "b": {"c": jnp.array(-1.0)}}
+  new = ema_update(online, target, 0.995)
+  np.testing.assert_allclose(new["w"], 0.995 * np.array([0.0, 4.0]) + 0.005 * np.array([1.0, 2.0]), rtol=1e-6)
+  np.testing.assert_allclose(new["b"]["c"], 0.995 * -1.0 + 0.005 * 3.0, rtol=1e-6)
+
+
+def test_linear_warmup_then_linear_decay():
+  import ml_collections
+  c = ml_collections.ConfigDict({"num_train_steps": 1000, "optim": {"warmup_steps": 250, "learning_rate": 3e-5}})
+  lr = learning_rate_schedule(c)
+  for step in (0, 100, 250, 400, 999, 1000):  # HF get_linear_schedule_with_warmup, by hand
+    expected = 3e-5 * (step / 250 if step < 250 else (1000 - step) / 750)
+    assert float(lr(step)) == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+def test_ami_layer_indices():
+  assert resolve_layers((-4, -3, -2, -1), 12) == (8, 9, 10, 11)
+  assert resolve_layers((7, 8, 9, 10), 12) == (7, 8, 9, 10)
+  with pytest.raises(ValueError):
+    resolve_layers((12,), 12)
+
+
+def _run_steps(config, n):
+  run = trainer.prepare(config)
+  tx = make_optimizer(config)
+  state = trainer.initial_state(run, tx)
+  init = jax.device_get(state)
+  step = jax.jit(trainer.make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
+  metrics = None
+  for i in range(n):
+    state, metrics = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(i).items()})
+  return init, jax.device_get(state), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("variant", ["simcse", "ami_simcse", "moco_simcse", "micse"])
+def test_one_step_of_each_objective(tmp_path, minilm_dir, variant):
+  config = tiny_training_config(tmp_path, minilm_dir, variant)
+  init, state, metrics = _run_steps(config, 2)  # step 0 has lr 0 (linear warm-up from 0, as HF)
+  assert np.isfinite(metrics["loss"]) and int(state.step) == 2
+  assert ("ami_mi" in metrics) == config.ami.enabled
+  if config.ami.enabled:  # L = L_C - λ·MI
+    assert metrics["loss"] == pytest.approx(metrics["infonce"] - config.ami.weight * metrics["ami_mi"], rel=1e-5)
+  else:
+    assert metrics["loss"] == pytest.approx(metrics["infonce"], rel=1e-6)
+  changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), init.params, state.params)
+  pooler = changed["encoder"].pop("pooler")  # BERT's NSP pooler is not used by the objective
+  assert all(jax.tree.leaves(changed)), "every used parameter (encoder and MLP head) is updated"
+  assert not any(jax.tree.leaves(pooler))
+  if config.momentum.enabled:  # the queue holds two batches of unit-norm momentum embeddings
+    assert int(state.queue_ptr) == 16 % 12 and int(state.queue_valid.sum()) == 12
+    np.testing.assert_allclose(np.linalg.norm(state.queue, axis=1), 1.0, rtol=1e-5)
+  else:
+    assert state.queue.shape[0] == 0 and state.ema_params == {}
+
+
+def test_momentum_encoder_is_ema_of_updated_online_encoder(tmp_path, minilm_dir):
+  config = tiny_training_config(tmp_path, minilm_dir, "moco_simcse")
+  config.optim.warmup_steps = 0
+  init, state, _ = _run_steps(config, 1)
+  expected = jax.tree.map(lambda t, o: 0.995 * np.asarray(t) + 0.005 * np.asarray(o),
+                          init.ema_params, state.params["encoder"])
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), init.ema_params, state.ema_params))
+  assert any(moved)
+  for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(state.ema_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert int(state.queue_ptr) == 8 and int(state.queue_valid.sum()) == 8
+
+
+def test_four_cpu_devices_match_one_device(tmp_path, minilm_dir):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "tests.multidevice_worker", str(tmp_path), minilm_dir],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["num_devices"] == 4
+  np.testing.assert_allclose(result["loss_4dev"], result["loss_1dev"], rtol=1e-5)
+  assert result["max_state_diff"] < 1e-5
+
+
+def _leaves_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb) and la
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _restore_latest(workdir, config):
+  run = trainer.prepare(config)
+  tx = make_optimizer(config)
+  abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
+  return checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+
+
+def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=6, checkpoint_every=3)
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  trainer.train_and_evaluate(config, straight)
+
+  real_save = checkpoint.save_state
+
+  def save_then_preempt(manager, state, metrics=None):
+    real_save(manager, state, metrics)
+    manager.wait_until_finished()
+    raise KeyboardInterrupt("simulated preemption")
+
+  monkeypatch.setattr(checkpoint, "save_state", save_then_preempt)
+  with pytest.raises(KeyboardInterrupt):
+    trainer.train_and_evaluate(config, resumed)
+  monkeypatch.setattr(checkpoint, "save_state", real_save)
+  assert checkpoint.rolling_manager(resumed, 2).latest_step() == 3
+  trainer.train_and_evaluate(config, resumed)  # restarts from step 3, data position included
+
+  a, b = _restore_latest(straight, config), _restore_latest(resumed, config)
+  assert int(a.step) == int(b.step) == 6
+  _leaves_equal(a, b)  # params, ema, opt state, queue, pointer, rng, step (= data position)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_dir):
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=8, checkpoint_every=1)
+  config.optim.learning_rate = 1e12
+  config.optim.grad_clip_norm = 0.0
+  config.optim.warmup_steps = 0
+  workdir = str(tmp_path / "nan")
+  with pytest.raises(trainer.NonFiniteLossError, match="non-finite loss"):
+    trainer.train_and_evaluate(config, workdir)
+  last = checkpoint.rolling_manager(workdir, 2).latest_step()
+  assert last is not None and last < 8
+  state = _restore_latest(workdir, config)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+def _main(tmp_path, *args):
+  cmd = [sys.executable, "-m", "micse_jax.main", "--config", "configs/micse.py:demo",
+         "--workdir", str(tmp_path / "wd"), *args]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "blank", "binary", "model", "key"])
+def test_bad_input_one_error_line_no_checkpoint(tmp_path, minilm_dir, case):
+  corpus = tmp_path / "c.txt"
+  content = {"empty": b"", "blank": b"\n  \n\t\n", "binary": b"good line\n\xff\xfe bad\n"}
+  if case in content:
+    corpus.write_bytes(content[case])
+  args = [f"--config.data.corpus={corpus}", f"--config.model.name_or_path={minilm_dir}"]
+  if case == "model":
+    args = [f"--config.data.corpus={corpus}", f"--config.model.name_or_path={tmp_path / 'no_model'}"]
+    corpus.write_text("a sentence\n" * 50)
+  if case == "key":
+    args.append("--config.no_such_key=3")
+  out = _main(tmp_path, *args)
+  assert out.returncode != 0
+  errors = [l for l in out.stderr.splitlines() if l.startswith(("error:", "FATAL"))]
+  assert len(errors) == 1, out.stderr[-2000:]
+  expected = {"missing": "not found", "empty": "empty", "blank": "blank", "binary": "UTF-8",
+              "model": "does not exist", "key": "no_such_key"}[case]
+  assert expected in errors[0], errors[0]
+  assert not os.path.exists(tmp_path / "wd" / "checkpoints")

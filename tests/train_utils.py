@@ -1,0 +1,42 @@
+"""Small training set-ups for tests: a tiny random BERT on disk and a short corpus."""
+import os
+
+from configs import micse
+from tests.helpers import write_tiny_hf_checkpoint
+
+
+def tiny_training_config(tmp_path, tokenizer_dir, variant="micse", **overrides):
+  """miCSE config on a 2-layer hidden-64 random BERT and a 96-sentence corpus; eval off."""
+  import importlib
+  model_dir = str(tmp_path / "tiny_model")
+  if not os.path.isdir(model_dir):
+    write_tiny_hf_checkpoint(model_dir, tokenizer_dir, mlm=False, num_attention_heads=4)
+  corpus = tmp_path / "corpus.txt"
+  if not corpus.exists():
+    corpus.write_text("\n".join(f"sentence number {i} talks about topic {i % 7} and more {i * 3}"
+                                for i in range(96)) + "\n", encoding="utf-8")
+  config = importlib.import_module(f"configs.{variant}").get_config()
+  config.model.name_or_path = model_dir
+  config.model.max_length = 16
+  config.data.corpus = str(corpus)
+  config.batch_size = 8
+  config.num_train_steps = 4
+  config.optim.warmup_steps = 2
+  config.optim.learning_rate = 1e-3
+  config.momentum.queue_size = 12
+  config.ami.layers = (0, 1)
+  config.ami.num_samples = 20
+  config.eval_every = 0
+  config.eval.final_tasks = ""
+  config.log_every = 1
+  config.checkpoint_every = 2
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+assert micse  # the configs package must be importable from the repo root
