@@ -82,3 +82,19 @@ class SentenceEncoder:
 
   def __eq__(self, other):
     return self is other
+
+
+def load_encoder(path_or_name: str, checkpoint: str | int = "best", dtype=jnp.float32) -> SentenceEncoder:
+  """A HF directory, a hub name, or a training workdir (its 'best', 'latest' or a step)."""
+  from micse_jax.models.bert import BertConfig  # pylint: disable=import-outside-toplevel
+  from micse_jax.training import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
+  if not ckpt.is_workdir(path_or_name):
+    return SentenceEncoder.from_pretrained(path_or_name, dtype=dtype)
+  if checkpoint == "best" and not ckpt.best_manager(path_or_name, read_only=True).all_steps():
+    checkpoint = "latest"  # a run without dev evaluation has no best checkpoint
+  restored = ckpt.restore_for_export(path_or_name, checkpoint)
+  config: BertConfig = restored["bert_config"]
+  as_jax = lambda tree: jax.tree.map(jnp.asarray, tree)
+  return SentenceEncoder(BertModel(config, dtype=dtype), as_jax(restored["encoder_params"]),
+                         Tokenizer.from_pretrained(restored["tokenizer_dir"]),
+                         head_params=as_jax(restored["head_params"]), model_dir=restored["tokenizer_dir"])

@@ -89,7 +89,7 @@ def test_one_step_of_each_objective(tmp_path, minilm_dir, variant):
     assert int(state.queue_ptr) == 16 % 12 and int(state.queue_valid.sum()) == 12
     np.testing.assert_allclose(np.linalg.norm(state.queue, axis=1), 1.0, rtol=1e-5)
   else:
-    assert state.queue.shape[0] == 0 and state.ema_params == {}
+    assert state.queue == {} and state.ema_params == {}
 
 
 def test_momentum_encoder_is_ema_of_updated_online_encoder(tmp_path, minilm_dir):

@@ -19,13 +19,15 @@ CONFIG_FILE = "config.json"
 def rolling_manager(workdir: str, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only))
+      options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
+                                           create=not read_only, read_only=read_only))
 
 
 def best_manager(workdir: str, read_only: bool = False) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), "best"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=1, create=not read_only, read_only=read_only,
+      options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else 1,
+                                           create=not read_only, read_only=read_only,
                                            best_mode="max", best_fn=lambda metrics: metrics["stsb_dev"]))
 
 
@@ -74,14 +76,14 @@ def restore_for_export(workdir: str, which: str | int = "latest") -> dict:
   if which == "best":
     manager, key = best_manager(workdir, read_only=True), "best"
   else:
-    manager, key = rolling_manager(workdir, keep=10**6, read_only=True), "rolling"
+    manager, key = rolling_manager(workdir, keep=0, read_only=True), "rolling"
   steps = manager.all_steps()
   if not steps:
     raise FileNotFoundError(f"no {key} checkpoint in {workdir}")
   step = max(steps) if which in ("latest", "best") else int(which)
   if step not in steps:
     raise FileNotFoundError(f"no checkpoint at step {step} in {workdir} (have {sorted(steps)})")
-  restored = manager.restore(step)  # raw tree: nested dicts of numpy arrays
+  restored = manager.restore(step, args=ocp.args.StandardRestore())  # raw tree of arrays
   params = restored["params"]
   return {"bert_config": BertConfig.from_dict(run["bert_config"]), "encoder_params": params["encoder"],
           "head_params": params["head"], "tokenizer_dir": run["model_dir"], "step": step}

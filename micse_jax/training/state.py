@@ -12,7 +12,7 @@ class TrainState:
   params: Any              # {'encoder': BERT params, 'head': MLP params}
   ema_params: Any          # momentum-encoder BERT params ({} when momentum is off)
   opt_state: Any
-  queue: jax.Array         # [Q, D] normalised momentum embeddings (Q = 0 when off)
+  queue: jax.Array         # [Q, D] normalised momentum embeddings ({} when momentum is off)
   queue_valid: jax.Array   # [Q] bool: slot has been written
   queue_ptr: jax.Array     # int32 scalar: next slot to write
   rng: jax.Array           # uint32[2] base key; each step folds in `step`
@@ -20,7 +20,8 @@ class TrainState:
 
 def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int) -> TrainState:
   from micse_jax.training.queue import empty_queue  # pylint: disable=import-outside-toplevel
-  queue, valid, ptr = empty_queue(queue_size if momentum else 0, dim)
+  # Without momentum there is no queue: empty subtrees (Orbax cannot store zero-size arrays).
+  queue, valid, ptr = empty_queue(queue_size, dim) if momentum else ({}, {}, {})
   return TrainState(
       step=jnp.zeros((), jnp.int32), params=params,
       ema_params=jax.tree.map(jnp.copy, params["encoder"]) if momentum else {},

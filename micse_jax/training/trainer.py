@@ -10,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from micse_jax.data.pipeline import build_train_batches
@@ -187,7 +188,7 @@ def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> di
   params, which = state.params, f"last step {int(state.step)}"
   if selector.manager.all_steps():
     best_step = selector.manager.best_step()
-    params = selector.manager.restore(best_step)["params"]
+    params = selector.manager.restore(best_step, args=ocp.args.StandardRestore())["params"]
     which = f"best STS-B dev (step {best_step}, {selector.best:.2f})"
   results = run_evaluation(selector.encode_fn(params), run.config.eval.senteval_dir, tasks)
   results.update(model=os.path.abspath(workdir), checkpoint=which, pooler="cls_before_pooler")

@@ -1,0 +1,45 @@
+"""Multi-host path on localhost: 2 processes × 2 CPU devices (jax.distributed + gloo) train
+the same global batches as one process, and end in the same state."""
+import os
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from micse_jax.training import checkpoint, trainer
+from micse_jax.training.optim import make_optimizer
+from tests.train_utils import tiny_training_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _restore(workdir, config):
+  run = trainer.prepare(config)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # restore onto this topology
+  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+                          jax.eval_shape(lambda: trainer.initial_state(run, make_optimizer(config))))
+  return checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path, minilm_dir):
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=3, checkpoint_every=3)
+  overrides = [f"--config.{k}={v}" for k, v in {
+      "model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
+      "batch_size": 8, "num_train_steps": 3, "checkpoint_every": 3, "eval_every": 0,
+      "eval.final_tasks": "", "model.max_length": 16, "momentum.queue_size": 12,
+      "ami.layers": "(0,1)", "ami.num_samples": 20, "optim.warmup_steps": 2,
+      "optim.learning_rate": 1e-3}.items()]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  multi = str(tmp_path / "multi")
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
+                        "--workdir", multi, *overrides], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  single = str(tmp_path / "single")
+  trainer.train_and_evaluate(config, single)
+  a, b = _restore(single, config), _restore(multi, config)
+  assert int(a.step) == int(b.step) == 3
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-4, atol=1e-5)
