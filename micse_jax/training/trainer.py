@@ -191,11 +191,13 @@ def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> di
     params = selector.manager.restore(best_step, args=ocp.args.StandardRestore())["params"]
     which = f"best STS-B dev (step {best_step}, {selector.best:.2f})"
   results = run_evaluation(selector.encode_fn(params), run.config.eval.senteval_dir, tasks)
-  results.update(model=os.path.abspath(workdir), checkpoint=which, pooler="cls_before_pooler")
+  document = report.build_report(results, model=os.path.abspath(workdir), pooler="cls_before_pooler",
+                                 settings={**results["settings"], "checkpoint": which},
+                                 elapsed_seconds=results["elapsed_seconds"])
   if jax.process_index() == 0:
-    report.write_json(os.path.join(workdir, "results.json"), results)
-    print(report.markdown_table(results))
-  return results
+    report.write_json(os.path.join(workdir, "results.json"), document)
+    print(report.markdown_table(document))
+  return document
 
 
 def _summary_writer(workdir: str):
