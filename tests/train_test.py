@@ -92,6 +92,15 @@ def test_one_step_of_each_objective(tmp_path, minilm_dir, variant):
     assert state.queue == {} and state.ema_params == {}
 
 
+def test_bfloat16_compute_trains_with_float32_params(tmp_path, minilm_dir):
+  config = tiny_training_config(tmp_path, minilm_dir, "micse")
+  config.model.dtype = "bfloat16"
+  init, state, metrics = _run_steps(config, 2)
+  assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["ami_mi"])
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), init.params["head"], state.params["head"])))
+
+
 def test_momentum_encoder_is_ema_of_updated_online_encoder(tmp_path, minilm_dir):
   config = tiny_training_config(tmp_path, minilm_dir, "moco_simcse")
   config.optim.warmup_steps = 0
