@@ -1,0 +1,159 @@
+"""Evaluate a sentence encoder on SentEval STS and transfer tasks (SimCSE / miCSE protocol).
+
+  python -m micse_jax.evaluate --model PATH --tasks sts --pooler cls_before_pooler \
+      --output results.json
+
+`--model` is a Hugging Face directory, a hub name or a training workdir (`--checkpoint`).
+`--tasks`: `sts`, `transfer`, `all` or a comma list (STS12 ... STS16, STSBenchmark/STS-B,
+SICKRelatedness/SICK-R, MR, CR, SUBJ, MPQA, SST2, TREC, MRPC). Bad input is reported as one
+line on stderr with exit code 1, and no output file is written.
+
+`run_evaluation(encode_fn, senteval_dir, tasks, fast)` is the same evaluation for Python callers
+(the trainer); this module defines its flags only when run as a program.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from micse_jax.evaluation import senteval_data
+from micse_jax.evaluation.senteval_data import STS7, TRANSFER7
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_SENTEVAL_DIR = os.path.join(os.path.dirname(REPO), "shared", "data", "senteval")
+POOLERS = ("cls_before_pooler", "cls", "avg")
+SEED = 1111
+
+
+def run_evaluation(encode_fn: Callable[[list[str]], np.ndarray], senteval_dir: str,
+                   tasks: str | Sequence[str] = "sts", fast: bool = False,
+                   seed: int = SEED) -> dict:
+  """Evaluates `encode_fn` on `tasks`; returns `{'sts': ..., 'transfer': ..., 'settings', ...}`.
+
+  `sts` / `transfer` (present when such tasks ran) are `{'tasks': {name: result}, 'avg': x}`
+  with Spearman x100 (`spearman`) and accuracy x100 (`acc`) as the headline numbers.
+  """
+  from micse_jax.evaluation import sts, transfer  # pylint: disable=import-outside-toplevel
+  names = senteval_data.resolve_tasks(tasks)
+  senteval_data.check_senteval_dir(senteval_dir)
+  start = time.perf_counter()
+  results = {"settings": {"tasks": names, "fast": fast, "seed": seed,
+                          "senteval_dir": os.path.abspath(senteval_dir),
+                          "sts": "cosine similarity, Spearman x100; STS12-16 'all' setting; "
+                                 "STS-B / SICK-R test, unsupervised",
+                          "transfer": {"l2_grid": list(transfer.L2_GRID),
+                                       "folds": transfer.FAST_FOLDS if fast
+                                       else transfer.FULL_FOLDS}}}
+  sts_tasks = [t for t in names if t in STS7]
+  transfer_tasks = [t for t in names if t in TRANSFER7]
+  if sts_tasks:
+    results["sts"] = sts.evaluate_sts(encode_fn, senteval_dir, sts_tasks)
+  if transfer_tasks:
+    results["transfer"] = transfer.evaluate_transfer(encode_fn, senteval_dir, transfer_tasks,
+                                                     fast=fast, seed=seed)
+  results["elapsed_seconds"] = time.perf_counter() - start
+  return results
+
+
+def _fail(message: str) -> None:
+  """One line on stderr, exit status 1."""
+  print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+  sys.exit(1)
+
+
+def _looks_local(path: str) -> bool:
+  return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+
+
+def _check_inputs(flags_values) -> tuple[list[str], str]:
+  """Validates tasks, pooler, checkpoint, output folder and data dir; returns (tasks, dir)."""
+  tasks = senteval_data.resolve_tasks(flags_values.tasks)
+  if flags_values.pooler not in POOLERS:
+    raise ValueError(f"unknown pooler {flags_values.pooler!r}; expected one of "
+                     f"{', '.join(POOLERS)}")
+  if flags_values.checkpoint not in ("best", "latest") and not flags_values.checkpoint.isdigit():
+    raise ValueError(f"--checkpoint must be best, latest or a step number, "
+                     f"not {flags_values.checkpoint!r}")
+  if flags_values.output:
+    folder = os.path.dirname(os.path.abspath(flags_values.output))
+    if not os.path.isdir(folder):
+      raise ValueError(f"output folder does not exist: {folder}")
+  model = os.path.expanduser(flags_values.model or "")
+  if not model:
+    raise ValueError("--model is required (a HF model directory, hub name or training workdir)")
+  if _looks_local(model) and not os.path.exists(model):
+    raise ValueError(f"model path not found: {model}")
+  senteval_dir = flags_values.senteval_dir or DEFAULT_SENTEVAL_DIR
+  if flags_values.download and not os.path.isdir(senteval_dir):
+    print(f"downloading SentEval data to {senteval_dir} ...", file=sys.stderr)
+    senteval_data.download_senteval(senteval_dir)
+  senteval_data.validate_tasks(senteval_dir, tasks)  # data errors before the model loads
+  return tasks, senteval_dir
+
+
+def _encode_fn(flags_values):
+  """Loads the encoder and returns its encode function."""
+  from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
+  checkpoint = flags_values.checkpoint
+  checkpoint = int(checkpoint) if checkpoint.isdigit() else checkpoint
+  encoder = load_encoder(os.path.expanduser(flags_values.model), checkpoint=checkpoint)
+  return lambda sentences: encoder.encode(sentences, pooler=flags_values.pooler,
+                                          batch_size=flags_values.batch_size,
+                                          max_length=flags_values.max_length)
+
+
+def main(argv: Sequence[str]) -> None:
+  """Validates flags, loads the model, evaluates, writes the JSON and prints the tables."""
+  from absl import flags, logging  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import report  # pylint: disable=import-outside-toplevel
+  logging.set_verbosity(logging.WARNING)
+  values = flags.FLAGS
+  if len(argv) > 1:
+    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    tasks, senteval_dir = _check_inputs(values)
+    results = run_evaluation(_encode_fn(values), senteval_dir, tasks, fast=values.fast,
+                             seed=values.seed)
+  except (ValueError, OSError) as e:  # SentEvalDataError and ModelLoadError are ValueErrors
+    _fail(str(e))
+  document = report.build_report(
+      results, model=values.model, pooler=values.pooler,
+      settings={**results["settings"], "batch_size": values.batch_size,
+                "max_length": values.max_length, "checkpoint": values.checkpoint},
+      elapsed_seconds=results["elapsed_seconds"])
+  if values.output:
+    report.write_json(values.output, document)
+  print(report.markdown_table(results))
+  print(f"elapsed: {results['elapsed_seconds']:.1f} s", file=sys.stderr)
+
+
+def define_flags() -> None:
+  """The CLI flags (defined on demand so that importing this module defines none)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.DEFINE_string("model", None, "HF model directory, hub name or training workdir.")
+  flags.DEFINE_string("senteval_dir", None,
+                      f"SentEval data/downstream directory (default: {DEFAULT_SENTEVAL_DIR}).")
+  flags.DEFINE_string("tasks", "sts", "sts, transfer, all, or a comma list of task names.")
+  flags.DEFINE_string("pooler", "cls_before_pooler", f"One of {', '.join(POOLERS)}.")
+  flags.DEFINE_string("output", None, "Write the JSON report here (atomically).")
+  flags.DEFINE_boolean("fast", False, "Transfer tasks with fewer folds (quick checks).")
+  flags.DEFINE_integer("batch_size", 64, "Encoding batch size.")
+  flags.DEFINE_integer("max_length", 512, "Token limit per sentence (longer ones are truncated).")
+  flags.DEFINE_boolean("download", False, "Download SentEval data if --senteval_dir is missing.")
+  flags.DEFINE_string("checkpoint", "best", "For a training workdir: best, latest or a step.")
+  flags.DEFINE_integer("seed", SEED, "Seed of the transfer-task folds (SentEval: 1111).")
+
+
+def run() -> None:
+  """Entry point: `python -m micse_jax.evaluate ...`."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  define_flags()
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
