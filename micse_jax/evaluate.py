@@ -21,11 +21,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from micse_jax.evaluation import senteval_data
+from micse_jax.pooling import POOLERS
 from micse_jax.evaluation.senteval_data import STS7, TRANSFER7
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SENTEVAL_DIR = os.path.join(os.path.dirname(REPO), "shared", "data", "senteval")
-POOLERS = ("cls_before_pooler", "cls", "avg")
 SEED = 1111
 
 
