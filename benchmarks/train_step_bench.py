@@ -179,18 +179,17 @@ def peak_memory_jax():
   return stats.get("peak_bytes_in_use")
 
 
-def summarize(times, batch_size, flops=None, peak=None):
+def summarize(times, batch_size, dtype, flops=None, peak=None):
   med = statistics.median(times)
   out = {"step_ms": 1e3 * med, "sentences_per_s": batch_size / med, "peak_bytes": peak}
   kind = jax.devices()[0].device_kind
   for name, table in PEAK_FLOPS.items():
     if name in kind and flops and np.isfinite(flops):
-      out["mfu"] = flops / med / table[ARGS.dtype]
+      out["mfu"] = flops / med / table[dtype]
   return out
 
 
 def main(argv=None):
-  global ARGS
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--model", default="bert-base")
   p.add_argument("--batch_size", type=int, default=50)
@@ -200,30 +199,28 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--no_torch", action="store_true")
   p.add_argument("--output")
-  ARGS = p.parse_args(argv)
-  model_dir = model_dir_for(ARGS.model)
+  args = p.parse_args(argv)
+  model_dir = model_dir_for(args.model)
   import transformers
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-  batch = random_batch(ARGS.batch_size, ARGS.max_length, vocab)
-  jt, flops = jax_benchmark(ARGS, model_dir, batch)
-  result = {"model": ARGS.model, "batch_size": ARGS.batch_size, "max_length": ARGS.max_length,
-            "dtype": ARGS.dtype, "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
-            "jax": summarize(jt, ARGS.batch_size, flops, peak_memory_jax()), "step_flops": flops}
+  batch = random_batch(args.batch_size, args.max_length, vocab)
+  jt, flops = jax_benchmark(args, model_dir, batch)
+  result = {"model": args.model, "batch_size": args.batch_size, "max_length": args.max_length,
+            "dtype": args.dtype, "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+            "jax": summarize(jt, args.batch_size, args.dtype, flops, peak_memory_jax()), "step_flops": flops}
   if result["jax"]["peak_bytes"] is None:
     result["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  if not ARGS.no_torch:
-    tt, tpeak = torch_benchmark(ARGS, model_dir, batch)
-    result["torch"] = summarize(tt, ARGS.batch_size, flops, tpeak)
+  if not args.no_torch:
+    tt, tpeak = torch_benchmark(args, model_dir, batch)
+    result["torch"] = summarize(tt, args.batch_size, args.dtype, flops, tpeak)
     result["speedup_vs_torch"] = result["torch"]["step_ms"] / result["jax"]["step_ms"]
   line = json.dumps(result)
   print(line)
-  if ARGS.output:
-    with open(ARGS.output, "w", encoding="utf-8") as f:
+  if args.output:
+    with open(args.output, "w", encoding="utf-8") as f:
       f.write(line + "\n")
   return result
 
-
-ARGS = None
 
 if __name__ == "__main__":
   main()

@@ -16,7 +16,6 @@ def _max_abs(a, b):
 
 
 def _compare(model_dir, sentences, mlm=False):
-  layers = None
   model, params, config, _ = load_pretrained(model_dir, add_mlm_head=mlm)
   layers = tuple(range(config.num_hidden_layers))
   model = model.clone(sow_attention_layers=layers)

@@ -25,11 +25,12 @@ from micse_jax.training.state import TrainState
 
 def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
   """0-based layer indices; negative ones count from the top (-1 = last layer)."""
-  resolved = tuple(sorted({i % num_layers if -num_layers <= i < num_layers else None for i in layers}
-                          - {None}))
-  if len(resolved) != len(set(layers)) or not resolved:
+  if not layers or any(not -num_layers <= i < num_layers for i in layers):
     raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
-  return resolved
+  resolved = sorted({i % num_layers for i in layers})
+  if len(resolved) != len(layers):
+    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
+  return tuple(resolved)
 
 
 @dataclasses.dataclass(frozen=True)

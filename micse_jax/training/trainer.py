@@ -160,20 +160,22 @@ def _loop(run: Run, state, train_step, mesh, rolling, selector, writer):
     if pending is not None:
       _check_finite(pending, step - 1)  # one step behind: the device keeps working meanwhile
     pending, done = metrics, step + 1
-    if done % c.log_every == 0 or done == c.num_train_steps:
-      host = _check_finite(metrics, done)
+    last = done == c.num_train_steps
+    log, evaluate = done % c.log_every == 0 or last, selector.enabled and (done % c.eval_every == 0 or last)
+    save = done % c.checkpoint_every == 0 or last
+    if log or evaluate or save:  # never log, select or save a non-finite state
+      host, pending = _check_finite(metrics, done), None
+    if log:
       now = time.perf_counter()
       host["steps_per_sec"] = c.log_every / max(now - tick, 1e-9)
       tick = now
       bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "ami_mi") if k in host})
       _write_scalars(writer, done, host)
-    if selector.enabled and (done % c.eval_every == 0 or done == c.num_train_steps):
-      _check_finite(metrics, done)
+    if evaluate:
       scores = selector(state)
       _write_scalars(writer, done, scores)
       bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
-    if done % c.checkpoint_every == 0 or done == c.num_train_steps:
-      _check_finite(metrics, done)
+    if save:
       checkpoint.save_state(rolling, state)
   return state
 
