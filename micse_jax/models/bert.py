@@ -152,11 +152,13 @@ class BertSelfAttention(nn.Module):
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
     # HF extended mask: add float32-min to padded keys, so they get exactly zero probability.
     scores = jnp.where(key_mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if not self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
+      probs = probs.astype(self.dtype)
     probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
     if self.sow_probs:
       self.sow("intermediates", "attention_probs", probs)
-    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
     return ctx.reshape(x.shape[:2] + (c.hidden_size,))
 
 

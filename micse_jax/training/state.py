@@ -16,9 +16,12 @@ class TrainState:
   queue_valid: jax.Array   # [Q] bool: slot has been written
   queue_ptr: jax.Array     # int32 scalar: next slot to write
   rng: jax.Array           # uint32[2] base key; each step folds in `step`
+  # float16 only: {'scale', 'counter', 'skipped_steps'} of dynamic loss scaling (precision.py)
+  loss_scale: Any = flax.struct.field(default_factory=dict)
 
 
-def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int) -> TrainState:
+def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int,
+                       loss_scale: dict | None = None) -> TrainState:
   from micse_jax.training.queue import empty_queue  # pylint: disable=import-outside-toplevel
   # Without momentum there is no queue: empty subtrees (Orbax cannot store zero-size arrays).
   queue, valid, ptr = empty_queue(queue_size, dim) if momentum else ({}, {}, {})
@@ -26,4 +29,4 @@ def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int
       step=jnp.zeros((), jnp.int32), params=params,
       ema_params=jax.tree.map(jnp.copy, params["encoder"]) if momentum else {},
       opt_state=tx.init(params), queue=queue, queue_valid=valid, queue_ptr=ptr,
-      rng=jax.random.PRNGKey(seed))
+      rng=jax.random.PRNGKey(seed), loss_scale=loss_scale or {})

@@ -18,6 +18,7 @@ from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import BertConfig, BertModel, collect_attentions
 from micse_jax.models.heads import MLPHead
+from micse_jax.training import precision
 from micse_jax.training.ema import ema_update
 from micse_jax.training.queue import enqueue
 from micse_jax.training.state import TrainState
@@ -43,7 +44,7 @@ class Networks:
 
 
 def build_networks(config, bert_config: BertConfig) -> Networks:
-  dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+  dtype = precision.compute_dtype(config.model.dtype)
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
   p = config.momentum.dropout
   momentum_config = bert_config.replace(hidden_dropout_prob=p, attention_probs_dropout_prob=p)
@@ -94,8 +95,8 @@ def make_train_step(config, nets: Networks, tx: optax.GradientTransformation,
     k_drop, k_mom, k_ami = jax.random.split(jax.random.fold_in(state.rng, state.step), 3)
     queue = state.queue if use_momentum else None
     valid = state.queue_valid if use_momentum else None
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, batch, queue, valid, k_drop, k_ami)
+    grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
+    (loss, metrics), grads = grad_fn(state.params, batch, queue, valid, k_drop, k_ami)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -104,7 +105,9 @@ def make_train_step(config, nets: Networks, tx: optax.GradientTransformation,
       q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, keys)
       new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
                         queue=q, queue_valid=v, queue_ptr=ptr)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+    new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
+    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=optax.global_norm(grads),
+                   lr=schedule(state.step))
     return new, metrics
 
   return train_step

@@ -21,6 +21,7 @@ from micse_jax.models.loading import load_pretrained
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.precision import initial_loss_scale_state
 from micse_jax.training.state import TrainState, create_train_state
 from micse_jax.training.step import build_networks, make_train_step
 
@@ -63,7 +64,8 @@ def prepare(config) -> Run:
 def initial_state(run: Run, tx) -> TrainState:
   c = run.config
   return create_train_state(run.initial_params, tx, seed=c.seed, momentum=c.momentum.enabled,
-                            queue_size=c.momentum.queue_size, dim=run.bert_config.hidden_size)
+                            queue_size=c.momentum.queue_size, dim=run.bert_config.hidden_size,
+                            loss_scale=initial_loss_scale_state(c))
 
 
 def jit_train_step(run: Run, tx, mesh, state_sharding):
@@ -74,7 +76,7 @@ def jit_train_step(run: Run, tx, mesh, state_sharding):
 
 def _check_finite(metrics: dict, step: int) -> dict:
   host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  if not math.isfinite(host["loss"]):
+  if not math.isfinite(host["loss"]) and not host.get("step_skipped"):  # fp16 overflow: skipped
     raise NonFiniteLossError(f"non-finite loss {host['loss']} at step {step}; stopped, "
                              "the last saved checkpoint is intact (lower optim.learning_rate?)")
   return host

@@ -1,0 +1,88 @@
+"""Mixed precision: the compute dtype, and dynamic loss scaling for float16 (via `jmp`).
+
+Parameters and optimizer state always stay float32; `config.model.dtype` only sets the
+dtype of the activations and matmuls. bfloat16 has float32's exponent range and needs no
+loss scaling; float16 (V100, which has no bfloat16) does: small gradients underflow in its
+5-bit exponent. Dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training")
+multiplies the loss by a scale S before differentiation, divides the gradients by S, and
+
+  * when every gradient is finite: applies the update; every `period` finite steps S ← 2S;
+  * otherwise: skips the update (params, optimizer, EMA and queue untouched) and S ← S/2.
+
+The rule is `jmp.DynamicLossScale`; its state (scale, counter) plus a running count of the
+skipped steps lives in `TrainState.loss_scale` as a plain dict, so it is checkpointed and
+resumed with the rest of the state. Without float16 that field is `{}` and nothing changes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import jmp
+
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def compute_dtype(name: str):
+  """`config.model.dtype` → the jnp dtype of activations and matmuls."""
+  if name not in COMPUTE_DTYPES:
+    raise ValueError(f"model.dtype {name!r} not supported; expected one of {sorted(COMPUTE_DTYPES)}")
+  return COMPUTE_DTYPES[name]
+
+
+def uses_loss_scaling(config) -> bool:
+  return config.model.dtype == "float16"
+
+
+def initial_loss_scale_state(config) -> dict:
+  """`TrainState.loss_scale` at step 0: `{}` unless float16."""
+  if not uses_loss_scaling(config):
+    return {}
+  return {"scale": jnp.asarray(config.model.loss_scale_init, jnp.float32),
+          "counter": jnp.zeros((), jnp.int32), "skipped_steps": jnp.zeros((), jnp.int32)}
+
+
+def _as_jmp(state: dict, period: int) -> jmp.DynamicLossScale:
+  return jmp.DynamicLossScale(state["scale"], state["counter"], period=period, factor=2)
+
+
+def value_and_unscaled_grad(loss_fn: Callable, state: dict, period: int) -> Callable:
+  """Like `jax.value_and_grad(loss_fn, has_aux=True)`, differentiating S·loss, returning grads/S.
+
+  With an empty `state` (no loss scaling) it is exactly `jax.value_and_grad`.
+  """
+  if not state:
+    return jax.value_and_grad(loss_fn, has_aux=True)
+  scale = _as_jmp(state, period)
+
+  def scaled(*args):
+    loss, aux = loss_fn(*args)
+    return scale.scale(loss), (loss, aux)
+
+  def run(*args):
+    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(*args)
+    return (loss, aux), scale.unscale(grads)
+
+  return run
+
+
+def keep_if_finite(grads, updated: Any, previous: Any, period: int) -> tuple[Any, dict]:
+  """The step's new train state: `updated` if all `grads` are finite, else `previous`.
+
+  Either way the step counter (= data position) advances and the loss scale is adjusted
+  (jmp rule). Returns (state, metrics) with `loss_scale`, `skipped_steps` (running total,
+  for TensorBoard) and `step_skipped` (0/1 for this step). No-op without loss scaling.
+  """
+  state = previous.loss_scale
+  if not state:
+    return updated, {}
+  finite = jmp.all_finite(grads)
+  kept = jmp.select_tree(finite, updated, previous.replace(step=updated.step))
+  adjusted = _as_jmp(state, period).adjust(finite)
+  skipped = 1 - finite.astype(jnp.int32)
+  new_state = {"scale": adjusted.loss_scale, "counter": adjusted.counter.astype(jnp.int32),
+               "skipped_steps": state["skipped_steps"] + skipped}
+  metrics = {"loss_scale": state["scale"], "skipped_steps": new_state["skipped_steps"],
+             "step_skipped": skipped}
+  return kept.replace(loss_scale=new_state), metrics
