@@ -1,0 +1,168 @@
+"""Benchmark the miCSE training step (micse_jax vs PyTorch, one process) and encoding.
+
+    python -m micse_jax.bench --model minilm --batch_size 64
+    python -m micse_jax.bench --model bert-base --batch_size 50 --dtype bfloat16 --profile /tmp/trace
+
+Prints: compile time and XLA FLOP count of the train step; the step time (median) of
+micse_jax and of the PyTorch baseline and their ratio; the step broken down into separately
+jitted pieces (online forward+backward, AMI term, momentum forward, optimizer+EMA); peak
+memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
+sentence-transformers' encode (batch --encode_batch_size). A JSON line with every figure ends
+the output (also written to --output). `--profile DIR` writes a jax.profiler trace of a few
+full steps (open with TensorBoard's profile plugin or ui.perfetto.dev).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import jax
+
+from micse_jax.bench import hardware, jax_step
+from micse_jax.bench.torch_step import time_steps
+
+DTYPES = ("float32", "bfloat16", "float16")
+PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
+PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
+                "ami": "AMI term (sampling + correlation, fwd+bwd)",
+                "momentum_fwd": "momentum forward (+ enqueue)", "optimizer_ema": "optimizer + EMA update"}
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="minilm",
+                 help="minilm (shipped checkpoint) | bert-base | tiny (random weights) | a HF directory")
+  p.add_argument("--batch_size", type=int, default=64, help="sentences per step (two views each)")
+  p.add_argument("--max_length", type=int, default=32, help="tokens per sentence")
+  p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (params stay float32)")
+  p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+  p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+  p.add_argument("--piece_steps", type=int, default=5, help="timed runs of each breakdown piece")
+  p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baseline")
+  p.add_argument("--no_breakdown", action="store_true", help="skip the per-piece breakdown")
+  p.add_argument("--encode", action=argparse.BooleanOptionalAction, default=True,
+                 help="compare encode throughput with sentence-transformers (default on)")
+  p.add_argument("--encode_batch_size", type=int, default=128)
+  p.add_argument("--encode_sentences", type=int, default=1024)
+  p.add_argument("--encode_corpus", default=None,
+                 help="sentences for --encode (first lines); default: the shared wiki excerpt, "
+                      "else random words")
+  p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 full steps here")
+  p.add_argument("--output", help="also write the JSON result line to this file")
+  args = p.parse_args(argv)
+  if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
+    p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
+  return args
+
+
+def _ms(times) -> float:
+  return 1e3 * statistics.median(times)
+
+
+def breakdown(step: jax_step.JaxStep, warmup: int, steps: int) -> dict:
+  pieces = step.pieces()
+  return {name: _ms(jax_step.time_piece(pieces[name], warmup, steps)) for name in PIECES}
+
+
+def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> None:
+  with jax.profiler.trace(directory):
+    for i in range(n):
+      with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
+        step.run_step()
+
+
+def run(args) -> dict:
+  import transformers  # pylint: disable=import-outside-toplevel
+  model_dir = jax_step.model_dir_for(args.model)
+  vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+  batch = jax_step.random_batch(args.batch_size, args.max_length, vocab)
+  result = {"model": args.model, "batch_size": args.batch_size, "max_length": args.max_length,
+            "dtype": args.dtype, "device": hardware.device_kind(), "num_devices": jax.device_count(),
+            "jax_version": jax.__version__}
+  step = jax_step.JaxStep(model_dir, batch, args.dtype)
+  result["compile_s"], result["step_flops"] = step.compile()
+  if not args.no_breakdown:  # before the full step: that one donates (consumes) the state
+    result["breakdown_ms"] = breakdown(step, 1, args.piece_steps)
+  times = time_steps(step.run_step, args.warmup, args.steps)
+  j = result["jax"] = {"step_ms": _ms(times), "sentences_per_s": args.batch_size / statistics.median(times)}
+  j["mfu"] = hardware.mfu(result["step_flops"], statistics.median(times), args.dtype)
+  j["peak_device_bytes"] = hardware.peak_device_bytes()
+  j["peak_host_rss_bytes"] = hardware.peak_host_rss_bytes()
+  if args.profile:
+    profile(step, args.profile)
+    result["profile_dir"] = args.profile
+  del step
+  if not args.no_torch:
+    from micse_jax.bench.torch_step import torch_benchmark  # pylint: disable=import-outside-toplevel
+    t_times, t_peak = torch_benchmark(model_dir, batch, args.dtype, args.warmup, args.steps)
+    result["torch"] = {"step_ms": _ms(t_times), "sentences_per_s": args.batch_size / statistics.median(t_times),
+                       "peak_device_bytes": t_peak}
+    result["speedup_vs_torch"] = result["torch"]["step_ms"] / result["jax"]["step_ms"]
+  if args.encode:
+    from micse_jax.bench import encode  # pylint: disable=import-outside-toplevel
+    corpus = args.encode_corpus or _default_corpus()
+    sentences, source = encode.sentences_for_benchmark(args.encode_sentences, corpus)
+    result["encode"] = dict(encode.encode_benchmark(model_dir, sentences, args.encode_batch_size, 128),
+                            source=source)
+  return result
+
+
+def _default_corpus() -> str:
+  import os  # pylint: disable=import-outside-toplevel
+  from configs.default import SHARED_DATA  # pylint: disable=import-outside-toplevel
+  return os.path.join(SHARED_DATA, "corpus", "wiki1m_head.txt")
+
+
+def report(result: dict) -> str:
+  """The human-readable summary of `result`."""
+  gib = lambda b: "n/a" if b is None else f"{b / 2 ** 30:.2f} GiB"
+  r, j = result, result["jax"]
+  lines = [f"micse_jax.bench: {r['model']}, {r['batch_size']} sentences x 2 views x {r['max_length']} tokens, "
+           f"{r['dtype']}, {r['num_devices']} x {r['device']} (jax {r['jax_version']})",
+           f"  train step compile time      {r['compile_s']:.1f} s   (XLA FLOPs/step {r['step_flops'] or float('nan'):.3g})",
+           f"  micse_jax step               {j['step_ms']:.1f} ms   ({j['sentences_per_s']:.1f} sentences/s)"]
+  if "torch" in r:
+    lines += [f"  PyTorch step                 {r['torch']['step_ms']:.1f} ms   "
+              f"({r['torch']['sentences_per_s']:.1f} sentences/s)",
+              f"  ratio PyTorch / micse_jax    {r['speedup_vs_torch']:.2f}x"]
+  if "breakdown_ms" in r:
+    total = sum(r["breakdown_ms"].values())
+    lines.append("  breakdown (each piece separately jitted and timed; pieces cannot fuse across "
+                 "their borders, so they sum to more than the step):")
+    for name in PIECES:
+      ms = r["breakdown_ms"][name]
+      lines.append(f"    {PIECE_TITLES[name]:<44} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+    lines.append(f"    {'sum of pieces':<44} {total:9.1f} ms")
+  lines.append(f"  peak memory: device {gib(j['peak_device_bytes'])}, host RSS {gib(j['peak_host_rss_bytes'])}"
+               + (f"; PyTorch device {gib(r['torch']['peak_device_bytes'])}" if "torch" in r else ""))
+  mfu = "n/a (CPU, or no known peak for this device)" if j["mfu"] is None else f"{100 * j['mfu']:.1f}%"
+  lines.append(f"  MFU (XLA FLOPs / step time / device peak)  {mfu}")
+  if "encode" in r:
+    e = r["encode"]
+    lines += [f"  encode ({e['sentences']} sentences from {e['source']}, batch {e['batch_size']}, mean pooling):",
+              f"    micse_jax SentenceEncoder.encode        {e['micse_jax_sentences_per_s']:.1f} sentences/s",
+              f"    sentence-transformers encode            {e['sentence_transformers_sentences_per_s']:.1f} sentences/s",
+              f"    ratio                                   {e['speedup_vs_sentence_transformers']:.2f}x "
+              f"(mean cosine between the two embeddings {e['mean_cosine_between_the_two']:.4f})"]
+  if "profile_dir" in r:
+    lines.append(f"  profiler trace written to {r['profile_dir']}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  result = run(args)
+  print(report(result))
+  line = json.dumps(result)
+  print(line)
+  if args.output:
+    with open(args.output, "w", encoding="utf-8") as f:
+      f.write(line + "\n")
+  sys.stdout.flush()
+  return result
+
+
+if __name__ == "__main__":
+  main()
