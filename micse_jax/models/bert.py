@@ -18,6 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from micse_jax.models.dropout import Dropout
+
 Array = jax.Array
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 
@@ -39,6 +41,7 @@ class BertConfig:
   pad_token_id: int = 0
   initializer_range: float = 0.02
   model_type: str = "bert"
+  dropout_random_bits: int = 32  # not HF: 16 = two dropout decisions per random word (dropout.py)
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -118,7 +121,7 @@ class BertEmbeddings(nn.Module):
     self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size,
                                           embedding_init=init, dtype=self.dtype)
     self.LayerNorm = _layer_norm(c, self.dtype)  # pylint: disable=invalid-name
-    self.dropout = nn.Dropout(c.hidden_dropout_prob)
+    self.dropout = Dropout(c.hidden_dropout_prob, c.dropout_random_bits)
 
   def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool):
     x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
@@ -155,7 +158,7 @@ class BertSelfAttention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1)
     if not self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
       probs = probs.astype(self.dtype)
-    probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+    probs = Dropout(c.attention_probs_dropout_prob, c.dropout_random_bits)(probs, deterministic=deterministic)
     if self.sow_probs:
       self.sow("intermediates", "attention_probs", probs)
     ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
@@ -170,7 +173,7 @@ class BertResidualOutput(nn.Module):
   @nn.compact
   def __call__(self, x: Array, residual: Array, deterministic: bool) -> Array:
     x = _dense(self.config.hidden_size, self.config, self.dtype, "dense")(x)
-    x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+    x = Dropout(self.config.hidden_dropout_prob, self.config.dropout_random_bits)(x, deterministic=deterministic)
     return _layer_norm(self.config, self.dtype)(x + residual)
 
 

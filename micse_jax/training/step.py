@@ -46,6 +46,7 @@ class Networks:
 def build_networks(config, bert_config: BertConfig) -> Networks:
   dtype = precision.compute_dtype(config.model.dtype)
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
+  bert_config = bert_config.replace(dropout_random_bits=config.model.dropout_random_bits)
   p = config.momentum.dropout
   momentum_config = bert_config.replace(hidden_dropout_prob=p, attention_probs_dropout_prob=p)
   return Networks(
