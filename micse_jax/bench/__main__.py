@@ -110,9 +110,8 @@ def run(args) -> dict:
 
 
 def _default_corpus() -> str:
-  import os  # pylint: disable=import-outside-toplevel
-  from configs.default import SHARED_DATA  # pylint: disable=import-outside-toplevel
-  return os.path.join(SHARED_DATA, "corpus", "wiki1m_head.txt")
+  from micse_jax.paths import corpus_path  # pylint: disable=import-outside-toplevel
+  return corpus_path("wiki1m_head.txt")
 
 
 def report(result: dict) -> str:

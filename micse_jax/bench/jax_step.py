@@ -45,7 +45,7 @@ def model_dir_for(name: str) -> str:
   """
   if os.path.isdir(name):
     return name
-  from configs.default import shipped_minilm_dir  # pylint: disable=import-outside-toplevel
+  from micse_jax.paths import shipped_minilm_dir  # pylint: disable=import-outside-toplevel
   if name == "minilm":
     return shipped_minilm_dir()
   import transformers  # pylint: disable=import-outside-toplevel

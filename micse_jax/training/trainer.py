@@ -21,7 +21,7 @@ from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-from micse_jax.training.precision import initial_loss_scale_state
+from micse_jax.training.precision import check_config as check_precision_config, initial_loss_scale_state
 from micse_jax.training.state import TrainState, create_train_state
 from micse_jax.training.step import build_networks, make_train_step
 
@@ -40,6 +40,7 @@ class Run:
 
 def prepare(config) -> Run:
   """Loads the model and corpus; raises ModelLoadError / CorpusError / ValueError on bad input."""
+  check_precision_config(config)
   if config.batch_size % jax.device_count():
     raise ValueError(f"batch_size {config.batch_size} is not divisible by {jax.device_count()} devices")
   if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
