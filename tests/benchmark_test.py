@@ -1,6 +1,7 @@
 """`python -m micse_jax.bench` runs end to end on a tiny model and reports what it promises;
 its separately jitted pieces compute the full step's loss and queue update."""
 import json
+import os
 
 import jax
 import numpy as np
@@ -13,7 +14,8 @@ from micse_jax.bench import jax_step
 def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   out = tmp_path / "bench.json"
   result = bench.main(["--model", "tiny", "--batch_size", "4", "--max_length", "16", "--steps", "1",
-                       "--warmup", "1", "--piece_steps", "1", "--no-encode", "--output", str(out)])
+                       "--warmup", "1", "--piece_steps", "1", "--no-encode", "--output", str(out),
+                       "--profile", str(tmp_path / "trace")])
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
   for side in ("jax", "torch"):
     assert result[side]["step_ms"] > 0 and result[side]["sentences_per_s"] > 0
@@ -22,6 +24,8 @@ def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   assert set(result["breakdown_ms"]) == set(bench.PIECES)
   assert all(ms > 0 for ms in result["breakdown_ms"].values())
   assert result["jax"]["mfu"] is None if jax.devices()[0].platform == "cpu" else True
+  traces = [f for _, _, files in os.walk(tmp_path / "trace") for f in files if f.endswith(".xplane.pb")]
+  assert traces, "--profile writes a jax.profiler trace"
   printed = capsys.readouterr().out
   for text in ("micse_jax step", "PyTorch step", "ratio PyTorch / micse_jax", "separately jitted",
                "online forward+backward", "AMI term", "momentum forward", "optimizer + EMA"):

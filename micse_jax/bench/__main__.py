@@ -37,6 +37,8 @@ def parse_args(argv):
   p.add_argument("--batch_size", type=int, default=64, help="sentences per step (two views each)")
   p.add_argument("--max_length", type=int, default=32, help="tokens per sentence")
   p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (params stay float32)")
+  p.add_argument("--dropout_random_bits", type=int, default=32, choices=(32, 16),
+                 help="model.dropout_random_bits of the micse_jax step (16: two draws per random word)")
   p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
   p.add_argument("--piece_steps", type=int, default=5, help="timed runs of each breakdown piece")
@@ -80,8 +82,10 @@ def run(args) -> dict:
   batch = jax_step.random_batch(args.batch_size, args.max_length, vocab)
   result = {"model": args.model, "batch_size": args.batch_size, "max_length": args.max_length,
             "dtype": args.dtype, "device": hardware.device_kind(), "num_devices": jax.device_count(),
-            "jax_version": jax.__version__}
-  step = jax_step.JaxStep(model_dir, batch, args.dtype)
+            "jax_version": jax.__version__, "dropout_random_bits": args.dropout_random_bits}
+  def overrides(config):
+    config.model.dropout_random_bits = args.dropout_random_bits
+  step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
   result["compile_s"], result["step_flops"] = step.compile()
   if not args.no_breakdown:  # before the full step: that one donates (consumes) the state
     result["breakdown_ms"] = breakdown(step, 1, args.piece_steps)
