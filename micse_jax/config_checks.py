@@ -13,6 +13,8 @@ import math
 import os
 from typing import Any, Callable
 
+import ml_collections
+
 from micse_jax import paths, workdir as workdir_lib
 from micse_jax.errors import ConfigError
 
@@ -104,14 +106,14 @@ RULES: dict[str, Callable[[Any], str | None]] = {
 }
 
 
-def _get(config, dotted: str):
+def _get(config: ml_collections.ConfigDict, dotted: str):
   node = config
   for part in dotted.split("."):
     node = node[part]
   return node
 
 
-def _has(config, dotted: str) -> bool:
+def _has(config: ml_collections.ConfigDict, dotted: str) -> bool:
   try:
     _get(config, dotted)
     return True
@@ -119,7 +121,7 @@ def _has(config, dotted: str) -> bool:
     return False
 
 
-def check_fields(config) -> None:
+def check_fields(config: ml_collections.ConfigDict) -> None:
   """Type and range of every numeric/boolean/string field in `RULES` (absent ones are skipped)."""
   problems = []
   for field, rule in RULES.items():
@@ -131,7 +133,7 @@ def check_fields(config) -> None:
     raise ConfigError("invalid config: " + "; ".join(problems))
 
 
-def check_combinations(config) -> None:
+def check_combinations(config: ml_collections.ConfigDict) -> None:
   """Constraints between fields: devices, queue vs batch, AMI layers, task names."""
   import jax  # pylint: disable=import-outside-toplevel
   if config.batch_size % jax.device_count():
@@ -148,7 +150,7 @@ def check_combinations(config) -> None:
   _final_tasks(config)
 
 
-def _final_tasks(config) -> list[str]:
+def _final_tasks(config: ml_collections.ConfigDict) -> list[str]:
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
   if not config.eval.final_tasks:
     return []
@@ -158,7 +160,7 @@ def _final_tasks(config) -> list[str]:
     raise ConfigError(f"eval.final_tasks: {e}") from e
 
 
-def check_senteval(config) -> None:
+def check_senteval(config: ml_collections.ConfigDict) -> None:
   """With dev selection on, a SentEval dir that exists must hold STS-B dev (and the final tasks).
 
   A missing default dir only disables selection (with a warning, see `DevSelector`); a missing
@@ -223,7 +225,7 @@ def config_differences(saved: dict, config_dict: dict) -> list[str]:
   return differences
 
 
-def check_resume_compatible(config, workdir: str) -> None:
+def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
   """A workdir with checkpoints resumes only a run with the same model, data and objective."""
   if not has_checkpoints(workdir):
     return
@@ -235,7 +237,7 @@ def check_resume_compatible(config, workdir: str) -> None:
         "To start fresh, pass a new --workdir (or delete this one); to resume, use its config.json values")
 
 
-def check_run(config, workdir: str) -> None:
+def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
   """All checks that need no model: call before anything is loaded, built or written."""
   check_fields(config)
   check_combinations(config)
@@ -244,7 +246,7 @@ def check_run(config, workdir: str) -> None:
   check_senteval(config)
 
 
-def check_against_model(config, bert_config) -> None:
+def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
   """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
   from micse_jax.training.step import resolve_layers  # pylint: disable=import-outside-toplevel
   if config.ami.enabled:

@@ -8,6 +8,7 @@ A flag or override that does not parse exits 2, bad input (`MicseError`) exits 1
 """
 import logging
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -20,7 +21,7 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config.js
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def train(config, workdir: str) -> dict:
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains with bad input reported as one line (exit 1); returns the final results."""
   # Imported here so `--help` and flag errors stay fast.
   from micse_jax.training import mesh, summary, trainer  # pylint: disable=import-outside-toplevel

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 import jax
 import orbax.checkpoint as ocp
@@ -18,6 +19,9 @@ from micse_jax.evaluation import report, senteval_data, sts
 from micse_jax.evaluation.runner import run_evaluation
 from micse_jax.models.bert import BertModel
 from micse_jax.training import checkpoint
+
+if TYPE_CHECKING:
+  from micse_jax.training.trainer import Run
 
 EVAL_POOLER = "cls_before_pooler"
 
@@ -31,7 +35,7 @@ def params_encode_fn(encoder: SentenceEncoder, params: dict, batch_size: int):
 class DevSelector:
   """Scores STS-B dev (and optionally SICK-R dev) with [CLS] before the MLP; keeps the best."""
 
-  def __init__(self, run, workdir: str):
+  def __init__(self, run: Run, workdir: str):
     self.dir = run.config.eval.senteval_dir
     self.enabled = run.config.eval_every > 0 and os.path.isdir(self.dir)
     if run.config.eval_every > 0 and not self.enabled:
@@ -62,7 +66,7 @@ class DevSelector:
     return scores
 
 
-def final_evaluation(run, workdir: str, state, selector: DevSelector) -> dict:
+def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> dict:
   """Evaluates the best (else the last) params on `eval.final_tasks`; writes results.json."""
   tasks = run.config.eval.final_tasks
   if not tasks or not os.path.isdir(run.config.eval.senteval_dir):

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from micse_jax.losses.ami import ami_loss
@@ -42,7 +43,7 @@ class Networks:
   ami_layers: tuple[int, ...]
 
 
-def build_networks(config, bert_config: BertConfig) -> Networks:
+def build_networks(config: ml_collections.ConfigDict, bert_config: BertConfig) -> Networks:
   dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
   p = config.momentum.dropout
@@ -59,7 +60,7 @@ def _views(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   return {k: jnp.concatenate([v, v], axis=0) for k, v in batch.items()}
 
 
-def make_train_step(config, nets: Networks, tx: optax.GradientTransformation,
+def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any]) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Returns the pure (un-jitted) step; `trainer` jits it with shardings and donation."""
   use_ami, use_momentum = config.ami.enabled, config.momentum.enabled
