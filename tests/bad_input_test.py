@@ -50,6 +50,7 @@ def base(tmp_path_factory, minilm_dir):
   corpora.mkdir()
   (corpora / "empty.txt").write_bytes(b"")
   (corpora / "binary.bin").write_bytes(bytes(range(256)) * 64)
+  (corpora / "blank.txt").write_bytes(b"\n  \n\t\n")
   (corpora / "a_directory").mkdir()
   (corpora / "huge_line.txt").write_text("word " * 200_000 + "\n", encoding="utf-8")
   (corpora / "few.txt").write_text("one sentence\nanother one\nthree\n", encoding="utf-8")
@@ -119,6 +120,7 @@ def _write_stsb(root, dev_lines=None, with_train=True):
 MAIN_CASES = {  # name: (config changes as a function of the fixture paths, expected fragments)
     "corpus_empty": (lambda b: {"data.corpus": f"{b['corpora']}/empty.txt"}, ["empty"]),
     "corpus_binary": (lambda b: {"data.corpus": f"{b['corpora']}/binary.bin"}, ["UTF-8"]),
+    "corpus_blank_lines": (lambda b: {"data.corpus": f"{b['corpora']}/blank.txt"}, ["blank"]),
     "corpus_directory": (lambda b: {"data.corpus": f"{b['corpora']}/a_directory"}, ["directory"]),
     "corpus_one_huge_line": (lambda b: {"data.corpus": f"{b['corpora']}/huge_line.txt"}, ["huge_line"]),
     "corpus_fewer_than_batch": (lambda b: {"data.corpus": f"{b['corpora']}/few.txt"}, ["few.txt"]),
