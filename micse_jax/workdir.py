@@ -57,7 +57,7 @@ def step_reader(directory: str) -> ocp.CheckpointManager:
   """A read-only manager that can open any step's saved tree (no registered save args needed)."""
   return ocp.CheckpointManager(
       os.path.abspath(directory), item_handlers=ocp.PyTreeCheckpointHandler(),
-      options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+      options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0))
 
 
 def current_device_sharding() -> jax.sharding.Sharding:
