@@ -149,7 +149,7 @@ def newest_readable(steps, restore_fn, directory: str):
     if failures:
       logging.warning("falling back to checkpoint step %d in %s", step, directory)
     return step, result
-  raise CheckpointError(f"no readable checkpoint in {directory} ({failures[0]})")
+  raise CheckpointError(f"no checkpoint in {directory} could be restored (newest: {failures[0]})")
 
 
 def restore_for_export(workdir: str, which: str | int = "latest") -> dict:

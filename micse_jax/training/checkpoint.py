@@ -17,7 +17,9 @@ import shutil
 import jax
 import orbax.checkpoint as ocp
 
-from micse_jax.workdir import best_manager, current_device_sharding, newest_readable, rolling_manager
+from micse_jax.errors import CheckpointError
+from micse_jax.workdir import (best_manager, current_device_sharding, newest_readable, rolling_manager,
+                               unreadable_reason)
 
 __all__ = ["best_manager", "rolling_manager", "save_state", "restore_state", "resume", "save_best"]
 
@@ -49,7 +51,13 @@ def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | No
   Without `step`, an unreadable (truncated, corrupt) newest checkpoint falls back to the previous
   good one with a warning line; CheckpointError (one line) when no checkpoint can be read.
   """
-  return _newest_readable_state(manager, abstract_state, manager.all_steps() if step is None else [step])[1]
+  if step is None:
+    return _newest_readable_state(manager, abstract_state, manager.all_steps())[1]
+  try:
+    return manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(abstract_state)))
+  except Exception as e:  # Orbax, TensorStore and file errors alike
+    raise CheckpointError(f"cannot restore checkpoint step {step} in {manager.directory}: "
+                          f"{unreadable_reason(e)}") from e
 
 
 def resume(manager: ocp.CheckpointManager, abstract_state):
