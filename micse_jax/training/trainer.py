@@ -90,7 +90,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if rolling.latest_step() is not None:
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state, state_sharding)
-    state = checkpoint.restore_state(rolling, abstract)
+    state = checkpoint.resume(rolling, abstract)  # any topology; skips an unreadable latest step
     logging.info("resumed from step %d", int(state.step))
   else:
     state = jax.device_put(initial_state(run, tx), state_sharding)
