@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from micse_jax.data import subset_indices
 from micse_jax.training import checkpoint, trainer
 from micse_jax.training.optim import make_optimizer
 from tests.train_utils import tiny_training_config
@@ -24,13 +25,16 @@ def _restore(workdir, config):
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path, minilm_dir):
-  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=3, checkpoint_every=3)
+  # n = B = 8: from step 1 every anchor meets its own sentence in the queue, so the hosts' rows
+  # of global corpus ids and the same-sentence mask are part of what must match.
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=3, checkpoint_every=3,
+                                **{"data.num_sentences": 8})
   overrides = [f"--config.{k}={v}" for k, v in {
       "model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
       "batch_size": 8, "num_train_steps": 3, "checkpoint_every": 3, "eval_every": 0,
       "eval.final_tasks": "", "model.max_length": 16, "momentum.queue_size": 12,
       "ami.layers": "(0,1)", "ami.num_samples": 20, "optim.warmup_steps": 2,
-      "optim.learning_rate": 1e-3}.items()]
+      "optim.learning_rate": 1e-3, "data.num_sentences": 8}.items()]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   multi = str(tmp_path / "multi")
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
@@ -41,5 +45,7 @@ def test_two_processes_match_one_process(tmp_path, minilm_dir):
   trainer.train_and_evaluate(config, single)
   a, b = _restore(single, config), _restore(multi, config)
   assert int(a.step) == int(b.step) == 3
+  ids = np.asarray(b.queue_ids)  # 3 pushes of 8 into 12 slots; each batch is the whole subset
+  assert len(ids) == 12 and set(ids.tolist()) == set(subset_indices(96, 8, seed=0).tolist())
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-4, atol=1e-5)
