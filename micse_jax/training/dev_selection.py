@@ -12,8 +12,8 @@ import os
 from typing import TYPE_CHECKING
 
 import jax
-import orbax.checkpoint as ocp
 
+from micse_jax import workdir as workdir_lib
 from micse_jax.encoder import SentenceEncoder
 from micse_jax.evaluation import report, senteval_data, sts
 from micse_jax.evaluation.runner import run_evaluation
@@ -73,8 +73,7 @@ def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> di
     return {}
   params, which = state.params, f"last step {int(state.step)}"
   if selector.manager.all_steps():
-    best_step = selector.manager.best_step()
-    params = selector.manager.restore(best_step, args=ocp.args.StandardRestore())["params"]
+    best_step, params = workdir_lib.restore_params(workdir, "best")  # on any topology
     which = f"best STS-B dev (step {best_step}, {selector.best:.2f})"
   results = run_evaluation(selector.encode_fn(params), run.config.eval.senteval_dir, tasks)
   document = report.build_report(results, model=os.path.abspath(workdir), pooler=EVAL_POOLER,

@@ -23,6 +23,7 @@ from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.queue import self_collision_warning
 from micse_jax.training.state import TrainState, create_train_state
 from micse_jax.training.step import Networks, build_networks, make_train_step
 
@@ -50,6 +51,10 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
       config.data.corpus, tokenizer, max_length=config.model.max_length,
       global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
       subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0)
+  warning = config.momentum.enabled and self_collision_warning(
+      batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
+  if warning and jax.process_index() == 0:
+    logging.warning(warning)
   nets = build_networks(config, bert_config)
   head = MLPHead(bert_config.hidden_size, bert_config.initializer_range)
   head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, bert_config.hidden_size)))["params"]
@@ -90,7 +95,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if rolling.latest_step() is not None:
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state, state_sharding)
-    state = checkpoint.restore_state(rolling, abstract)
+    state = checkpoint.resume(rolling, abstract)  # any topology; skips an unreadable latest step
     logging.info("resumed from step %d", int(state.step))
   else:
     state = jax.device_put(initial_state(run, tx), state_sharding)
