@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from micse_jax.data.pipeline import SENTENCE_IDS_KEY, TOKEN_KEYS
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import collect_attentions
@@ -61,7 +62,8 @@ def random_batch(batch_size: int, length: int, vocab: int, seed: int = 0) -> dic
   lengths = rng.integers(length // 2, length + 1, batch_size)
   ids = rng.integers(1000, vocab, (batch_size, length)).astype(np.int32)
   mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
-  return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+  return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": np.zeros_like(ids),
+          "sentence_ids": np.arange(batch_size, dtype=np.int32)}  # distinct sentences: nothing masked
 
 
 def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: int, dtype: str):
@@ -129,15 +131,17 @@ class JaxStep:
     a = c.ami
 
     @jax.jit
-    def online_fwd_bwd(params, batch, queue, valid, k_drop):
+    def online_fwd_bwd(params, batch, queue, valid, queue_ids, k_drop):
       def loss_fn(params):
-        views = {k: jnp.concatenate([v, v], axis=0) for k, v in batch.items()}
+        views = {k: jnp.concatenate([batch[k], batch[k]], axis=0) for k in TOKEN_KEYS}
         out, inter = nets.online.apply(
             {"params": params["encoder"]}, views["input_ids"], views["attention_mask"],
             views["token_type_ids"], deterministic=False, rngs={"dropout": k_drop}, mutable=["intermediates"])
         z = nets.head.apply({"params": params["head"]}, out.last_hidden_state[:, 0])
         z1, z2 = jnp.split(z.astype(jnp.float32), 2)
-        loss, _ = info_nce_loss(z1, z2, queue, valid, temperature=c.loss.temperature)
+        loss, _ = info_nce_loss(z1, z2, queue, valid, temperature=c.loss.temperature,
+                                anchor_ids=batch[SENTENCE_IDS_KEY], queue_ids=queue_ids,
+                                mask_same_sentence=c.momentum.mask_same_sentence)
         return loss, collect_attentions(inter["intermediates"], nets.ami_layers)
       (loss, att), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
       return loss, att, grads
@@ -166,9 +170,9 @@ class JaxStep:
 
     s, b = self.state, self.batch
     k_drop, k_mom, k_ami = self.keys()
-    loss, att, grads = online_fwd_bwd(s.params, b, s.queue, s.queue_valid, k_drop)
+    loss, att, grads = online_fwd_bwd(s.params, b, s.queue, s.queue_valid, s.queue_ids, k_drop)
     return {
-        "online_fwd_bwd": lambda: online_fwd_bwd(s.params, b, s.queue, s.queue_valid, k_drop),
+        "online_fwd_bwd": lambda: online_fwd_bwd(s.params, b, s.queue, s.queue_valid, s.queue_ids, k_drop),
         "ami": lambda: ami(att, b["attention_mask"], k_ami),
         "momentum_fwd": lambda: momentum_fwd(s.ema_params, s.params["head"], b, k_mom, s.queue,
                                              s.queue_valid, s.queue_ptr),

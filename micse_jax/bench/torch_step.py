@@ -41,7 +41,8 @@ def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps:
   opt = torch.optim.AdamW(params, lr=3e-5, weight_decay=0.0)
   queue = torch.nn.functional.normalize(torch.randn(384, hidden, device=device), dim=-1)
   ptr = [0]
-  b = {k: torch.tensor(v, dtype=torch.long, device=device) for k, v in batch.items()}
+  tokens = ("input_ids", "attention_mask", "token_type_ids")
+  b = {k: torch.tensor(batch[k], dtype=torch.long, device=device) for k in tokens}
   two = {k: torch.cat([v, v]) for k, v in b.items()}
   n = b["input_ids"].shape[0]
   half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)

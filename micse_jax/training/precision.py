@@ -33,17 +33,6 @@ def compute_dtype(name: str):
   return COMPUTE_DTYPES[name]
 
 
-def check_config(config) -> None:
-  """Raises ConfigError for a bad `model.dtype`, loss-scale or dropout-bits field."""
-  m = config.model
-  compute_dtype(m.dtype)
-  if not m.loss_scale_init > 0 or int(m.loss_scale_period) < 1:
-    raise ConfigError(f"model.loss_scale_init must be > 0 and model.loss_scale_period >= 1 "
-                      f"(got {m.loss_scale_init}, {m.loss_scale_period})")
-  if m.dropout_random_bits not in (16, 32):
-    raise ConfigError(f"model.dropout_random_bits must be 16 or 32, got {m.dropout_random_bits}")
-
-
 def uses_loss_scaling(config) -> bool:
   return config.model.dtype == "float16"
 
