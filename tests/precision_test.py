@@ -14,7 +14,8 @@ from tests.train_utils import tiny_training_config
 def _toy_state(loss_scale):
   return TrainState(step=jnp.asarray(5, jnp.int32), params={"w": jnp.ones(3)}, ema_params={"w": jnp.zeros(3)},
                     opt_state={"mu": jnp.full(3, 0.5)}, queue=jnp.zeros((2, 3)), queue_valid=jnp.zeros(2, bool),
-                    queue_ptr=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(0), loss_scale=loss_scale)
+                    queue_ptr=jnp.zeros((), jnp.int32), queue_ids=jnp.full(2, -1, jnp.int32),
+                    rng=jax.random.PRNGKey(0), loss_scale=loss_scale)
 
 
 def _scale_state(scale, counter=0, skipped=0):
