@@ -9,6 +9,8 @@ import os
 
 import ml_collections
 
+from configs.methods import add_method_fields
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 
@@ -73,6 +75,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.sickr_dev = False            # also log SICK-R dev
   c.eval.final_tasks = "sts"          # evaluated on the best checkpoint at the end; "" skips
   c.eval.batch_size = 128
+
+  add_method_fields(c, SHARED_DATA)  # views and loss terms of the relatives (issue 7)
 
   if arg == "demo":
     _apply_demo(c)
