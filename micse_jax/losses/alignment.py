@@ -1,4 +1,4 @@
-"""Alignment and uniformity (Wang & Isola 2020, Eq. 4-5) and the positive-only objective
+"""Alignment and uniformity (Wang & Isola 2020, Sec. 4.1) and the positive-only objective
 (miCSE Tab. 4 / App. E).
 
 * alignment: E_{(x, y) positive} || f(x) - f(y) ||_2^alpha  on unit vectors;
@@ -26,7 +26,7 @@ def _unit(z: jax.Array) -> jax.Array:
 
 
 def alignment(z1: jax.Array, z2: jax.Array, alpha: float = 2.0) -> jax.Array:
-  """Wang & Isola Eq. 4: mean over pairs of ||z1n - z2n||^alpha, z L2-normalised.
+  """Wang & Isola L_align: mean over pairs of ||z1n - z2n||^alpha, z L2-normalised.
 
   Args:
     z1: `[N, D]` embeddings; row i is a positive pair with z2 row i.
@@ -39,7 +39,7 @@ def alignment(z1: jax.Array, z2: jax.Array, alpha: float = 2.0) -> jax.Array:
 
 
 def uniformity(z: jax.Array, t: float = 2.0) -> jax.Array:
-  """Wang & Isola Eq. 5: log mean_{i<j} exp(-t ||zn_i - zn_j||^2), z L2-normalised.
+  """Wang & Isola L_uniform: log mean_{i<j} exp(-t ||zn_i - zn_j||^2), z L2-normalised.
 
   Computed with logsumexp over the N (N - 1) / 2 distinct pairs (N >= 2).
   """

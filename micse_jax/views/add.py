@@ -1,4 +1,4 @@
-"""Attention-Driven Dropout, ADD (Stermann et al., ECML PKDD 2024, Sec. 3).
+"""Attention-Driven Dropout, ADD (Stermann et al., ECML PKDD 2024, the ADD layer of the method).
 
 ADD builds SimCSE's second view by *removing* the tokens that the current
 encoder attends to least. Three steps, each a function here:
@@ -7,7 +7,7 @@ encoder attends to least. Three steps, each a function here:
    (a forward pass without gradient; see the trainer):
    * naive (`token_importance_naive`): the attention each token receives,
      summed over layers, heads and query positions;
-   * rollout (`token_importance_rollout`, Abnar & Zuidema 2020, Eq. 1): per
+   * rollout (`token_importance_rollout`, Abnar & Zuidema 2020, Sec. 3): per
      layer, heads averaged and the identity added for the residual path, rows
      renormalised; the layers are multiplied, A~_l = A_l A~_{l-1}, and the
      partial products are summed over layers and query positions.
@@ -42,7 +42,7 @@ def _valid_queries(attention_mask: jax.Array) -> jax.Array:
 
 def token_importance_naive(att: jax.Array, attention_mask: jax.Array, *,
                            last_layer_only: bool = False) -> jax.Array:
-  """Naive ADD importance (ADD Sec. 3): attention received, summed over layers, heads, queries.
+  """Naive ADD importance (ADD method): attention received, summed over layers, heads, queries.
 
   importance[b, k] = sum_{l, h, q real} att[l, b, h, q, k].
 
@@ -77,7 +77,7 @@ def attention_rollout(att: jax.Array) -> jax.Array:
 
 def token_importance_rollout(att: jax.Array, attention_mask: jax.Array, *,
                              last_layer_only: bool = False) -> jax.Array:
-  """Rollout ADD importance (ADD Sec. 3 with Abnar & Zuidema's rollout).
+  """Rollout ADD importance (ADD method with Abnar & Zuidema's rollout).
 
   importance[b, k] = sum_l sum_{q real} R_l[b, q, k], with R_l the rollout up
   to layer l (`attention_rollout`); as in the public code the partial products
@@ -99,7 +99,7 @@ def token_importance_rollout(att: jax.Array, attention_mask: jax.Array, *,
 
 
 def num_tokens_to_drop(lengths: jax.Array, *, mode: str, k: int, threshold: int) -> jax.Array:
-  """How many tokens ADD removes per sentence (ADD Sec. 3, static vs. dynamic rate).
+  """How many tokens ADD removes per sentence (ADD's static vs. dynamic dropout rate).
 
   n = `lengths` counts the real tokens *including* [CLS] and [SEP], as the
   public code's `n_tokens` (every non-padding id) does.
@@ -132,7 +132,7 @@ def num_tokens_to_drop(lengths: jax.Array, *, mode: str, k: int, threshold: int)
 def drop_least_attended(batch: Mapping[str, jax.Array], importance: jax.Array,
                         num_drop: jax.Array, special_mask: jax.Array, *,
                         pad_token_id: int = 0) -> dict[str, jax.Array]:
-  """Removes the `num_drop` least important droppable tokens per row (ADD Sec. 3).
+  """Removes the `num_drop` least important droppable tokens per row (ADD method).
 
   Droppable = real (attention_mask = 1) and not special, so [CLS], [SEP] and
   padding are never removed; ties go to the earlier position. The kept tokens

@@ -1,8 +1,8 @@
 """Token masking views: BERT's MLM corruption and Mirror-BERT's random span masking.
 
 * `mlm_mask`: the masked-language-model corruption of BERT (Devlin et al. 2019,
-  Sec. 3.1, "Task #1") as used by SimCSE's `do_mlm` auxiliary objective (SimCSE
-  App. / `--do_mlm`), ADD and InforMin-CL: 15 % of the real, non-special tokens
+  Sec. 3.1, "Task #1") as used by SimCSE's `--do_mlm` auxiliary objective
+  (public SimCSE code), ADD and InforMin-CL: 15 % of the real, non-special tokens
   are selected; of those 80 % become [MASK], 10 % a random token and 10 % stay.
 * `span_mask` / `span_mask_text`: Mirror-BERT's second view (Liu et al. 2021,
   Sec. 2, "random span masking"): one random contiguous span is replaced by
