@@ -81,6 +81,7 @@ def test_lower_half_layers():
   assert [lower_half_layers(n) for n in (24, 12, 6, 3, 2, 1)] == [6, 6, 3, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_ct_positives_run_across_the_two_encoders(tmp_path, tiny_real_dir):
   """CT loss = InfoNCE(MLP(enc_a [CLS]), MLP(enc_b [CLS])) with enc_b a separate parameter set."""
   config = _config(tmp_path, tiny_real_dir, "ct")
@@ -154,6 +155,7 @@ def test_add_view_drops_least_attended_by_the_current_encoder(tmp_path, tiny_rea
 
 # ---------------------------------------------------------------- InfoCSE gradient isolation
 
+@pytest.mark.slow
 def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_real_dir):
   """d L_aux / d θ_encoder == (d [CLS] / d θ)ᵀ · d L_aux / d [CLS]: the chain through [CLS] alone."""
   config = _config(tmp_path, tiny_real_dir, "infocse")
@@ -185,6 +187,7 @@ def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_re
   assert "infocse_lower" not in params
 
 
+@pytest.mark.slow
 def test_infocse_pretraining_leaves_the_encoder_alone(tmp_path, tiny_real_dir):
   config = _config(tmp_path, tiny_real_dir, "infocse", num_train_steps=4)
   config.infocse.pretrain_steps = 2
@@ -235,6 +238,7 @@ def test_infocse_without_mlm_head_is_one_error_line_before_compiling(tmp_path, m
 
 # ---------------------------------------------------------------- analysis metrics
 
+@pytest.mark.slow
 def test_analysis_uniformity_matches_torch_embeddings(tmp_path, tiny_real_dir):
   from micse_jax.training.analysis import analysis_metrics, analysis_layers
   config = _config(tmp_path, tiny_real_dir, "simcse")
