@@ -175,31 +175,3 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_d
   assert last is not None and last < 8
   state = _restore_latest(workdir, config)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
-
-
-def _main(tmp_path, *args):
-  cmd = [sys.executable, "-m", "micse_jax.main", "--config", "configs/micse.py:demo",
-         "--workdir", str(tmp_path / "wd"), *args]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.parametrize("case", ["missing", "empty", "blank", "binary", "model", "key"])
-def test_bad_input_one_error_line_no_checkpoint(tmp_path, minilm_dir, case):
-  corpus = tmp_path / "c.txt"
-  content = {"empty": b"", "blank": b"\n  \n\t\n", "binary": b"good line\n\xff\xfe bad\n"}
-  if case in content:
-    corpus.write_bytes(content[case])
-  args = [f"--config.data.corpus={corpus}", f"--config.model.name_or_path={minilm_dir}"]
-  if case == "model":
-    args = [f"--config.data.corpus={corpus}", f"--config.model.name_or_path={tmp_path / 'no_model'}"]
-    corpus.write_text("a sentence\n" * 50)
-  if case == "key":
-    args.append("--config.no_such_key=3")
-  out = _main(tmp_path, *args)
-  assert out.returncode != 0
-  errors = [l for l in out.stderr.splitlines() if l.startswith(("error:", "FATAL"))]
-  assert len(errors) == 1, out.stderr[-2000:]
-  expected = {"missing": "not found", "empty": "empty", "blank": "blank", "binary": "UTF-8",
-              "model": "does not exist", "key": "no_such_key"}[case]
-  assert expected in errors[0], errors[0]
-  assert not os.path.exists(tmp_path / "wd" / "checkpoints")

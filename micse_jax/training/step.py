@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from micse_jax.losses.infonce import l2_normalize
@@ -32,7 +33,7 @@ def step_keys(state: TrainState) -> dict[str, jax.Array]:
   return dict(zip(KEY_NAMES, jax.random.split(jax.random.fold_in(state.rng, state.step), len(KEY_NAMES))))
 
 
-def make_loss_fn(config, nets: Networks) -> Callable:
+def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks) -> Callable:
   """loss_fn(params, frozen, batch, queue, queue_valid, keys, step) -> (loss, metrics)."""
   second_view, encode = SECOND_VIEWS[config.view.kind], encode_views(config)
   head_b = "head_b" if config.ct.enabled else "head"
@@ -68,7 +69,7 @@ def make_loss_fn(config, nets: Networks) -> Callable:
   return loss_fn
 
 
-def make_train_step(config, nets: Networks, tx: optax.GradientTransformation,
+def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any]) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Returns the pure (un-jitted) step; `trainer` jits it with shardings and donation."""
   use_momentum = config.momentum.enabled
