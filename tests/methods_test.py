@@ -92,7 +92,7 @@ def test_ct_positives_run_across_the_two_encoders(tmp_path, tiny_real_dir):
   emb = params["encoder_b"]["embeddings"]["word_embeddings"]["embedding"]
   params["encoder_b"]["embeddings"]["word_embeddings"]["embedding"] = emb + 0.05 * jnp.sin(jnp.arange(emb.size).reshape(emb.shape))
   batch = _batch(run)
-  loss, metrics = make_loss_fn(config, nets)(params, {}, batch, None, None, step_keys_for(0), 0)
+  loss, metrics = make_loss_fn(config, nets)(params, {}, batch, None, None, None, step_keys_for(0), 0)
   apply = lambda p: np.asarray(nets.online.apply({"params": p}, *tokens_of(batch).values()).last_hidden_state[:, 0])
   z1 = _np_mlp(params["head"], apply(params["encoder"]))
   z2 = _np_mlp(params["head_b"], apply(params["encoder_b"]))
@@ -102,7 +102,7 @@ def test_ct_positives_run_across_the_two_encoders(tmp_path, tiny_real_dir):
 def step_keys_for(step):
   from micse_jax.training.state import TrainState
   fake = TrainState(step=jnp.asarray(step), params={}, ema_params={}, opt_state={}, queue={}, queue_valid={},
-                    queue_ptr={}, rng=jax.random.PRNGKey(0))
+                    queue_ptr={}, queue_ids={}, rng=jax.random.PRNGKey(0))
   return step_keys(fake)
 
 

@@ -12,6 +12,7 @@ import pytest
 from micse_jax import convert
 from micse_jax.models.loading import load_hf_state_dict
 from micse_jax.models import weights
+from micse_jax.data import subset_indices
 from micse_jax.training import checkpoint, trainer
 from micse_jax.training.optim import make_optimizer
 from tests.portable_checkpoint_test import EXPORT_ATOL, RESUME_ATOL, drop_steps_after
@@ -35,13 +36,16 @@ def _assert_close(a, b, atol):
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path, minilm_dir):
-  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=4, checkpoint_every=2)
+  # n = B = 8: from step 1 every anchor meets its own sentence in the queue, so the hosts' rows
+  # of global corpus ids and the same-sentence mask are part of what must match.
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=4, checkpoint_every=2,
+                                **{"data.num_sentences": 8})
   overrides = [f"--config.{k}={v}" for k, v in {
       "model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
       "batch_size": 8, "num_train_steps": 4, "checkpoint_every": 2, "eval_every": 0,
       "eval.final_tasks": "", "model.max_length": 16, "momentum.queue_size": 12,
       "ami.layers": "(0,1)", "ami.num_samples": 20, "optim.warmup_steps": 2,
-      "optim.learning_rate": 1e-3}.items()]
+      "optim.learning_rate": 1e-3, "data.num_sentences": 8}.items()]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   multi = str(tmp_path / "multi")
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
@@ -53,6 +57,8 @@ def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path
   a, b = _restore(single, config), _restore(multi, config)
   assert int(a.step) == int(b.step) == 4
   _assert_close(a, b, RESUME_ATOL)  # reduction order across 4 devices vs 1
+  ids = np.asarray(b.queue_ids)  # 4 pushes of 8 into 12 slots; each batch is the whole subset
+  assert len(ids) == 12 and set(ids.tolist()) == set(subset_indices(96, 8, seed=0).tolist())
 
   # convert in one process: exactly the params the 2-process run saved
   assert jax.process_count() == 1 and jax.device_count() == 1

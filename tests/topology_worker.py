@@ -2,7 +2,6 @@
 portable_checkpoint_test.py): trains a workdir on 4 devices, keeps a best checkpoint from the
 4-device params, exports it on this topology, and resumes a 1-device run on 4 devices."""
 import json
-import os
 import pathlib
 import shutil
 import sys

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from micse_jax.data.pipeline import SENTENCE_IDS_KEY
 from micse_jax.losses.infonce import l2_normalize
 from micse_jax.training import terms
 from micse_jax.training.ema import ema_update
 from micse_jax.training.networks import Networks, build_networks, resolve_layers  # noqa: F401 (re-export)
-from micse_jax.training.queue import enqueue
+from micse_jax.training.queue import enqueue, enqueue_ids
 from micse_jax.training.state import TrainState
 from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
 
@@ -34,7 +35,7 @@ def step_keys(state: TrainState) -> dict[str, jax.Array]:
 
 
 def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks) -> Callable:
-  """loss_fn(params, frozen, batch, queue, queue_valid, keys, step) -> (loss, metrics)."""
+  """loss_fn(params, frozen, batch, queue, queue_valid, queue_ids, keys, step) -> (loss, metrics)."""
   second_view, encode = SECOND_VIEWS[config.view.kind], encode_views(config)
   head_b = "head_b" if config.ct.enabled else "head"
   pretrain_steps = config.infocse.pretrain_steps if config.infocse.enabled else 0
@@ -42,11 +43,12 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks) -> Callable:
   def project(params, head_name, hidden):
     return nets.head.apply({"params": params[head_name]}, hidden[:, 0]).astype(jnp.float32)
 
-  def loss_fn(params, frozen, batch, queue, queue_valid, keys, step):
+  def loss_fn(params, frozen, batch, queue, queue_valid, queue_ids, keys, step):
     view2 = second_view(params, batch, keys["view"], nets, config)
     enc = encode(params, tokens_of(batch), view2, keys["drop"], nets)
     z1, z2 = project(params, "head", enc.hidden1), project(params, head_b, enc.hidden2)
-    parts = [terms.contrastive_term(z1, z2, queue, queue_valid, config)]
+    parts = [terms.contrastive_term(z1, z2, queue, queue_valid, config,
+                                    anchor_ids=batch.get(SENTENCE_IDS_KEY), queue_ids=queue_ids)]
     if config.ami.enabled:
       parts.append(terms.ami_term(enc.att1, enc.att2, batch["attention_mask"], keys["ami"], config))
     if config.reconstruction.enabled:
@@ -86,8 +88,9 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     keys = step_keys(state)
     queue = state.queue if use_momentum else None
     valid = state.queue_valid if use_momentum else None
+    queue_ids = state.queue_ids if use_momentum else None
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, state.frozen_params, batch, queue, valid, keys, state.step)
+        state.params, state.frozen_params, batch, queue, valid, queue_ids, keys, state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -95,7 +98,8 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
       embeddings = momentum_embeddings(state, batch, keys["momentum"])
       q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, embeddings)
       new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
-                        queue=q, queue_valid=v, queue_ptr=ptr)
+                        queue=q, queue_valid=v, queue_ptr=ptr,
+                        queue_ids=enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY]))
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
     return new, metrics
 

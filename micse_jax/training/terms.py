@@ -25,13 +25,16 @@ from micse_jax.training.views import special_mask
 from micse_jax.views import mlm_mask
 
 
-def contrastive_term(z1, z2, queue, queue_valid, config):
-  """InfoNCE (in-batch + queue negatives), or the positive-only alignment objective."""
+def contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=None, queue_ids=None):
+  """InfoNCE (in-batch + queue negatives; queue entries of the anchor's own sentence masked when
+  `momentum.mask_same_sentence`), or the positive-only alignment objective."""
   if config.loss.objective == "positive_only":
     loss = positive_only_loss(z1, z2, temperature=config.loss.temperature)
     pos_cos = jnp.mean(jnp.sum(l2_normalize(z1) * l2_normalize(z2), axis=-1))
     return loss, {"positive_only": loss, "pos_cos": pos_cos}
-  loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature)
+  loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature,
+                                anchor_ids=anchor_ids, queue_ids=queue_ids,
+                                mask_same_sentence=config.momentum.mask_same_sentence)
   return loss, dict(metrics, infonce=loss)
 
 

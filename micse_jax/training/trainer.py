@@ -27,6 +27,7 @@ from micse_jax.training.method_checks import check_method_config, check_mlm_head
 from micse_jax.training.method_params import method_params
 from micse_jax.training.networks import SpecialTokens
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.queue import self_collision_warning
 from micse_jax.training.state import TrainState, create_train_state
 from micse_jax.training.step import Networks, build_networks, make_train_step
 
@@ -59,6 +60,10 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
       config.data.corpus, tokenizer, max_length=config.model.max_length,
       global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
       subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0)
+  warning = config.momentum.enabled and self_collision_warning(
+      batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
+  if warning and jax.process_index() == 0:
+    logging.warning(warning)
   nets = build_networks(config, bert_config, SpecialTokens.from_tokenizer(tokenizer, bert_config.vocab_size))
   head = MLPHead(bert_config.hidden_size, bert_config.initializer_range)
   head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, bert_config.hidden_size)))["params"]
