@@ -101,12 +101,14 @@ class TrainBatches:
   See the module docstring for the shuffle / epoch / sharding semantics.
   """
 
-  def __init__(self, tokens: Mapping[str, np.ndarray], global_batch_size: int, seed: int,
+  def __init__(self, tokens, global_batch_size: int, seed: int,
                process_index: int = 0, process_count: int = 1):
     """Builds the grain schedule.
 
     Args:
-      tokens: dict of int32 arrays `[N, length]` (`TOKEN_KEYS`).
+      tokens: dict of int32 arrays `[N, length]` (`TOKEN_KEYS`), or a random-access row
+        source with `len()` and `gather(indices) -> token dict` (a prepared corpus,
+        `micse_jax.data.prepared`), which is read only at the rows of this host's batches.
       global_batch_size: sentences per step summed over all hosts.
       seed: non-negative shuffle seed.
       process_index: this host's index in `[0, process_count)`.
@@ -115,8 +117,12 @@ class TrainBatches:
     Raises:
       ValueError: inconsistent arguments or fewer than `global_batch_size` sentences.
     """
-    self._num_sentences = _validate_tokens(tokens)
-    self.tokens = {k: np.asarray(tokens[k], dtype=np.int32) for k in TOKEN_KEYS}
+    if isinstance(tokens, Mapping):
+      self._num_sentences = _validate_tokens(tokens)
+      self.tokens = {k: np.asarray(tokens[k], dtype=np.int32) for k in TOKEN_KEYS}
+      self._rows = None
+    else:  # a row source (prepared corpus): rows are read on demand
+      self._num_sentences, self.tokens, self._rows = len(tokens), None, tokens
     self._check_sizes(global_batch_size, process_index, process_count)
     self.global_batch_size = int(global_batch_size)
     self.process_index = int(process_index)
@@ -146,6 +152,8 @@ class TrainBatches:
 
   def _gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     """Token rows for corpus `indices`."""
+    if self._rows is not None:
+      return self._rows.gather(indices)
     return {k: v[indices] for k, v in self.tokens.items()}
 
   @property
@@ -196,7 +204,8 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
   """Reads, subsets and tokenizes a corpus file into `TrainBatches`.
 
   Args:
-    corpus_path: UTF-8 text file, one sentence per line.
+    corpus_path: UTF-8 text file, one sentence per line, or a directory written by
+      `python -m micse_jax.prepare_data` (its tokenizer and max_length must match).
     tokenizer: a `micse_jax.tokenization.Tokenizer`.
     max_length: fixed padded sequence length.
     global_batch_size: sentences per step over all hosts.
@@ -215,15 +224,22 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
       than one global batch.
   """
   corpus_path = os.fspath(corpus_path)
-  sentences = read_corpus(corpus_path)
-  try:
-    sentences = select_subset(sentences, num_sentences, subset_seed)
-  except CorpusError as e:
-    raise CorpusError(f"{corpus_path}: {e}") from e
-  if len(sentences) < global_batch_size:
-    raise CorpusError(f"corpus {corpus_path} gives {len(sentences)} training sentences, "
+  if os.path.isdir(corpus_path):  # pre-tokenized (python -m micse_jax.prepare_data): rows read on demand
+    from micse_jax.data import prepared  # pylint: disable=import-outside-toplevel
+    tokens = prepared.open_prepared(corpus_path, tokenizer, max_length, num_sentences, subset_seed)
+    count = len(tokens)
+  else:
+    sentences = read_corpus(corpus_path)
+    try:
+      sentences = select_subset(sentences, num_sentences, subset_seed)
+    except CorpusError as e:
+      raise CorpusError(f"{corpus_path}: {e}") from e
+    tokens, count = None, len(sentences)
+  if count < global_batch_size:
+    raise CorpusError(f"corpus {corpus_path} gives {count} training sentences, "
                       f"fewer than one global batch of {global_batch_size}")
-  tokens = tokenize_corpus(sentences, tokenizer, max_length, show_progress=show_progress)
+  if tokens is None:
+    tokens = tokenize_corpus(sentences, tokenizer, max_length, show_progress=show_progress)
   if process_index is None:
     process_index = jax.process_index()
   if process_count is None:
