@@ -6,6 +6,7 @@
 Train on it with `--config.data.corpus=data/wiki1m_bert32` (the model's tokenizer and
 `model.max_length` must match what is recorded). See `micse_jax/data/prepared.py`.
 """
+import logging
 import sys
 import time
 
@@ -28,6 +29,7 @@ def main(argv):
   from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel
   from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
+  logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   try:
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(FLAGS.tokenizer))
     meta = prepare_corpus(FLAGS.corpus, tokenizer, FLAGS.tokenizer, FLAGS.max_length, FLAGS.output,

@@ -7,6 +7,8 @@ runs and resumes interrupted ones. `--report` writes results.{json,md,csv} and t
 sweep directory. `--dry_run` prints the plan (and, for SLURM, writes the sbatch script) only.
 """
 import os
+import shlex
+import logging
 import sys
 
 from absl import app, flags
@@ -48,6 +50,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
+  logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   sweep = FLAGS.config
   sweep_dir = os.path.abspath(FLAGS.sweep_dir or os.path.join("runs", "sweeps", sweep.name))
   try:
@@ -72,7 +75,7 @@ def main(argv):
                                      extra_setup=tuple(FLAGS.setup))
   if FLAGS.dry_run:
     for run in todo:
-      print(" ".join(spec.main_command(run)))
+      print(shlex.join(spec.main_command(run)))
     if FLAGS.executor == "slurm" and todo:
       os.makedirs(sweep_dir, exist_ok=True)
       path = os.path.join(sweep_dir, "sweep.sbatch")

