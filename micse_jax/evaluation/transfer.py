@@ -52,7 +52,7 @@ MAX_ITER = 150
 TOL = 1e-4
 FIT_BATCH_ENTRIES = 1 << 20
 MAX_FITS_PER_CALL = 64
-SEED = 1111
+SEED = senteval_data.SEED
 FULL_FOLDS = {"outer": 10, "inner": 10, "kfold": 10}
 FAST_FOLDS = {"outer": 5, "inner": 3, "kfold": 3}
 

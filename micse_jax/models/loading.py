@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from micse_jax.errors import ModelLoadError  # re-exported
 from micse_jax.models import weights
 from micse_jax.models.bert import BertConfig, BertModel
 
@@ -23,10 +24,6 @@ HUB_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer
 # are initialised randomly with a warning; anything else missing is an error.
 OPTIONAL_PREFIXES = ("pooler/", "cls/")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
-
-
-class ModelLoadError(ValueError):
-  """A checkpoint could not be turned into parameters."""
 
 
 def _looks_like_local_path(name: str) -> bool:

@@ -10,23 +10,19 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from micse_jax import workdir as workdir_lib
 from micse_jax.data.pipeline import build_train_batches
-from micse_jax.encoder import SentenceEncoder
-from micse_jax.models.bert import BertModel
+from micse_jax.errors import NonFiniteLossError
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import load_pretrained
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
+from micse_jax.training.dev_selection import DevSelector, final_evaluation
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState, create_train_state
 from micse_jax.training.step import build_networks, make_train_step
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN/inf; the last saved checkpoint is the last good state."""
 
 
 @dataclasses.dataclass
@@ -80,43 +76,6 @@ def _check_finite(metrics: dict, step: int) -> dict:
   return host
 
 
-class DevSelector:
-  """Scores STS-B dev (and optionally SICK-R dev) with [CLS] before the MLP; keeps the best."""
-
-  def __init__(self, run: Run, workdir: str):
-    from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
-    self.dir = run.config.eval.senteval_dir
-    self.enabled = run.config.eval_every > 0 and os.path.isdir(self.dir)
-    if run.config.eval_every > 0 and not self.enabled:
-      logging.warning("SentEval data not found at %s: no dev-set model selection", self.dir)
-    if self.enabled:
-      senteval_data.check_senteval_dir(self.dir)
-    self.run = run
-    self.encoder = SentenceEncoder(BertModel(run.bert_config, dtype=run.nets.online.dtype), None,
-                                   run.tokenizer, model_dir=run.model_dir)
-    self.manager = checkpoint.best_manager(workdir)
-    self.best = self._stored_best()
-
-  def _stored_best(self) -> float:
-    step = self.manager.best_step()
-    return float(self.manager.metrics(step)["stsb_dev"]) if step is not None else -math.inf
-
-  def encode_fn(self, params):
-    self.encoder.params, self.encoder.head_params = params["encoder"], params["head"]
-    return lambda s: self.encoder.encode(s, "cls_before_pooler", batch_size=self.run.config.eval.batch_size)
-
-  def __call__(self, state: TrainState) -> dict:
-    from micse_jax.evaluation import sts  # pylint: disable=import-outside-toplevel
-    encode = self.encode_fn(state.params)
-    scores = {"stsb_dev": sts.stsb_dev_spearman(encode, self.dir)}
-    if self.run.config.eval.sickr_dev:
-      scores["sickr_dev"] = sts.sickr_dev_spearman(encode, self.dir)
-    if scores["stsb_dev"] > self.best:
-      self.best = scores["stsb_dev"]
-      checkpoint.save_best(self.manager, int(state.step), state.params, self.best)
-    return scores
-
-
 def train_and_evaluate(config, workdir: str) -> dict:
   """Trains (resuming from `workdir` when it holds checkpoints); returns the final results."""
   run = prepare(config)  # all input validation happens before the workdir is touched
@@ -134,7 +93,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   else:
     state = jax.device_put(initial_state(run, tx), state_sharding)
   if jax.process_index() == 0:
-    checkpoint.write_run_config(workdir, {**config.to_dict(), "model_dir": run.model_dir,
+    workdir_lib.write_run_config(workdir, {**config.to_dict(), "model_dir": run.model_dir,
                                           "bert_config": run.bert_config.to_dict()})
   train_step = jit_train_step(run, tx, mesh, state_sharding)
   selector = DevSelector(run, workdir)
@@ -178,28 +137,6 @@ def _loop(run: Run, state, train_step, mesh, rolling, selector, writer):
     if save:
       checkpoint.save_state(rolling, state)
   return state
-
-
-def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> dict:
-  """Evaluates the best (else the last) params on `eval.final_tasks`; writes results.json."""
-  tasks = run.config.eval.final_tasks
-  if not tasks or not os.path.isdir(run.config.eval.senteval_dir):
-    return {}
-  from micse_jax.evaluate import run_evaluation  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluation import report  # pylint: disable=import-outside-toplevel
-  params, which = state.params, f"last step {int(state.step)}"
-  if selector.manager.all_steps():
-    best_step = selector.manager.best_step()
-    params = selector.manager.restore(best_step, args=ocp.args.StandardRestore())["params"]
-    which = f"best STS-B dev (step {best_step}, {selector.best:.2f})"
-  results = run_evaluation(selector.encode_fn(params), run.config.eval.senteval_dir, tasks)
-  document = report.build_report(results, model=os.path.abspath(workdir), pooler="cls_before_pooler",
-                                 settings={**results["settings"], "checkpoint": which},
-                                 elapsed_seconds=results["elapsed_seconds"])
-  if jax.process_index() == 0:
-    report.write_json(os.path.join(workdir, "results.json"), document)
-    print(report.markdown_table(document))
-  return document
 
 
 def _summary_writer(workdir: str):
