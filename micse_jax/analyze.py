@@ -30,13 +30,14 @@ def main(argv):
   from micse_jax.evaluation import report, senteval_data
   from micse_jax.evaluation.sts import cosine_rows, encode_unique
   from micse_jax.studies import analysis
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  senteval_dir = FLAGS.senteval_dir or os.path.join(os.path.dirname(repo), "shared", "data", "senteval")
+  from micse_jax import paths
+  from micse_jax.errors import MicseError
+  senteval_dir = FLAGS.senteval_dir or paths.senteval_dir()
   try:
     stsb = senteval_data.load_stsb(senteval_dir)["test"]
     checkpoint = int(FLAGS.checkpoint) if FLAGS.checkpoint.isdigit() else FLAGS.checkpoint
     encoder = load_encoder(FLAGS.model, checkpoint)
-  except (ValueError, FileNotFoundError) as e:
+  except (MicseError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   os.makedirs(FLAGS.output, exist_ok=True)

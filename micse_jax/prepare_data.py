@@ -24,7 +24,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from micse_jax.data.corpus import CorpusError  # pylint: disable=import-outside-toplevel
+  from micse_jax.errors import MicseError  # pylint: disable=import-outside-toplevel
   from micse_jax.data.prepared import prepare_corpus  # pylint: disable=import-outside-toplevel
   from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel
   from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
@@ -34,7 +34,7 @@ def main(argv):
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(FLAGS.tokenizer))
     meta = prepare_corpus(FLAGS.corpus, tokenizer, FLAGS.tokenizer, FLAGS.max_length, FLAGS.output,
                           chunk_size=FLAGS.chunk_size)
-  except (CorpusError, ValueError, FileNotFoundError) as e:
+  except (MicseError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   print(f"wrote {meta['num_sentences']} rows (max_length {meta['max_length']}, tokenizer "

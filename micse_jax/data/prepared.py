@@ -26,7 +26,8 @@ from typing import Iterator
 
 import numpy as np
 
-from micse_jax.data.corpus import CorpusError, subset_indices
+from micse_jax.data.corpus import subset_indices
+from micse_jax.errors import CorpusError
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 _BOM = "\ufeff"

@@ -14,7 +14,8 @@ import os
 
 import numpy as np
 
-from micse_jax.evaluation.report import STS_COLUMNS, TRANSFER_COLUMNS, write_json
+from micse_jax.evaluation.report import STS_COLUMNS, TRANSFER_COLUMNS
+from micse_jax.jsonio import write_json
 from micse_jax.studies.runner import read_status
 from micse_jax.studies.spec import RunSpec, method_name
 

@@ -28,11 +28,13 @@ import sys
 
 import ml_collections
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from micse_jax.errors import ConfigError, MicseError
+from micse_jax.paths import REPO
+
 SPECIAL_AXES = ("method", "seed")
 
 
-class SweepError(ValueError):
+class SweepError(ConfigError):
   """Bad sweep config (unknown axis key, empty axis, incompatible data...): one line, before any run."""
 
 
@@ -131,7 +133,7 @@ def _resolve_size(value, corpus: str, sizes_cache: dict) -> int:
       from micse_jax.data.prepared import corpus_size  # pylint: disable=import-outside-toplevel
       try:
         sizes_cache[corpus] = corpus_size(corpus)
-      except ValueError as e:
+      except MicseError as e:
         raise SweepError(str(e)) from e
     return max(1, int(round(value * sizes_cache[corpus])))
   return int(value)
@@ -174,7 +176,6 @@ def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
 def check_data(runs: list[RunSpec]) -> None:
   """Prepared corpora must match each run's tokenizer and max_length (SweepError otherwise)."""
   from micse_jax.data import prepared  # pylint: disable=import-outside-toplevel
-  from micse_jax.data.corpus import CorpusError  # pylint: disable=import-outside-toplevel
   seen = set()
   for run in runs:
     config = load_config_file(run.config_file)
@@ -189,7 +190,7 @@ def check_data(runs: list[RunSpec]) -> None:
     try:
       rows = prepared.PreparedRows(corpus)
       prepared.check_compatible(rows.metadata, corpus, Tokenizer.from_pretrained(resolve_model_dir(model)), length)
-    except (CorpusError, ValueError, FileNotFoundError) as e:
+    except (MicseError, ValueError, FileNotFoundError) as e:  # the tokenizer raises ValueError
       raise SweepError(f"run {run.name}: {e}") from e
 
 
