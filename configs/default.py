@@ -60,6 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.momentum.decay = 0.995
   c.momentum.dropout = 0.3
   c.momentum.queue_size = 384
+  c.momentum.mask_same_sentence = True  # not in the paper: drop the anchor's own sentence from
+                                        # the queue negatives (few-shot fix, issue 11); False = paper
 
   c.eval = ml_collections.ConfigDict()
   c.eval.senteval_dir = paths.senteval_dir()

@@ -7,16 +7,20 @@ Add `--overwrite` to replace an existing non-empty output directory.
 
 `--workdir` reads a training run's Orbax checkpoint (the latest one unless `--step`/`--best`);
 `--model` re-exports a plain Hugging Face checkpoint. See `micse_jax.export` for what the
-output holds. Bad input gives one `error:` line on stderr, exit status 1, and writes nothing.
+output holds. Bad input (a `MicseError`) gives one `error:` line on stderr, exit status 1
+(a flag that does not parse: exit 2), and writes nothing; anything else is a bug and keeps its
+traceback. Installed: `micse-convert`.
 """
 from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+
+from micse_jax import cli
+from micse_jax.errors import MicseError, one_line
 
 FLAGS = flags.FLAGS
 
@@ -34,7 +38,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_seq_length", None, "sentence-transformers max_seq_length (default 128).")
 
 
-class ConvertError(ValueError):
+class ConvertError(MicseError):
   """The command line or its inputs do not allow an export."""
 
 
@@ -64,14 +68,14 @@ def check_args(*, output: str | None, workdir: str | None, model: str | None, st
 
 
 def restore_workdir(workdir: str, which: str | int) -> dict:
-  """`micse_jax.workdir.restore_for_export`, its failures as one-line errors."""
+  """`micse_jax.workdir.restore_for_export`; its input errors (`MicseError`) as one line."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
   workdir_lib = importlib.import_module("micse_jax.workdir")
   try:
     return workdir_lib.restore_for_export(workdir, which)
-  except Exception as e:  # Orbax and file errors alike: report, do not dump a traceback
-    raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {_one_line(e)}") from e
+  except MicseError as e:  # anything else is a bug and keeps its traceback
+    raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {one_line(e)}") from e
 
 
 def load_model_dir(path_or_name: str) -> dict:
@@ -116,32 +120,29 @@ def convert(*, output: str, workdir: str | None = None, model: str | None = None
       mlp_as_pooler=mlp_as_pooler, overwrite=overwrite, max_seq_length=max_seq_length)
 
 
-def _one_line(e: BaseException) -> str:
-  text = str(e).strip()
-  return text.splitlines()[0] if text else type(e).__name__
-
-
 def main(argv):
-  if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.reject_extra_args(argv)
   if not FLAGS["verbosity"].present:  # keep stderr to warnings and the one error line
     absl_logging.set_verbosity(absl_logging.WARNING)
-  from micse_jax.export import ExportError  # pylint: disable=import-outside-toplevel
-  from micse_jax.models.loading import ModelLoadError  # pylint: disable=import-outside-toplevel
-  try:
-    out = convert(output=FLAGS.output, workdir=FLAGS.workdir, model=FLAGS.model, step=FLAGS.step,
-                  best=FLAGS.best, mlp_as_pooler=FLAGS.mlp_as_pooler, overwrite=FLAGS.overwrite,
-                  max_seq_length=FLAGS.max_seq_length)
-  except (ConvertError, ExportError, ModelLoadError, NotImplementedError, OSError) as e:
-    _fail(_one_line(e))
+  convert_and_report(output=FLAGS.output, workdir=FLAGS.workdir, model=FLAGS.model, step=FLAGS.step,
+                     best=FLAGS.best, mlp_as_pooler=FLAGS.mlp_as_pooler, overwrite=FLAGS.overwrite,
+                     max_seq_length=FLAGS.max_seq_length)
+
+
+def convert_and_report(**kwargs) -> str:
+  """`convert(**kwargs)` with bad input as one `error:` line and exit 1 (nothing written)."""
+  with cli.input_errors_as_one_line():
+    out = convert(**kwargs)
   print(f"exported to {out}")
+  return out
 
 
-def _fail(message: str) -> None:
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(1)
+def run() -> None:
+  """Entry point: `python -m micse_jax.convert ...` or `micse-convert ...`."""
+  cli.quiet_startup()
+  define_flags()
+  app.run(main, flags_parser=cli.flags_parser())
 
 
 if __name__ == "__main__":
-  define_flags()
-  app.run(main)
+  run()

@@ -5,8 +5,9 @@
 
 `--model` is a Hugging Face directory, a hub name or a training workdir (`--checkpoint`).
 `--tasks`: `sts`, `transfer`, `all` or a comma list (STS12 ... STS16, STSBenchmark/STS-B,
-SICKRelatedness/SICK-R, MR, CR, SUBJ, MPQA, SST2, TREC, MRPC). Bad input is reported as one
-line on stderr with exit code 1, and no output file is written.
+SICKRelatedness/SICK-R, MR, CR, SUBJ, MPQA, SST2, TREC, MRPC). Bad input (a `MicseError`) is
+reported as one line on stderr with exit code 1 (a flag that does not parse: exit 2), and no
+output file is written; anything else is a bug and keeps its traceback. Installed: `micse-evaluate`.
 
 The evaluation itself is `micse_jax.evaluation.runner.run_evaluation(encode_fn, senteval_dir,
 tasks, fast)`; this module is its command-line shell and defines its flags only when run as a
@@ -18,18 +19,13 @@ import os
 import sys
 from typing import Sequence
 
-from micse_jax import paths
+from micse_jax import cli, paths
+from micse_jax.errors import ConfigError, ModelLoadError
 from micse_jax.evaluation import senteval_data
 from micse_jax.evaluation.runner import run_evaluation
 from micse_jax.pooling import POOLERS
 
 SEED = senteval_data.SEED
-
-
-def _fail(message: str) -> None:
-  """One line on stderr, exit status 1."""
-  print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
-  sys.exit(1)
 
 
 def _looks_local(path: str) -> bool:
@@ -38,22 +34,25 @@ def _looks_local(path: str) -> bool:
 
 def _check_inputs(flags_values) -> tuple[list[str], str]:
   """Validates tasks, pooler, checkpoint, output folder and data dir; returns (tasks, dir)."""
-  tasks = senteval_data.resolve_tasks(flags_values.tasks)
+  try:
+    tasks = senteval_data.resolve_tasks(flags_values.tasks)
+  except ValueError as e:
+    raise ConfigError(f"--tasks: {e}") from e
   if flags_values.pooler not in POOLERS:
-    raise ValueError(f"unknown pooler {flags_values.pooler!r}; expected one of "
+    raise ConfigError(f"unknown pooler {flags_values.pooler!r}; expected one of "
                      f"{', '.join(POOLERS)}")
   if flags_values.checkpoint not in ("best", "latest") and not flags_values.checkpoint.isdigit():
-    raise ValueError(f"--checkpoint must be best, latest or a step number, "
+    raise ConfigError(f"--checkpoint must be best, latest or a step number, "
                      f"not {flags_values.checkpoint!r}")
   if flags_values.output:
     folder = os.path.dirname(os.path.abspath(flags_values.output))
     if not os.path.isdir(folder):
-      raise ValueError(f"output folder does not exist: {folder}")
+      raise ConfigError(f"output folder does not exist: {folder}")
   model = os.path.expanduser(flags_values.model or "")
   if not model:
-    raise ValueError("--model is required (a HF model directory, hub name or training workdir)")
+    raise ConfigError("--model is required (a HF model directory, hub name or training workdir)")
   if _looks_local(model) and not os.path.exists(model):
-    raise ValueError(f"model path not found: {model}")
+    raise ModelLoadError(f"model path not found: {model}")
   senteval_dir = flags_values.senteval_dir or paths.senteval_dir()
   if flags_values.download and not os.path.isdir(senteval_dir):
     print(f"downloading SentEval data to {senteval_dir} ...", file=sys.stderr)
@@ -74,19 +73,20 @@ def _encode_fn(flags_values):
 
 
 def main(argv: Sequence[str]) -> None:
-  """Validates flags, loads the model, evaluates, writes the JSON and prints the tables."""
   from absl import flags, logging  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluation import report  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.WARNING)
-  values = flags.FLAGS
-  if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  try:
+  cli.reject_extra_args(argv)
+  evaluate_and_report(flags.FLAGS)
+
+
+def evaluate_and_report(values) -> dict:
+  """Validates the flag values, loads the model, evaluates, writes the JSON and prints the
+  tables; bad input is one `error:` line and exit 1 (nothing written)."""
+  from micse_jax.evaluation import report  # pylint: disable=import-outside-toplevel
+  with cli.input_errors_as_one_line():
     tasks, senteval_dir = _check_inputs(values)
     results = run_evaluation(_encode_fn(values), senteval_dir, tasks, fast=values.fast,
                              seed=values.seed)
-  except (ValueError, OSError) as e:  # SentEvalDataError and ModelLoadError are ValueErrors
-    _fail(str(e))
   document = report.build_report(
       results, model=values.model, pooler=values.pooler,
       settings={**results["settings"], "batch_size": values.batch_size,
@@ -96,6 +96,7 @@ def main(argv: Sequence[str]) -> None:
     report.write_json(values.output, document)
   print(report.markdown_table(results))
   print(f"elapsed: {results['elapsed_seconds']:.1f} s", file=sys.stderr)
+  return document
 
 
 def define_flags() -> None:
@@ -117,10 +118,11 @@ def define_flags() -> None:
 
 
 def run() -> None:
-  """Entry point: `python -m micse_jax.evaluate ...`."""
+  """Entry point: `python -m micse_jax.evaluate ...` or `micse-evaluate ...`."""
   from absl import app  # pylint: disable=import-outside-toplevel
+  cli.quiet_startup()
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser())
 
 
 if __name__ == "__main__":

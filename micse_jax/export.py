@@ -67,7 +67,6 @@ def export_hf(output_dir: str, *, bert_config: BertConfig, encoder_params: dict,
 
   Raises:
     ExportError: unsupported model, inconsistent params, no tokenizer, or output exists.
-    NotImplementedError: a model type other than BERT/RoBERTa.
   """
   output_dir = os.path.abspath(os.path.expanduser(output_dir))
   _check_model_type(bert_config)
@@ -87,7 +86,7 @@ def export_hf(output_dir: str, *, bert_config: BertConfig, encoder_params: dict,
 
 def _check_model_type(config: BertConfig) -> None:
   if config.model_type not in _ARCHITECTURES:
-    raise NotImplementedError(f"export supports model_type {sorted(_ARCHITECTURES)} only, "
+    raise ExportError(f"export supports model_type {sorted(_ARCHITECTURES)} only, "
                               f"not {config.model_type!r}")
 
 

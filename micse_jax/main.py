@@ -1,13 +1,18 @@
-"""Train a sentence encoder: `python -m micse_jax.main --config configs/micse.py --workdir DIR`.
+"""Train a sentence encoder: `python -m micse_jax.main --config configs/micse.py --workdir DIR`
+(installed: `micse-train ...`).
 
 Every config field can be overridden, e.g. `--config.batch_size=64 --config.ami.weight=5e-3`;
 variants: `--config configs/micse.py:demo`. Re-running with the same workdir resumes.
+A flag or override that does not parse exits 2, bad input (`MicseError`) exits 1, each with one
+`error:` line; anything else is a bug and keeps its traceback.
 """
 import logging
-import sys
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
+
+from micse_jax import cli
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (`path.py[:variant]`).",
@@ -16,30 +21,28 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config.js
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains with bad input reported as one line (exit 1); returns the final results."""
   # Imported here so `--help` and flag errors stay fast.
-  from micse_jax.data.corpus import CorpusError  # pylint: disable=import-outside-toplevel
-  from micse_jax.models.loading import ModelLoadError  # pylint: disable=import-outside-toplevel
-  from micse_jax.training import mesh, trainer  # pylint: disable=import-outside-toplevel
+  from micse_jax.training import mesh, summary, trainer  # pylint: disable=import-outside-toplevel
+  with cli.input_errors_as_one_line():
+    mesh.maybe_initialize_distributed()
+    results = trainer.train_and_evaluate(config, workdir)
+  summary.print_run_summary(workdir)
+  return results
+
+
+def main(argv) -> None:
+  cli.reject_extra_args(argv)
   logging.getLogger("absl").setLevel(logging.WARNING)
-  mesh.maybe_initialize_distributed()
-  try:
-    trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  except (CorpusError, ModelLoadError, trainer.NonFiniteLossError, ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  train(FLAGS.config, FLAGS.workdir)
 
 
 def run() -> None:
-  """`app.run(main)`, with a bad `--config.*` override reported as one line (exit 2)."""
-  try:
-    app.run(main)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised while parsing --config.*
-    print(f"error: invalid --config override: {e} (see configs/default.py for the fields)",
-          file=sys.stderr)
-    sys.exit(2)
+  """Entry point (`micse-train`): flags and overrides are checked (one line, exit 2) before
+  anything else runs."""
+  cli.quiet_startup()
+  app.run(main, flags_parser=cli.flags_parser(lambda: FLAGS.config.to_dict()))
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 
+import jax
 import orbax.checkpoint as ocp
 
 from micse_jax import jsonio
-from micse_jax.errors import CheckpointError
+from micse_jax.errors import CheckpointError, one_line
 from micse_jax.models.bert import BertConfig
 
 CONFIG_FILE = "config.json"
@@ -51,23 +53,113 @@ def best_manager(workdir: str, read_only: bool = False) -> ocp.CheckpointManager
                                            best_mode="max", best_fn=lambda metrics: metrics["stsb_dev"]))
 
 
+def step_reader(directory: str) -> ocp.CheckpointManager:
+  """A read-only manager that can open any step's saved tree (no registered save args needed)."""
+  return ocp.CheckpointManager(
+      os.path.abspath(directory), item_handlers=ocp.PyTreeCheckpointHandler(),
+      options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0))
+
+
+def current_device_sharding() -> jax.sharding.Sharding:
+  """Where restored arrays land when nothing else is asked for: this process's first device."""
+  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def abstract_on(metadata_tree, sharding: jax.sharding.Sharding):
+  """The saved arrays' shapes and dtypes as `ShapeDtypeStruct`s placed on `sharding`.
+
+  Restoring onto an explicit target sharding, instead of the one stored in the checkpoint,
+  is what makes a checkpoint readable on any device or host count.
+  """
+  def leaf(meta):
+    return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding) if hasattr(meta, "shape") else meta
+  return jax.tree.map(leaf, metadata_tree)
+
+
+def read_subtree(directory: str, step: int, key: str = "params", sharding=None):
+  """One top-level entry (`params`) of a saved state, placed on `sharding` (default: this
+  process's first device). Only that entry is read: never the optimizer state or the queue;
+  nothing else of the saved tree needs to be known. Orbax/TensorStore errors propagate.
+  """
+  reader = step_reader(directory)
+  try:
+    tree = getattr(reader.item_metadata(step), "tree", None)
+    if not isinstance(tree, dict) or key not in tree:
+      raise CheckpointError(f"checkpoint step {step} in {directory} holds no {key!r}")
+    target = {key: abstract_on(tree[key], sharding or current_device_sharding())}
+    return reader.restore(step, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))[key]
+  finally:
+    reader.close()
+
+
+def unreadable_reason(e: BaseException) -> str:
+  """A short one-line reason from an Orbax/TensorStore error (their specs run to kilobytes)."""
+  text = one_line(e).split(" [tensorstore_spec")[0]
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
+def restore_subtree(directory: str, step: int, key: str = "params", sharding=None):
+  """`read_subtree`, any failure as a one-line CheckpointError."""
+  try:
+    return read_subtree(directory, step, key, sharding)
+  except CheckpointError:
+    raise
+  except Exception as e:  # Orbax, TensorStore and file errors alike: the checkpoint is unreadable
+    raise CheckpointError(f"checkpoint step {step} in {directory} is unreadable: {unreadable_reason(e)}") from e
+
+
+def restore_params(workdir: str, which: str | int = "latest", sharding=None) -> tuple[int, dict]:
+  """(step, params) of a workdir checkpoint, on the current devices whatever the training topology.
+
+  which = 'best', 'latest' or a step number. An unreadable latest checkpoint falls back to the
+  newest readable one with a warning; an unreadable 'best' or explicit step raises CheckpointError.
+  """
+  directory = os.path.join(os.path.abspath(workdir), BEST_DIR if which == "best" else ROLLING_DIR)
+  key = "best" if which == "best" else "rolling"
+  steps = sorted(ocp.utils.checkpoint_steps(directory)) if os.path.isdir(directory) else []
+  if not steps:
+    raise CheckpointError(f"no {key} checkpoint in {workdir}")
+  if which not in ("latest", "best"):
+    if int(which) not in steps:
+      raise CheckpointError(f"no checkpoint at step {which} in {workdir} (have {steps})")
+    return int(which), restore_subtree(directory, int(which), sharding=sharding)
+  if which == "best":
+    return steps[-1], restore_subtree(directory, steps[-1], sharding=sharding)
+  return newest_readable(steps, lambda step: read_subtree(directory, step, sharding=sharding), directory)
+
+
+def newest_readable(steps, restore_fn, directory: str):
+  """(step, restore_fn(step)) for the newest step that restores; warns about each one skipped.
+
+  Raises CheckpointError (one line, naming the newest failure) when none can be read.
+  """
+  if not steps:
+    raise CheckpointError(f"no checkpoint in {directory}")
+  failures = []
+  for step in sorted(steps, reverse=True):
+    try:
+      result = restore_fn(step)
+    except Exception as e:  # pylint: disable=broad-except
+      failures.append(f"step {step}: {unreadable_reason(e)}")
+      logging.warning("checkpoint step %d in %s is unreadable (%s); trying an older one",
+                      step, directory, unreadable_reason(e))
+      continue
+    if failures:
+      logging.warning("falling back to checkpoint step %d in %s", step, directory)
+    return step, result
+  raise CheckpointError(f"no checkpoint in {directory} could be restored (newest: {failures[0]})")
+
+
 def restore_for_export(workdir: str, which: str | int = "latest") -> dict:
   """Trained weights of a workdir: which = 'latest', 'best' or a step number.
 
-  Returns {'bert_config', 'encoder_params', 'head_params', 'tokenizer_dir', 'step'} (numpy).
+  Works on any device/host count (see `restore_params`). Returns {'bert_config',
+  'encoder_params', 'head_params', 'tokenizer_dir', 'step'} as numpy arrays.
   """
   run = read_run_config(workdir)
-  if which == "best":
-    manager, key = best_manager(workdir, read_only=True), "best"
-  else:
-    manager, key = rolling_manager(workdir, keep=0, read_only=True), "rolling"
-  steps = manager.all_steps()
-  if not steps:
-    raise CheckpointError(f"no {key} checkpoint in {workdir}")
-  step = max(steps) if which in ("latest", "best") else int(which)
-  if step not in steps:
-    raise CheckpointError(f"no checkpoint at step {step} in {workdir} (have {sorted(steps)})")
-  restored = manager.restore(step, args=ocp.args.StandardRestore())  # raw tree of arrays
-  params = restored["params"]
+  step, params = restore_params(workdir, which)
+  params = jax.device_get(params)
   return {"bert_config": BertConfig.from_dict(run["bert_config"]), "encoder_params": params["encoder"],
           "head_params": params["head"], "tokenizer_dir": run["model_dir"], "step": step}

@@ -152,6 +152,9 @@ def test_batch_shapes_dtypes_and_rows_match_tokens():
   ds = TrainBatches(tokens, 8, seed=0)
   batch = ds.batch(3)
   idx = ds.global_indices(3)
+  ids = batch.pop("sentence_ids")  # no corpus ids given: the row index is the sentence id
+  np.testing.assert_array_equal(ids, idx)
+  assert ids.dtype == np.int32
   for k, v in batch.items():
     assert v.shape == (8, 6) and v.dtype == np.int32
     np.testing.assert_array_equal(v, tokens[k][idx])

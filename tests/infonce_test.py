@@ -141,3 +141,76 @@ def test_gradients_match_finite_differences():
       return _info_nce_loss(a, b, queue=q, queue_valid=valid, temperature=0.5)[0]
 
     check_grads(loss_fn, args, order=1, modes=('rev',), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sentence ids (issue 11)
+
+_info_nce_with_ids = jax.jit(_info_nce_loss, static_argnames=('mask_same_sentence',))
+
+
+def _np_infonce_dropping(z1, z2, queue, keep, tau=0.05):
+  """Row by row: anchor i's queue negatives are only the slots with keep[i, k]."""
+  z1 = _np_normalize(np.asarray(z1, np.float64))
+  z2 = _np_normalize(np.asarray(z2, np.float64))
+  q = _np_normalize(np.asarray(queue, np.float64))
+  losses = []
+  for i in range(len(z1)):
+    row = np.concatenate([z1[i] @ z2.T, z1[i] @ q[keep[i]].T]) / tau
+    top = row.max()
+    losses.append(top + np.log(np.exp(row - top).sum()) - row[i])
+  return np.mean(losses)
+
+
+def _ids_case(seed):
+  """6 anchors, a 12-slot queue: 3 empty slots, several slots holding anchors' sentences."""
+  z1, z2, rng = _views(seed)
+  queue = rng.normal(size=(12, 8)).astype(np.float32)
+  anchor_ids = np.array([40, 41, 42, 43, 44, 45], np.int32)
+  queue_ids = np.array([41, 7, 40, 41, -1, 45, 9, 8, -1, 43, -1, 11], np.int32)
+  valid = queue_ids >= 0
+  # A slot of an anchor's sentence that would dominate its row if it were not masked.
+  queue[0] = 50 * z1[1]
+  return z1, z2, queue, valid, anchor_ids, queue_ids
+
+
+def test_same_sentence_entries_are_dropped_like_numpy():
+  z1, z2, queue, valid, anchor_ids, queue_ids = _ids_case(7)
+  same = anchor_ids[:, None] == queue_ids[None, :]  # [B, Q], computed here independently
+  loss, metrics = _info_nce_with_ids(z1, z2, queue=queue, queue_valid=valid, anchor_ids=anchor_ids,
+                                     queue_ids=queue_ids, mask_same_sentence=True)
+  np.testing.assert_allclose(loss, _np_infonce_dropping(z1, z2, queue, valid[None, :] & ~same),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(metrics['queue_self_frac'], same.sum() / same.size, rtol=1e-6)
+  np.testing.assert_allclose(metrics['queue_masked_frac'], (~valid[None, :] | same).mean(), rtol=1e-6)
+  assert same.sum() == 5  # the case does exercise the mask (anchors 40, 41 twice, 43, 45)
+
+
+def test_mask_off_is_the_paper_loss_and_still_counts_self_negatives():
+  z1, z2, queue, valid, anchor_ids, queue_ids = _ids_case(8)
+  loss, metrics = _info_nce_with_ids(z1, z2, queue=queue, queue_valid=valid, anchor_ids=anchor_ids,
+                                     queue_ids=queue_ids, mask_same_sentence=False)
+  ref = _np_infonce_dropping(z1, z2, queue, np.broadcast_to(valid, (6, 12)))
+  np.testing.assert_allclose(loss, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(metrics['queue_self_frac'], 5 / 72, rtol=1e-6)
+  np.testing.assert_allclose(metrics['queue_masked_frac'], 3 / 12, rtol=1e-6)
+  masked, _ = _info_nce_with_ids(z1, z2, queue=queue, queue_valid=valid, anchor_ids=anchor_ids,
+                                 queue_ids=queue_ids, mask_same_sentence=True)
+  assert loss > masked + 0.1  # queue[0] = anchor 1's own sentence, cos 1: the top logit of its row
+
+
+def test_masked_same_sentence_slots_get_no_gradient():
+  z1, z2, queue, valid, anchor_ids, queue_ids = _ids_case(9)
+  only_self = np.array([40, 41, 42, 43, 44, 45], np.int32)  # every valid slot is some anchor's...
+  queue_ids = np.where(valid, np.resize(only_self, 12), -1).astype(np.int32)
+  loss_fn = lambda q: _info_nce_loss(z1, z2, queue=q, queue_valid=valid, anchor_ids=anchor_ids,
+                                     queue_ids=queue_ids)[0]
+  grad = jax.jit(jax.grad(loss_fn))(queue)
+  same = anchor_ids[:, None] == queue_ids[None, :]
+  # ...but each slot is masked only for its own anchor: it still gets gradient from the others.
+  assert np.all(np.abs(np.asarray(grad)[valid]).sum(axis=1) > 0)
+  # With a single anchor, every slot of its sentence is out of the loss.
+  single = lambda q: _info_nce_loss(z1[:1], z2[:1], queue=q, queue_valid=valid, anchor_ids=anchor_ids[:1],
+                                    queue_ids=queue_ids)[0]
+  g1 = np.asarray(jax.jit(jax.grad(single))(queue))
+  np.testing.assert_array_equal(g1[same[0]], 0.0)
+  assert np.all(np.abs(g1[valid & ~same[0]]).sum(axis=1) > 0)

@@ -13,7 +13,9 @@ def main(tmp, tokenizer_dir):
   from micse_jax.training.optim import make_optimizer
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
-  config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir)
+  # n = B: step 1's anchors all meet their own sentence in the queue, so the same-sentence mask
+  # (sharded anchor ids against the replicated queue ids) is part of what must match.
+  config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{"data.num_sentences": 8})
   run = trainer.prepare(config)
   run.initial_params = jax.device_get(run.initial_params)  # host copy: each run donates its own
   tx = make_optimizer(config)

@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Blank lines, CRLF, a BOM, non-ASCII and an over-long sentence: the text reader's edge cases.
 _LINES = [f"sentence {i} about topic {i % 5}, caf\u00e9 n\u00ba {i * 13}" for i in range(57)]
 _LINES[7] = "a very long sentence " + "with many many words " * 20
+_LINES[20] = _LINES[45] = _LINES[3]  # exact duplicates share the first occurrence's sentence id
 
 
 def _write_corpus(path):
@@ -49,6 +50,9 @@ def test_rows_are_the_corpus_tokenized_in_order(prepared, tokenizer):
   for k in want:
     np.testing.assert_array_equal(got[k], want[k][::-1])
     assert got[k].dtype == np.int32
+  ids = np.arange(len(_LINES))
+  ids[20] = ids[45] = 3
+  np.testing.assert_array_equal(got["sentence_ids"], ids[::-1])
 
 
 @pytest.mark.parametrize("num_sentences,process_count", [(None, 1), (40, 1), (40, 2)])

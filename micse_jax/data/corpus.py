@@ -71,6 +71,23 @@ def read_corpus(path: str) -> list[str]:
   return sentences
 
 
+def first_occurrence_ids(sentences: Sequence[str]) -> np.ndarray:
+  """Sentence ids: each index mapped to the index of its text's first occurrence.
+
+  Exact duplicates (same text at different lines) get the same id, so a loss that compares
+  ids (the same-sentence mask of the momentum queue) treats them as one sentence.
+
+  Args:
+    sentences: the corpus as returned by `read_corpus`.
+
+  Returns:
+    int32 array `[len(sentences)]`; `ids[i] <= i`, and `ids[i] == i` for a first occurrence.
+  """
+  first: dict[str, int] = {}
+  return np.fromiter((first.setdefault(s, i) for i, s in enumerate(sentences)),
+                     dtype=np.int32, count=len(sentences))
+
+
 def subset_indices(total: int, num_sentences: int | None, seed: int) -> np.ndarray:
   """Indices of a seeded few-shot subset of `range(total)`.
 

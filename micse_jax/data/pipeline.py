@@ -29,6 +29,11 @@ materialized), and `batch` batches each epoch separately. So:
 * Host sharding: every host computes the same global batch of indices and keeps rows
   `[process_index * per_host, (process_index + 1) * per_host)`, so concatenating the
   hosts' batches in process order gives the global batch row for row.
+* Sentence ids: besides the token arrays each batch carries `sentence_ids` `[per_host]`
+  int32, the corpus index of each row's sentence (duplicate texts share their first
+  occurrence's index; see `corpus.first_occurrence_ids`). They are global corpus ids, not
+  positions in the few-shot subset, so every host agrees on them. The momentum queue stores
+  them to recognise an anchor's own sentence among its negatives (issue 11).
 """
 from __future__ import annotations
 
@@ -41,10 +46,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from micse_jax.data.corpus import CorpusError, read_corpus, select_subset
+from micse_jax.data.corpus import CorpusError, first_occurrence_ids, read_corpus, subset_indices
 from micse_jax.tokenization import Tokenizer
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+SENTENCE_IDS_KEY = "sentence_ids"
 DEFAULT_MAX_LENGTH = 32
 
 
@@ -102,7 +108,7 @@ class TrainBatches:
   """
 
   def __init__(self, tokens, global_batch_size: int, seed: int,
-               process_index: int = 0, process_count: int = 1):
+               process_index: int = 0, process_count: int = 1, sentence_ids: np.ndarray | None = None):
     """Builds the grain schedule.
 
     Args:
@@ -113,6 +119,8 @@ class TrainBatches:
       seed: non-negative shuffle seed.
       process_index: this host's index in `[0, process_count)`.
       process_count: number of hosts; must divide `global_batch_size`.
+      sentence_ids: int `[N]` corpus id of each row (default `arange(N)`), batched as
+        `sentence_ids`.
 
     Raises:
       ValueError: inconsistent arguments or fewer than `global_batch_size` sentences.
@@ -121,8 +129,9 @@ class TrainBatches:
       self._num_sentences = _validate_tokens(tokens)
       self.tokens = {k: np.asarray(tokens[k], dtype=np.int32) for k in TOKEN_KEYS}
       self._rows = None
-    else:  # a row source (prepared corpus): rows are read on demand
-      self._num_sentences, self.tokens, self._rows = len(tokens), None, tokens
+      self.sentence_ids = self._check_ids(sentence_ids)
+    else:  # a row source (prepared corpus): token rows and sentence ids are read on demand
+      self._num_sentences, self.tokens, self._rows, self.sentence_ids = len(tokens), None, tokens, None
     self._check_sizes(global_batch_size, process_index, process_count)
     self.global_batch_size = int(global_batch_size)
     self.process_index = int(process_index)
@@ -150,11 +159,21 @@ class TrainBatches:
       raise ValueError(f"{self._num_sentences} sentences are fewer than one global batch "
                        f"({global_batch_size})")
 
+  def _check_ids(self, sentence_ids: np.ndarray | None) -> np.ndarray:
+    """`sentence_ids` as int32 `[N]`, or `arange(N)` when None."""
+    if sentence_ids is None:
+      return np.arange(self._num_sentences, dtype=np.int32)
+    ids = np.asarray(sentence_ids)
+    if ids.shape != (self._num_sentences,) or (ids.size and (ids.min() < 0 or ids.max() >= 2**31)):
+      raise ValueError(f"sentence_ids must be {self._num_sentences} non-negative int32 values, "
+                       f"got shape {ids.shape}")
+    return ids.astype(np.int32)
+
   def _gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-    """Token rows for corpus `indices`."""
+    """Token rows and sentence ids for row `indices`."""
     if self._rows is not None:
       return self._rows.gather(indices)
-    return {k: v[indices] for k, v in self.tokens.items()}
+    return {**{k: v[indices] for k, v in self.tokens.items()}, SENTENCE_IDS_KEY: self.sentence_ids[indices]}
 
   @property
   def num_sentences(self) -> int:
@@ -181,8 +200,14 @@ class TrainBatches:
     """Corpus indices of the whole global batch of `step` (all hosts), int64 `[B]`."""
     return np.asarray(self._indices[self._check_step(step)], dtype=np.int64)
 
+  def global_sentence_ids(self, step: int) -> np.ndarray:
+    """Corpus sentence ids of the whole global batch of `step`, int32 `[B]`."""
+    if self._rows is not None:
+      return self._rows.gather(self.global_indices(step))[SENTENCE_IDS_KEY]
+    return self.sentence_ids[self.global_indices(step)]
+
   def batch(self, step: int) -> dict[str, np.ndarray]:
-    """This host's rows of the global batch of `step`: int32 arrays `[per_host, length]`."""
+    """This host's rows of `step`: int32 token arrays `[per_host, length]`, `sentence_ids` `[per_host]`."""
     return self._batches[self._check_step(step)]
 
   def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
@@ -217,7 +242,8 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
     show_progress: show a tqdm bar while tokenizing.
 
   Returns:
-    The batch source for this host.
+    The batch source for this host; its `sentence_ids` are indices into the corpus's
+    non-blank lines, duplicates mapped to their first occurrence.
 
   Raises:
     CorpusError: bad corpus file, subset larger than the corpus, or fewer sentences
@@ -227,13 +253,15 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
   if os.path.isdir(corpus_path):  # pre-tokenized (python -m micse_jax.prepare_data): rows read on demand
     from micse_jax.data import prepared  # pylint: disable=import-outside-toplevel
     tokens = prepared.open_prepared(corpus_path, tokenizer, max_length, num_sentences, subset_seed)
-    count = len(tokens)
+    count, sentence_ids = len(tokens), None
   else:
     sentences = read_corpus(corpus_path)
     try:
-      sentences = select_subset(sentences, num_sentences, subset_seed)
+      indices = subset_indices(len(sentences), num_sentences, subset_seed)
     except CorpusError as e:
       raise CorpusError(f"{corpus_path}: {e}") from e
+    sentence_ids = first_occurrence_ids(sentences)[indices]
+    sentences = [sentences[i] for i in indices]
     tokens, count = None, len(sentences)
   if count < global_batch_size:
     raise CorpusError(f"corpus {corpus_path} gives {count} training sentences, "
@@ -244,4 +272,4 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
     process_index = jax.process_index()
   if process_count is None:
     process_count = jax.process_count()
-  return TrainBatches(tokens, global_batch_size, seed, process_index, process_count)
+  return TrainBatches(tokens, global_batch_size, seed, process_index, process_count, sentence_ids)

@@ -6,6 +6,15 @@ negatives are the other sentences' second views z2[j != i] and, optionally, the
 entries of a negative queue filled by a momentum encoder. Logits are cosine
 similarities divided by the temperature tau; the loss is the mean cross-entropy
 of each row with label i.
+
+Same-sentence masking (a departure from the paper, on by default). The queue keeps keys
+for Q/B steps; on a few-shot subset of n sentences each sentence returns every n/B steps,
+so when n is near or below Q the queue routinely holds the anchor's *own* sentence
+(encoded by the momentum encoder) and the paper's loss pushes the anchor away from
+itself (issue 11). Given the sentence ids of anchors and queue entries, those entries
+are masked exactly like empty slots (`mask_same_sentence=True`, config
+`momentum.mask_same_sentence`). With `mask_same_sentence=False` the loss is the paper's
+Eq. 2 unchanged; on large corpora the two coincide almost everywhere.
 """
 from __future__ import annotations
 
@@ -31,30 +40,55 @@ def l2_normalize(x: jax.Array, eps: float = _NORM_EPS) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.maximum(sq_norm, eps * eps))
 
 
+def same_sentence(anchor_ids: jax.Array, queue_ids: jax.Array) -> jax.Array:
+  """`[B, Q]` bool: queue slot k holds anchor i's sentence (ids equal; -1 marks an empty slot)."""
+  return (queue_ids[None, :] == anchor_ids[:, None]) & (queue_ids[None, :] >= 0)
+
+
 def _queue_logits(z1n: jax.Array, queue: jax.Array, queue_valid: Optional[jax.Array],
-                  temperature: float) -> jax.Array:
-  """cos(z1_i, q_k) / tau as extra columns; unfilled slots get a huge negative logit.
+                  temperature: float, dropped: Optional[jax.Array]) -> jax.Array:
+  """cos(z1_i, q_k) / tau as extra columns; unfilled slots (and `dropped` [B, Q] pairs)
+  get a huge negative logit.
 
   Invalid rows are zeroed *before* the matmul, so garbage there (even NaN or inf)
   reaches neither the loss nor any gradient.
   """
   queue = queue.astype(_compute_dtype(z1n))
-  if queue_valid is None:
-    return z1n @ l2_normalize(queue).T / temperature
-  valid = queue_valid.astype(bool)
-  queue = jnp.where(valid[:, None], queue, 0.0)
+  if queue_valid is not None:
+    valid = queue_valid.astype(bool)
+    queue = jnp.where(valid[:, None], queue, 0.0)
   logits = z1n @ l2_normalize(queue).T / temperature
-  return jnp.where(valid[None, :], logits, _MASKED_LOGIT)
+  if queue_valid is not None:
+    logits = jnp.where(valid[None, :], logits, _MASKED_LOGIT)
+  if dropped is not None:
+    logits = jnp.where(dropped, _MASKED_LOGIT, logits)
+  return logits
+
+
+def _queue_metrics(queue_valid: Optional[jax.Array], self_pairs: Optional[jax.Array],
+                   dropped: Optional[jax.Array], shape: tuple[int, int]) -> dict[str, jax.Array]:
+  """Fractions of the B x Q (anchor, slot) pairs: masked (empty or dropped), own sentence."""
+  empty = (jnp.zeros(shape, bool) if queue_valid is None
+           else jnp.broadcast_to(~queue_valid.astype(bool)[None, :], shape))
+  masked = empty if dropped is None else empty | dropped
+  metrics = {'queue_masked_frac': jnp.mean(masked.astype(jnp.float32))}
+  if self_pairs is not None:
+    metrics['queue_self_frac'] = jnp.mean((self_pairs & ~empty).astype(jnp.float32))
+  return metrics
 
 
 def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = None,
                   queue_valid: Optional[jax.Array] = None,
-                  temperature: float = 0.05) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  temperature: float = 0.05, anchor_ids: Optional[jax.Array] = None,
+                  queue_ids: Optional[jax.Array] = None,
+                  mask_same_sentence: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
   """SimCSE / miCSE InfoNCE loss (miCSE Eq. 2), optionally with queue negatives.
 
   loss = -1/B sum_i log( exp(s(z1_i, z2_i)/tau) /
                          (sum_j exp(s(z1_i, z2_j)/tau) + sum_k exp(s(z1_i, q_k)/tau)) ),
   with s the cosine similarity. Computed in float32 (or wider) whatever the input dtype.
+  With ids and `mask_same_sentence`, the sum over k skips every q_k of anchor i's own
+  sentence (see the module docstring: off reproduces the paper).
 
   Args:
     z1: `[B, D]` embeddings of the first dropout view (anchors).
@@ -63,20 +97,32 @@ def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = Non
     queue_valid: optional `[Q]` bool, False for slots not filled yet; those slots
       contribute nothing. None means every queue slot is valid.
     temperature: softmax temperature tau.
+    anchor_ids: optional `[B]` int sentence ids of the anchors (corpus indices).
+    queue_ids: optional `[Q]` int sentence ids of the queue entries, -1 for empty slots.
+    mask_same_sentence: with both id arrays, drop queue entries of the anchor's sentence.
 
   Returns:
     (loss, metrics) with metrics `infonce` (the loss), `pos_cos` (mean positive
     cosine), `neg_cos` (mean in-batch negative cosine; 0 when B == 1) and `acc`
-    (fraction of rows whose positive has the largest logit).
+    (fraction of rows whose positive has the largest logit). With a queue also
+    `queue_masked_frac` (fraction of the B x Q anchor/slot pairs left out of the
+    denominator: empty, or the anchor's own sentence when masked) and, with ids,
+    `queue_self_frac` (fraction of pairs whose slot holds the anchor's own sentence,
+    masked or not).
   """
   dtype = _compute_dtype(z1)
   z1n = l2_normalize(z1.astype(dtype))
   z2n = l2_normalize(z2.astype(dtype))
   cos = z1n @ z2n.T  # [B, B]
   logits = cos / temperature
+  queue_metrics = {}
   if queue is not None:
+    with_ids = anchor_ids is not None and queue_ids is not None
+    self_pairs = same_sentence(anchor_ids, queue_ids) if with_ids else None
+    dropped = self_pairs if mask_same_sentence else None
     logits = jnp.concatenate(
-        [logits, _queue_logits(z1n, queue, queue_valid, temperature)], axis=1)
+        [logits, _queue_logits(z1n, queue, queue_valid, temperature, dropped)], axis=1)
+    queue_metrics = _queue_metrics(queue_valid, self_pairs, dropped, (z1.shape[0], queue.shape[0]))
   batch = cos.shape[0]
   labels = jnp.arange(batch)
   pos_logit = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
@@ -88,5 +134,6 @@ def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = Non
       'pos_cos': jnp.mean(pos_cos),
       'neg_cos': (jnp.sum(cos) - jnp.sum(pos_cos)) / off_diag,
       'acc': jnp.mean((jnp.argmax(logits, axis=1) == labels).astype(jnp.float32)),
+      **queue_metrics,
   }
   return loss, metrics

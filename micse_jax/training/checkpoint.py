@@ -2,23 +2,88 @@
 
     workdir/checkpoints/<step>/   full TrainState, the last `keep` kept (atomic saves)
     workdir/best/<step>/          {'params': ...} of the best dev score so far (keep 1)
+    workdir/unreadable_checkpoints/<step>/   a truncated/corrupt step set aside on resume
+
+Restores are portable: every array is restored onto the sharding of the target the caller
+builds for the *current* devices (the trainer: replicated over its mesh), never onto the
+sharding stored in the checkpoint, so a run resumes on any device or host count.
 """
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+
+import jax
 import orbax.checkpoint as ocp
 
-from micse_jax.workdir import best_manager, rolling_manager
+from micse_jax.errors import CheckpointError
+from micse_jax.workdir import (best_manager, current_device_sharding, newest_readable, rolling_manager,
+                               unreadable_reason)
 
-__all__ = ["best_manager", "rolling_manager", "save_state", "restore_state", "save_best"]
+__all__ = ["best_manager", "rolling_manager", "save_state", "restore_state", "resume", "save_best"]
+
+UNREADABLE_DIR = "unreadable_checkpoints"
 
 
 def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
   manager.save(int(state.step), args=ocp.args.StandardSave(state), metrics=metrics)
 
 
+def on_current_devices(abstract_state):
+  """Gives every leaf without a sharding this process's first device (generic over the tree)."""
+  def place(leaf):
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=current_device_sharding())
+    return leaf
+  return jax.tree.map(place, abstract_state)
+
+
+def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps):
+  abstract_state = on_current_devices(abstract_state)
+  restore = lambda s: manager.restore(s, args=ocp.args.StandardRestore(abstract_state))
+  return newest_readable(steps, restore, str(manager.directory))
+
+
 def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
-  step = manager.latest_step() if step is None else step
-  return manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+  """The state at `step` (default: the newest readable step), on `abstract_state`'s shardings.
+
+  Without `step`, an unreadable (truncated, corrupt) newest checkpoint falls back to the previous
+  good one with a warning line; CheckpointError (one line) when no checkpoint can be read.
+  """
+  if step is None:
+    return _newest_readable_state(manager, abstract_state, manager.all_steps())[1]
+  try:
+    return manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(abstract_state)))
+  except Exception as e:  # Orbax, TensorStore and file errors alike
+    raise CheckpointError(f"cannot restore checkpoint step {step} in {manager.directory}: "
+                          f"{unreadable_reason(e)}") from e
+
+
+def resume(manager: ocp.CheckpointManager, abstract_state):
+  """`restore_state` for the trainer; unreadable newer steps are moved to `unreadable_checkpoints/`
+  (kept for inspection, not deleted) so that the resumed run can save those steps again."""
+  step, state = _newest_readable_state(manager, abstract_state, manager.all_steps())
+  unreadable = [s for s in manager.all_steps() if s > step]
+  if unreadable:
+    _set_aside(manager, unreadable)
+  return state
+
+
+def _set_aside(manager: ocp.CheckpointManager, steps) -> None:
+  directory = str(manager.directory)
+  target_root = os.path.join(os.path.dirname(directory), UNREADABLE_DIR)
+  if jax.process_index() == 0:
+    os.makedirs(target_root, exist_ok=True)
+    for s in steps:
+      target = os.path.join(target_root, str(s))
+      while os.path.exists(target):
+        target += "_"
+      shutil.move(os.path.join(directory, str(s)), target)
+      logging.warning("moved unreadable checkpoint step %d to %s", s, target)
+  if jax.process_count() > 1:
+    ocp.multihost.sync_global_processes("micse_set_aside_unreadable")
+  manager.reload()
 
 
 def save_best(manager: ocp.CheckpointManager, step: int, params, score: float) -> None:

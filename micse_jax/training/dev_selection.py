@@ -9,15 +9,19 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 import jax
-import orbax.checkpoint as ocp
 
+from micse_jax import workdir as workdir_lib
 from micse_jax.encoder import SentenceEncoder
 from micse_jax.evaluation import report, senteval_data, sts
 from micse_jax.evaluation.runner import run_evaluation
 from micse_jax.models.bert import BertModel
 from micse_jax.training import checkpoint
+
+if TYPE_CHECKING:
+  from micse_jax.training.trainer import Run
 
 EVAL_POOLER = "cls_before_pooler"
 
@@ -31,7 +35,7 @@ def params_encode_fn(encoder: SentenceEncoder, params: dict, batch_size: int):
 class DevSelector:
   """Scores STS-B dev (and optionally SICK-R dev) with [CLS] before the MLP; keeps the best."""
 
-  def __init__(self, run, workdir: str):
+  def __init__(self, run: Run, workdir: str):
     self.dir = run.config.eval.senteval_dir
     self.enabled = run.config.eval_every > 0 and os.path.isdir(self.dir)
     if run.config.eval_every > 0 and not self.enabled:
@@ -62,15 +66,14 @@ class DevSelector:
     return scores
 
 
-def final_evaluation(run, workdir: str, state, selector: DevSelector) -> dict:
+def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> dict:
   """Evaluates the best (else the last) params on `eval.final_tasks`; writes results.json."""
   tasks = run.config.eval.final_tasks
   if not tasks or not os.path.isdir(run.config.eval.senteval_dir):
     return {}
   params, which = state.params, f"last step {int(state.step)}"
   if selector.manager.all_steps():
-    best_step = selector.manager.best_step()
-    params = selector.manager.restore(best_step, args=ocp.args.StandardRestore())["params"]
+    best_step, params = workdir_lib.restore_params(workdir, "best")  # on any topology
     which = f"best STS-B dev (step {best_step}, {selector.best:.2f})"
   results = run_evaluation(selector.encode_fn(params), run.config.eval.senteval_dir, tasks)
   document = report.build_report(results, model=os.path.abspath(workdir), pooler=EVAL_POOLER,

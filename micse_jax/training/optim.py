@@ -1,8 +1,9 @@
 """AdamW with linear warm-up then linear decay to zero (HF Trainer's schedule, as SimCSE)."""
+import ml_collections
 import optax
 
 
-def learning_rate_schedule(config) -> optax.Schedule:
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   o = config.optim
   warmup = min(o.warmup_steps, config.num_train_steps)
   return optax.join_schedules(
@@ -11,7 +12,7 @@ def learning_rate_schedule(config) -> optax.Schedule:
       boundaries=[warmup])
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
   o = config.optim
   adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
                       weight_decay=o.weight_decay)

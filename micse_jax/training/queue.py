@@ -1,10 +1,14 @@
 """Fixed-size ring buffer of momentum-encoder embeddings: extra negatives (miCSE §2.1, MoCo).
 
 Static shapes: the queue is a `[Q, D]` array with a write pointer and a validity mask; a push
-writes the whole global batch at `(ptr + arange(B)) % Q` and advances the pointer.
+writes the whole global batch at `(ptr + arange(B)) % Q` and advances the pointer. Beside the
+keys the queue keeps each entry's sentence id (`[Q]` int32, -1 while empty), written at the
+same slots, so InfoNCE can recognise an anchor's own sentence among the negatives (issue 11).
 """
 import jax
 import jax.numpy as jnp
+
+EMPTY_ID = -1
 
 
 def empty_queue(size: int, dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -12,10 +16,42 @@ def empty_queue(size: int, dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   return jnp.zeros((size, dim), jnp.float32), jnp.zeros((size,), bool), jnp.zeros((), jnp.int32)
 
 
+def empty_queue_ids(size: int) -> jax.Array:
+  """Sentence ids of an empty queue: `[Q]` int32, all `EMPTY_ID`."""
+  return jnp.full((size,), EMPTY_ID, jnp.int32)
+
+
+def _slots(ptr: jax.Array, n: int, size: int) -> jax.Array:
+  return (ptr + jnp.arange(n)) % size
+
+
 def enqueue(queue: jax.Array, valid: jax.Array, ptr: jax.Array, batch: jax.Array):
   """Writes `batch` [B, D] (B ≤ Q) into the ring at `ptr`; oldest entries are overwritten."""
   size, n = queue.shape[0], batch.shape[0]
-  slots = (ptr + jnp.arange(n)) % size
+  slots = _slots(ptr, n, size)
   queue = queue.at[slots].set(batch.astype(queue.dtype))
   valid = valid.at[slots].set(True)
   return queue, valid, ((ptr + n) % size).astype(jnp.int32)
+
+
+def enqueue_ids(queue_ids: jax.Array, ptr: jax.Array, ids: jax.Array) -> jax.Array:
+  """Writes the batch's sentence ids [B] at the slots `enqueue` fills from the same `ptr`."""
+  return queue_ids.at[_slots(ptr, ids.shape[0], queue_ids.shape[0])].set(ids.astype(jnp.int32))
+
+
+def self_collision_warning(num_sentences: int, batch_size: int, queue_size: int, masked: bool) -> str | None:
+  """One warning line when a few-shot subset makes self-negatives routine, else None.
+
+  A sentence returns every floor(n/B) steps and the queue covers Q/B steps, so once
+  n < Q + B the queue holds an anchor's own sentence at most steps, on average about
+  Q / (B * floor(n/B)) copies of it.
+  """
+  n, b, q = num_sentences, batch_size, queue_size
+  if n >= q + b:
+    return None
+  copies = q / (b * max(n // b, 1))
+  what = ("masked (momentum.mask_same_sentence=True)" if masked
+          else "NOT masked (momentum.mask_same_sentence=False, as in the paper)")
+  return (f"few-shot regime: n={n} training sentences < queue Q={q} + batch B={b}; the momentum "
+          f"queue holds each anchor's own sentence about {copies:.2g} times; these self-negatives are "
+          f"{what}")

@@ -15,15 +15,17 @@ class TrainState:
   queue: jax.Array         # [Q, D] normalised momentum embeddings ({} when momentum is off)
   queue_valid: jax.Array   # [Q] bool: slot has been written
   queue_ptr: jax.Array     # int32 scalar: next slot to write
+  queue_ids: jax.Array     # [Q] int32 corpus sentence id per slot, -1 while empty
   rng: jax.Array           # uint32[2] base key; each step folds in `step`
 
 
 def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int) -> TrainState:
-  from micse_jax.training.queue import empty_queue  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.queue import empty_queue, empty_queue_ids  # pylint: disable=import-outside-toplevel
   # Without momentum there is no queue: empty subtrees (Orbax cannot store zero-size arrays).
   queue, valid, ptr = empty_queue(queue_size, dim) if momentum else ({}, {}, {})
+  queue_ids = empty_queue_ids(queue_size) if momentum else {}
   return TrainState(
       step=jnp.zeros((), jnp.int32), params=params,
       ema_params=jax.tree.map(jnp.copy, params["encoder"]) if momentum else {},
       opt_state=tx.init(params), queue=queue, queue_valid=valid, queue_ptr=ptr,
-      rng=jax.random.PRNGKey(seed))
+      queue_ids=queue_ids, rng=jax.random.PRNGKey(seed))

@@ -12,14 +12,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
+from micse_jax.data.pipeline import SENTENCE_IDS_KEY, TOKEN_KEYS
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import BertConfig, BertModel, collect_attentions
 from micse_jax.models.heads import MLPHead
 from micse_jax.training.ema import ema_update
-from micse_jax.training.queue import enqueue
+from micse_jax.training.queue import enqueue, enqueue_ids
 from micse_jax.training.state import TrainState
 
 
@@ -42,7 +44,7 @@ class Networks:
   ami_layers: tuple[int, ...]
 
 
-def build_networks(config, bert_config: BertConfig) -> Networks:
+def build_networks(config: ml_collections.ConfigDict, bert_config: BertConfig) -> Networks:
   dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
   p = config.momentum.dropout
@@ -55,24 +57,26 @@ def build_networks(config, bert_config: BertConfig) -> Networks:
 
 
 def _views(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Stacks the batch twice: one forward pass gives two independent dropout views."""
-  return {k: jnp.concatenate([v, v], axis=0) for k, v in batch.items()}
+  """Stacks the token arrays twice: one forward pass gives two independent dropout views."""
+  return {k: jnp.concatenate([batch[k], batch[k]], axis=0) for k in TOKEN_KEYS}
 
 
-def make_train_step(config, nets: Networks, tx: optax.GradientTransformation,
+def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any]) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Returns the pure (un-jitted) step; `trainer` jits it with shardings and donation."""
   use_ami, use_momentum = config.ami.enabled, config.momentum.enabled
   a = config.ami
 
-  def loss_fn(params, batch, queue, queue_valid, k_drop, k_ami):
+  def loss_fn(params, batch, queue, queue_valid, queue_ids, k_drop, k_ami):
     views = _views(batch)
     out, state = nets.online.apply(
         {"params": params["encoder"]}, views["input_ids"], views["attention_mask"], views["token_type_ids"],
         deterministic=False, rngs={"dropout": k_drop}, mutable=["intermediates"])
     z = nets.head.apply({"params": params["head"]}, out.last_hidden_state[:, 0])
     z1, z2 = jnp.split(z.astype(jnp.float32), 2)
-    loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature)
+    loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature,
+                                  anchor_ids=batch[SENTENCE_IDS_KEY], queue_ids=queue_ids,
+                                  mask_same_sentence=config.momentum.mask_same_sentence)
     metrics = dict(metrics, infonce=loss)
     if use_ami:
       att1, att2 = jnp.split(collect_attentions(state["intermediates"], nets.ami_layers), 2, axis=1)
@@ -94,8 +98,9 @@ def make_train_step(config, nets: Networks, tx: optax.GradientTransformation,
     k_drop, k_mom, k_ami = jax.random.split(jax.random.fold_in(state.rng, state.step), 3)
     queue = state.queue if use_momentum else None
     valid = state.queue_valid if use_momentum else None
+    queue_ids = state.queue_ids if use_momentum else None
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, batch, queue, valid, k_drop, k_ami)
+        state.params, batch, queue, valid, queue_ids, k_drop, k_ami)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -103,7 +108,8 @@ def make_train_step(config, nets: Networks, tx: optax.GradientTransformation,
       keys = momentum_embeddings(state, batch, k_mom)
       q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, keys)
       new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
-                        queue=q, queue_valid=v, queue_ptr=ptr)
+                        queue=q, queue_valid=v, queue_ptr=ptr,
+                        queue_ids=enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY]))
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
     return new, metrics
 

@@ -9,46 +9,52 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from micse_jax import workdir as workdir_lib
-from micse_jax.data.pipeline import build_train_batches
+from micse_jax import config_checks, workdir as workdir_lib
+from micse_jax.data.pipeline import TrainBatches, build_train_batches
 from micse_jax.errors import NonFiniteLossError
+from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
-from micse_jax.models.loading import load_pretrained
+from micse_jax.models.loading import load_config, load_pretrained, resolve_model_dir
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.queue import self_collision_warning
 from micse_jax.training.state import TrainState, create_train_state
-from micse_jax.training.step import build_networks, make_train_step
+from micse_jax.training.step import Networks, build_networks, make_train_step
 
 
 @dataclasses.dataclass
 class Run:
   """Everything a run needs, built (and validated) before anything is written to the workdir."""
-  config: object
-  bert_config: object
+  config: ml_collections.ConfigDict
+  bert_config: BertConfig
   model_dir: str
   tokenizer: Tokenizer
-  batches: object
-  nets: object
-  initial_params: dict
+  batches: TrainBatches
+  nets: Networks
+  initial_params: dict  # {'encoder': BERT params, 'head': MLP head params}
 
 
-def prepare(config) -> Run:
-  """Loads the model and corpus; raises ModelLoadError / CorpusError / ValueError on bad input."""
-  if config.batch_size % jax.device_count():
-    raise ValueError(f"batch_size {config.batch_size} is not divisible by {jax.device_count()} devices")
-  if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
-    raise ValueError(f"momentum.queue_size {config.momentum.queue_size} must be >= batch_size {config.batch_size}")
+def prepare(config: ml_collections.ConfigDict) -> Run:
+  """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input."""
+  config_checks.check_fields(config)
+  config_checks.check_combinations(config)
+  config_checks.check_against_model(config, load_config(resolve_model_dir(config.model.name_or_path)))
   _, encoder_params, bert_config, model_dir = load_pretrained(config.model.name_or_path)
   tokenizer = Tokenizer.from_pretrained(model_dir)
   batches = build_train_batches(
       config.data.corpus, tokenizer, max_length=config.model.max_length,
       global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
       subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0)
+  warning = config.momentum.enabled and self_collision_warning(
+      batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
+  if warning and jax.process_index() == 0:
+    logging.warning(warning)
   nets = build_networks(config, bert_config)
   head = MLPHead(bert_config.hidden_size, bert_config.initializer_range)
   head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, bert_config.hidden_size)))["params"]
@@ -76,8 +82,9 @@ def _check_finite(metrics: dict, step: int) -> dict:
   return host
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (resuming from `workdir` when it holds checkpoints); returns the final results."""
+  config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
   run = prepare(config)  # all input validation happens before the workdir is touched
   mesh = mesh_lib.data_mesh()
   tx = make_optimizer(config)
@@ -88,7 +95,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if rolling.latest_step() is not None:
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state, state_sharding)
-    state = checkpoint.restore_state(rolling, abstract)
+    state = checkpoint.resume(rolling, abstract)  # any topology; skips an unreadable latest step
     logging.info("resumed from step %d", int(state.step))
   else:
     state = jax.device_put(initial_state(run, tx), state_sharding)

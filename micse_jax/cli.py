@@ -1,0 +1,83 @@
+"""What the three command-line programs share: quiet start-up, flag parsing, one-line errors.
+
+The rule: bad input (a `MicseError`, or a flag/override that does not parse) is reported as
+one `error: ...` line on stderr with a non-zero exit; anything else is a bug and keeps its
+traceback. Errors are caught only while flags are parsed and around the `MicseError`-raising
+library call, never around the whole program.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Callable, Iterator, NoReturn, Sequence
+
+from micse_jax.errors import MicseError, one_line
+
+USAGE_EXIT = 2  # a flag or --config override that does not parse
+INPUT_EXIT = 1  # a MicseError: bad config value, corpus, model, checkpoint, data, output
+
+
+def quiet_startup() -> None:
+  """Hides start-up noise that is not ours: JAX's backend probing INFO line ("Unable to
+  initialize backend 'tpu'") and transformers' advice that PyTorch was not found."""
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+def fail(message: str, status: int = INPUT_EXIT) -> NoReturn:
+  """One `error:` line on stderr, then exit with `status`."""
+  print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+  sys.exit(status)
+
+
+@contextlib.contextmanager
+def input_errors_as_one_line() -> Iterator[None]:
+  """Turns a `MicseError` (bad user input) into one line and exit 1; anything else propagates."""
+  try:
+    yield
+  except MicseError as e:
+    fail(one_line(e))
+
+
+def flag_error_line(e: BaseException) -> str:
+  """The informative line of an absl/ml_collections parsing error (a config file's own
+  traceback is reduced to its last line, e.g. `ValueError: unknown config variant ...`)."""
+  while e.args and isinstance(e.args[0], BaseException):  # ml_collections wraps a KeyError
+    e = e.args[0]
+  if isinstance(e, (KeyError, AttributeError)) and e.args and isinstance(e.args[0], str):
+    lines = [line.strip() for line in e.args[0].splitlines() if line.strip()]  # 'name', hint
+    if lines and lines[0][:1] in "'\"":
+      return "; ".join([f"unknown field {lines[0]}"] + lines[1:])
+  text = str(e).strip()
+  if "Traceback (most recent call last)" in text:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"
+  return one_line(e) if text else type(e).__name__
+
+
+def flags_parser(materialize: Callable[[], object] | None = None):
+  """An `app.run(..., flags_parser=)` that reports a bad flag or override as one line (exit 2).
+
+  `materialize` forces lazily-loaded flag values (ml_collections loads a config file on first
+  access), so that their errors are reported here and not later, mid-program.
+  """
+  def parse(argv: Sequence[str]) -> list[str]:
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    try:
+      rest = flags.FLAGS(list(argv))
+      if materialize is not None:
+        materialize()
+    except flags.Error as e:
+      fail(flag_error_line(e), USAGE_EXIT)
+    except (AttributeError, KeyError, TypeError, ValueError, OSError, ImportError) as e:
+      fail(f"invalid --config: {flag_error_line(e)} (see configs/default.py for the fields)",
+           USAGE_EXIT)
+    return rest
+  return parse
+
+
+def reject_extra_args(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    fail(f"unexpected arguments: {' '.join(argv[1:])}", USAGE_EXIT)

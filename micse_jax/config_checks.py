@@ -1,0 +1,261 @@
+"""Everything about a training config that can be checked before a model is built or compiled.
+
+`check_run(config, workdir)` runs first in `train_and_evaluate`: numeric ranges and types, the
+task list, the SentEval directory when dev selection is on, a writable workdir, and, for a
+workdir that already holds checkpoints, a `config.json` compatible with the new config.
+`check_against_model(config, bert_config)` runs once the checkpoint's config is read (the AMI
+layers must exist in it). Every failure is a `ConfigError`: one line, nothing written.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Callable
+
+import ml_collections
+
+from micse_jax import paths, workdir as workdir_lib
+from micse_jax.errors import ConfigError
+
+# Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
+# and saves); any other difference would silently continue a different run.
+RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
+                     "eval_every", "eval.")
+DTYPES = ("float32", "bfloat16")
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(lo: int, hi: float = math.inf) -> Callable[[Any], str | None]:
+  def check(v):
+    if not _is_int(v):
+      return f"must be an integer, got {v!r}"
+    if lo <= v <= hi:
+      return None
+    return f"must be >= {lo}, got {v}" if hi == math.inf else f"must be in [{lo}, {hi}], got {v}"
+  return check
+
+
+def _real(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
+  def check(v):
+    if not _is_number(v):
+      return f"must be a finite number, got {v!r}"
+    low_ok = v > lo if lo_open else v >= lo
+    high_ok = v < hi if hi_open else v <= hi
+    if low_ok and high_ok:
+      return None
+    if hi == math.inf:
+      return f"must be {'>' if lo_open else '>='} {lo}, got {v}"
+    return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {v}"
+  return check
+
+
+def _bool(v):
+  return None if isinstance(v, bool) else f"must be True or False, got {v!r}"
+
+
+def _text(v):
+  return None if isinstance(v, str) and v.strip() else f"must be a non-empty string, got {v!r}"
+
+
+def _choice(*allowed):
+  return lambda v: None if v in allowed else f"must be one of {', '.join(allowed)}, got {v!r}"
+
+
+RULES: dict[str, Callable[[Any], str | None]] = {
+    "seed": _int(0),
+    "num_train_steps": _int(1),
+    "batch_size": _int(2),  # InfoNCE needs at least one in-batch negative
+    "log_every": _int(1),
+    "checkpoint_every": _int(1),
+    "keep_checkpoints": _int(1),
+    "eval_every": _int(0),
+    "model.name_or_path": _text,
+    "model.max_length": _int(2),  # [CLS] and [SEP]
+    "model.dtype": _choice(*DTYPES),
+    "data.corpus": _text,
+    "data.num_sentences": _int(0),
+    "data.subset_seed": _int(0),
+    "optim.learning_rate": _real(0, lo_open=True),
+    "optim.warmup_steps": _int(0),
+    "optim.weight_decay": _real(0),
+    "optim.b1": _real(0, 1, hi_open=True),
+    "optim.b2": _real(0, 1, hi_open=True),
+    "optim.eps": _real(0, lo_open=True),
+    "optim.grad_clip_norm": _real(0),
+    "loss.temperature": _real(0, lo_open=True),
+    "ami.enabled": _bool,
+    "ami.weight": _real(0),
+    "ami.num_samples": _int(1),
+    "ami.heads_per_slice": _int(1),
+    "ami.pool_layers": _bool,
+    "ami.require_positive": _bool,
+    "momentum.enabled": _bool,
+    "momentum.decay": _real(0, 1),
+    "momentum.dropout": _real(0, 1, hi_open=True),
+    "momentum.queue_size": _int(0),
+    "momentum.mask_same_sentence": _bool,
+    "eval.sickr_dev": _bool,
+    "eval.batch_size": _int(1),
+}
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str):
+  node = config
+  for part in dotted.split("."):
+    node = node[part]
+  return node
+
+
+def _has(config: ml_collections.ConfigDict, dotted: str) -> bool:
+  try:
+    _get(config, dotted)
+    return True
+  except (KeyError, AttributeError):
+    return False
+
+
+def check_fields(config: ml_collections.ConfigDict) -> None:
+  """Type and range of every numeric/boolean/string field in `RULES` (absent ones are skipped)."""
+  problems = []
+  for field, rule in RULES.items():
+    if _has(config, field):
+      problem = rule(_get(config, field))
+      if problem:
+        problems.append(f"{field} {problem}")
+  if problems:
+    raise ConfigError("invalid config: " + "; ".join(problems))
+
+
+def check_combinations(config: ml_collections.ConfigDict) -> None:
+  """Constraints between fields: devices, queue vs batch, AMI layers, task names."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if config.batch_size % jax.device_count():
+    raise ConfigError(f"batch_size {config.batch_size} is not divisible by {jax.device_count()} devices")
+  if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
+    raise ConfigError(f"momentum.queue_size {config.momentum.queue_size} must be >= batch_size "
+                      f"{config.batch_size}")
+  if config.ami.enabled:
+    layers = config.ami.layers
+    if (not isinstance(layers, (tuple, list)) or not layers
+        or not all(_is_int(i) for i in layers)):
+      raise ConfigError(f"ami.layers must be a non-empty tuple of layer indices, e.g. (-4,-3,-2,-1); "
+                        f"got {layers!r}")
+  _final_tasks(config)
+
+
+def _final_tasks(config: ml_collections.ConfigDict) -> list[str]:
+  from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
+  if not config.eval.final_tasks:
+    return []
+  try:
+    return senteval_data.resolve_tasks(config.eval.final_tasks)
+  except ValueError as e:
+    raise ConfigError(f"eval.final_tasks: {e}") from e
+
+
+def check_senteval(config: ml_collections.ConfigDict) -> None:
+  """With dev selection on, a SentEval dir that exists must hold STS-B dev (and the final tasks).
+
+  A missing default dir only disables selection (with a warning, see `DevSelector`); a missing
+  dir that the config names explicitly is an error.
+  """
+  from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
+  directory = config.eval.senteval_dir
+  if config.eval_every <= 0 and not config.eval.final_tasks:
+    return
+  if not directory or not os.path.isdir(directory):
+    if directory and os.path.abspath(directory) == os.path.abspath(paths.senteval_dir()):
+      return
+    raise ConfigError(f"eval.senteval_dir not found: {directory!r} (set eval_every=0 and "
+                      "eval.final_tasks='' to train without SentEval)")
+  tasks = _final_tasks(config)
+  if config.eval_every > 0:
+    tasks = ["STSBenchmark"] + (["SICKRelatedness"] if config.eval.sickr_dev else []) + tasks
+  try:
+    senteval_data.validate_tasks(directory, list(dict.fromkeys(tasks)))
+  except senteval_data.SentEvalDataError as e:
+    raise ConfigError(f"eval.senteval_dir: {e}") from e
+
+
+def check_workdir_writable(workdir: str) -> None:
+  """The workdir (or its nearest existing parent) must be a writable directory."""
+  if not workdir:
+    raise ConfigError("--workdir must not be empty")
+  path = os.path.abspath(os.path.expanduser(workdir))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f"workdir exists and is not a directory: {path}")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"workdir is not writable: {path} ({existing} does not allow writing)")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      flat.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      flat[f"{prefix}{k}"] = v
+  return flat
+
+
+def has_checkpoints(workdir: str) -> bool:
+  rolling = os.path.join(workdir, workdir_lib.ROLLING_DIR)
+  return os.path.isdir(rolling) and any(name.isdigit() for name in os.listdir(rolling))
+
+
+def config_differences(saved: dict, config_dict: dict) -> list[str]:
+  """`field (saved → new)` for every run-defining field that differs (JSON-normalised)."""
+  new = _flatten(json.loads(json.dumps(config_dict)))
+  old = _flatten({k: v for k, v in saved.items() if k not in ("model_dir", "bert_config")})
+  differences = []
+  for field in sorted(set(new) | set(old)):
+    if field.startswith(RESUMABLE_CHANGES) or old.get(field) == new.get(field):
+      continue
+    differences.append(f"{field} ({old.get(field, '<absent>')!r} -> {new.get(field, '<absent>')!r})")
+  return differences
+
+
+def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """A workdir with checkpoints resumes only a run with the same model, data and objective."""
+  if not has_checkpoints(workdir):
+    return
+  saved = workdir_lib.read_run_config(workdir)
+  differences = config_differences(saved, config.to_dict())
+  if differences:
+    raise ConfigError(
+        f"{workdir} holds checkpoints of a different run; differing fields: {', '.join(differences)}. "
+        "To start fresh, pass a new --workdir (or delete this one); to resume, use its config.json values")
+
+
+def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """All checks that need no model: call before anything is loaded, built or written."""
+  check_fields(config)
+  check_combinations(config)
+  check_workdir_writable(workdir)
+  check_resume_compatible(config, workdir)
+  check_senteval(config)
+
+
+def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
+  """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
+  from micse_jax.training.step import resolve_layers  # pylint: disable=import-outside-toplevel
+  if config.ami.enabled:
+    try:
+      resolve_layers(config.ami.layers, bert_config.num_hidden_layers)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+  positions = bert_config.max_position_embeddings - getattr(bert_config, "position_offset", 0)
+  if config.model.max_length > positions:
+    raise ConfigError(f"model.max_length {config.model.max_length} exceeds the {positions} "
+                      "positions the model has")

@@ -1,0 +1,331 @@
+"""Bad input across `main`, `evaluate` and `convert`: one `error:` line, non-zero exit, no
+traceback, nothing written, an existing workdir untouched.
+
+Most cases call the CLI's own entry function in this process (`main.train`,
+`evaluate.evaluate_and_report`, `convert.convert_and_report`: the same code path as the program,
+from the flag values on), so that the table stays fast; a few run the real programs as
+subprocesses to cover flag parsing and the process exit status end to end.
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+
+from micse_jax import workdir as workdir_lib
+from tests.train_utils import tiny_training_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ fixtures and helpers
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, minilm_dir):
+  """A tiny 2-layer BERT on disk, a 96-sentence corpus, and broken variants of both."""
+  root = tmp_path_factory.mktemp("bad_input")
+  config = tiny_training_config(root, minilm_dir)
+  model = config.model.name_or_path
+  paths = {"root": str(root), "model": model, "corpus": config.data.corpus}
+  truncated = str(root / "truncated_model")
+  shutil.copytree(model, truncated)
+  st = os.path.join(truncated, "model.safetensors")
+  with open(st, "r+b") as f:
+    f.truncate(os.path.getsize(st) // 2)
+  mismatch = str(root / "mismatch_model")
+  shutil.copytree(model, mismatch)
+  cfg_path = os.path.join(mismatch, "config.json")
+  cfg = json.loads(open(cfg_path, encoding="utf-8").read())
+  cfg["hidden_size"] = 32  # weights are hidden 64
+  with open(cfg_path, "w", encoding="utf-8") as f:
+    json.dump(cfg, f)
+  os.makedirs(root / "empty_model")
+  corpora = root / "corpora"
+  corpora.mkdir()
+  (corpora / "empty.txt").write_bytes(b"")
+  (corpora / "binary.bin").write_bytes(bytes(range(256)) * 64)
+  (corpora / "blank.txt").write_bytes(b"\n  \n\t\n")
+  (corpora / "a_directory").mkdir()
+  (corpora / "huge_line.txt").write_text("word " * 200_000 + "\n", encoding="utf-8")
+  (corpora / "few.txt").write_text("one sentence\nanother one\nthree\n", encoding="utf-8")
+  paths.update(truncated=truncated, mismatch=mismatch, empty_model=str(root / "empty_model"),
+               corpora=str(corpora))
+  return paths
+
+
+def _snapshot(root: str) -> dict:
+  """Every file and folder under `root` with a content hash: 'unchanged' means equal snapshots."""
+  snap = {}
+  for folder, dirs, files in os.walk(root):
+    for d in dirs:
+      snap[os.path.relpath(os.path.join(folder, d), root) + "/"] = None
+    for f in files:
+      with open(os.path.join(folder, f), "rb") as fh:
+        snap[os.path.relpath(os.path.join(folder, f), root)] = hashlib.sha256(fh.read()).hexdigest()
+  return snap
+
+
+def _existing_workdir(tmp_path) -> str:
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  (wd / "notes.txt").write_text("a workdir the user already has\n", encoding="utf-8")
+  return str(wd)
+
+
+_PROGRESS_BAR = re.compile(r"^[\w ]+:\s+\d+%\|")  # tqdm's "tokenizing:  40%|####  | ..."
+
+
+def _assert_one_line(err: str, *fragments):
+  """Exactly one non-empty line besides progress-bar updates: the `error:` line."""
+  lines = [line for line in err.replace("\r", "\n").splitlines()
+           if line.strip() and not _PROGRESS_BAR.match(line)]
+  assert len(lines) == 1, err
+  assert lines[0].startswith("error: ") and "Traceback" not in err, err
+  for fragment in fragments:
+    assert fragment in lines[0], lines[0]
+
+
+def _exits_with_one_line(capsys, call, *fragments, status=1):
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    call()
+  assert e.value.code == status
+  captured = capsys.readouterr()
+  _assert_one_line(captured.err, *fragments)
+
+
+# ------------------------------------------------------------------ main (training)
+
+def _config(base, minilm_dir, **changes):
+  """The tiny training config (model and corpus of `base`) with dotted-key changes."""
+  import pathlib
+  return tiny_training_config(pathlib.Path(base["root"]), minilm_dir, **changes)
+
+
+def _write_stsb(root, dev_lines=None, with_train=True):
+  """A SentEval folder holding only STS-B (3 pairs per split); `dev_lines` replaces dev."""
+  folder = os.path.join(root, "STS", "STSBenchmark")
+  os.makedirs(folder, exist_ok=True)
+  good = [f"main-captions\tMSRvid\t2012test\t{i:04d}\t{i}.0\ta man plays {i}\ta man sings {i}\n"
+          for i in range(3)]
+  for split in ("train", "dev", "test"):
+    if split == "train" and not with_train:
+      continue
+    with open(os.path.join(folder, f"sts-{split}.csv"), "w", encoding="utf-8") as f:
+      f.writelines(dev_lines if split == "dev" and dev_lines is not None else good)
+  return root
+
+
+MAIN_CASES = {  # name: (config changes as a function of the fixture paths, expected fragments)
+    "corpus_empty": (lambda b: {"data.corpus": f"{b['corpora']}/empty.txt"}, ["empty"]),
+    "corpus_binary": (lambda b: {"data.corpus": f"{b['corpora']}/binary.bin"}, ["UTF-8"]),
+    "corpus_blank_lines": (lambda b: {"data.corpus": f"{b['corpora']}/blank.txt"}, ["blank"]),
+    "corpus_directory": (lambda b: {"data.corpus": f"{b['corpora']}/a_directory"}, ["directory"]),
+    "corpus_one_huge_line": (lambda b: {"data.corpus": f"{b['corpora']}/huge_line.txt"}, ["huge_line"]),
+    "corpus_fewer_than_batch": (lambda b: {"data.corpus": f"{b['corpora']}/few.txt"}, ["few.txt"]),
+    "model_missing": (lambda b: {"model.name_or_path": f"{b['root']}/no_such_model"}, ["does not exist"]),
+    "model_empty": (lambda b: {"model.name_or_path": b["empty_model"]}, ["no config.json"]),
+    "model_truncated_safetensors": (lambda b: {"model.name_or_path": b["truncated"]}, ["safetensors"]),
+    "model_config_mismatches_weights": (lambda b: {"model.name_or_path": b["mismatch"]},
+                                        ["shape mismatch"]),
+    "value_learning_rate": (lambda b: {"optim.learning_rate": -1.0}, ["optim.learning_rate", "> 0"]),
+    "value_ami_weight_nan": (lambda b: {"ami.weight": float("nan")}, ["ami.weight", "finite"]),
+    "value_temperature_zero": (lambda b: {"loss.temperature": 0.0}, ["loss.temperature"]),
+    "value_dropout_one": (lambda b: {"momentum.dropout": 1.0}, ["momentum.dropout"]),
+    "value_eval_every_negative": (lambda b: {"eval_every": -1}, ["eval_every"]),
+    "value_ami_layers_out_of_range": (lambda b: {"ami.layers": (0, 9)}, ["ami.layers", "2-layer"]),
+    "value_unknown_final_task": (lambda b: {"eval.final_tasks": "STS99"}, ["eval.final_tasks", "STS99"]),
+    "senteval_dir_missing": (lambda b: {"eval_every": 2, "eval.senteval_dir": f"{b['root']}/nope"},
+                             ["eval.senteval_dir", "nope"]),
+    "senteval_dir_malformed": (
+        lambda b: {"eval_every": 2, "eval.senteval_dir": _write_stsb(
+            f"{b['root']}/senteval_bad", dev_lines=["only\tthree\tcolumns\n"])},
+        ["sts-dev.csv:1"]),
+    "senteval_dir_incomplete": (
+        lambda b: {"eval_every": 2, "eval.senteval_dir": _write_stsb(
+            f"{b['root']}/senteval_incomplete", with_train=False)},
+        ["sts-train.csv", "not found"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MAIN_CASES))
+def test_main_bad_input(case, base, minilm_dir, tmp_path, capsys):
+  from micse_jax import main
+  changes, fragments = MAIN_CASES[case]
+  config = _config(base, minilm_dir, **changes(base))
+  workdir = _existing_workdir(tmp_path)
+  before = _snapshot(workdir)
+  _exits_with_one_line(capsys, lambda: main.train(config, workdir), *fragments)
+  assert _snapshot(workdir) == before
+
+
+def test_main_workdir_is_a_file(base, minilm_dir, tmp_path, capsys):
+  from micse_jax import main
+  path = tmp_path / "a_file"
+  path.write_text("not a folder\n", encoding="utf-8")
+  _exits_with_one_line(capsys, lambda: main.train(_config(base, minilm_dir), str(path)),
+                       "not a directory")
+  _exits_with_one_line(capsys, lambda: main.train(_config(base, minilm_dir), str(path / "sub")),
+                       "not writable")
+  assert path.read_text(encoding="utf-8") == "not a folder\n"
+
+
+def _fake_run(workdir: str, config) -> None:
+  """A workdir as a previous run leaves it: config.json and a step folder."""
+  workdir_lib.write_run_config(workdir, {**config.to_dict(), "model_dir": "m", "bert_config": {}})
+  step = os.path.join(workdir, workdir_lib.ROLLING_DIR, "2")
+  os.makedirs(step)
+  with open(os.path.join(step, "payload"), "wb") as f:
+    f.write(b"\x00garbage, not an Orbax checkpoint\xff" * 8)
+
+
+def test_main_resume_with_a_different_run_config(base, minilm_dir, tmp_path, capsys):
+  from micse_jax import main
+  workdir = _existing_workdir(tmp_path)
+  _fake_run(workdir, _config(base, minilm_dir))
+  before = _snapshot(workdir)
+  changed = _config(base, minilm_dir, batch_size=12, **{"loss.temperature": 0.1})
+  _exits_with_one_line(capsys, lambda: main.train(changed, workdir),
+                       "batch_size (8 -> 12)", "loss.temperature (0.05 -> 0.1)", "new --workdir")
+  assert _snapshot(workdir) == before
+
+
+def test_main_corrupted_checkpoint(base, minilm_dir, tmp_path, capsys):
+  from micse_jax import main
+  workdir = _existing_workdir(tmp_path)
+  config = _config(base, minilm_dir)
+  _fake_run(workdir, config)
+  before = _snapshot(workdir)
+  _exits_with_one_line(capsys, lambda: main.train(config, workdir), "checkpoint")
+  assert _snapshot(workdir) == before
+
+
+def _tiny_sts13(root, broken=False, incomplete=False):
+  folder = os.path.join(root, "STS", "STS13-en-test")
+  os.makedirs(folder, exist_ok=True)
+  for subset in ("FNWN", "headlines", "OnWN"):
+    with open(os.path.join(folder, f"STS.input.{subset}.txt"), "w", encoding="utf-8") as f:
+      f.write("a man plays\tthe man plays\n" + ("no tab here\n" if broken else "a dog\tcats\n"))
+    if not (incomplete and subset == "OnWN"):
+      with open(os.path.join(folder, f"STS.gs.{subset}.txt"), "w", encoding="utf-8") as f:
+        f.write("4.5\n0.5\n")
+  return root
+
+
+def _eval_values(base, tmp_path, **changes):
+  values = dict(model=base["model"], senteval_dir=_tiny_sts13(str(tmp_path / "senteval")),
+                tasks="STS13", pooler="cls_before_pooler", output=str(tmp_path / "out.json"),
+                fast=True, batch_size=8, max_length=16, download=False, checkpoint="best", seed=1111)
+  values.update(changes)
+  return types.SimpleNamespace(**values)
+
+
+EVALUATE_CASES = {
+    "senteval_malformed": (lambda b, t: {"senteval_dir": _tiny_sts13(str(t / "bad"), broken=True)},
+                           ["STS.input.FNWN.txt:2"]),
+    "senteval_incomplete": (lambda b, t: {"senteval_dir": _tiny_sts13(str(t / "inc"), incomplete=True)},
+                            ["STS.gs.OnWN.txt", "not found"]),
+    "model_missing": (lambda b, t: {"model": str(t / "no_model")}, ["model path not found"]),
+    "model_truncated_safetensors": (lambda b, t: {"model": b["truncated"]}, ["safetensors"]),
+    "unknown_task": (lambda b, t: {"tasks": "STS13,STS17"}, ["STS17"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVALUATE_CASES))
+def test_evaluate_bad_input(case, base, tmp_path, capsys):
+  from micse_jax import evaluate
+  changes, fragments = EVALUATE_CASES[case]
+  values = _eval_values(base, tmp_path, **changes(base, tmp_path))
+  _exits_with_one_line(capsys, lambda: evaluate.evaluate_and_report(values), *fragments)
+  assert not os.path.exists(values.output)
+
+
+# ------------------------------------------------------------------ convert
+
+def test_convert_export_target_exists(base, tmp_path, capsys):
+  from micse_jax import convert
+  out = tmp_path / "export"
+  out.mkdir()
+  (out / "keep.txt").write_text("mine\n", encoding="utf-8")
+  before = _snapshot(str(out))
+  _exits_with_one_line(capsys, lambda: convert.convert_and_report(model=base["model"], output=str(out)),
+                       "not empty", "--overwrite")
+  assert _snapshot(str(out)) == before
+
+
+def test_convert_workdir_without_checkpoint(base, tmp_path, capsys):
+  from micse_jax import convert
+  workdir = _existing_workdir(tmp_path)
+  workdir_lib.write_run_config(workdir, {"model_dir": base["model"], "bert_config": {}})
+  os.makedirs(os.path.join(workdir, workdir_lib.ROLLING_DIR))
+  before = _snapshot(workdir)
+  out = tmp_path / "export"
+  _exits_with_one_line(capsys, lambda: convert.convert_and_report(workdir=workdir, output=str(out)),
+                       "no rolling checkpoint")
+  _exits_with_one_line(capsys, lambda: convert.convert_and_report(workdir=workdir, best=True, step=3,
+                                                                  output=str(out)),
+                       "mutually exclusive")
+  assert not out.exists() and _snapshot(workdir) == before
+
+
+def test_convert_truncated_checkpoint(base, tmp_path, capsys):
+  from micse_jax import convert
+  from micse_jax.models.loading import load_pretrained
+  from micse_jax.training import checkpoint
+  import orbax.checkpoint as ocp
+  workdir = _existing_workdir(tmp_path)
+  _, params, bert_config, _ = load_pretrained(base["model"])
+  workdir_lib.write_run_config(workdir, {"model_dir": base["model"], "bert_config": bert_config.to_dict()})
+  manager = checkpoint.rolling_manager(workdir, keep=2)
+  manager.save(3, args=ocp.args.StandardSave({"params": {"encoder": params, "head": {}}}))
+  manager.wait_until_finished()
+  for folder, _, files in os.walk(os.path.join(workdir, workdir_lib.ROLLING_DIR, "3")):
+    for name in files:  # truncate every array/metadata file of the only checkpoint
+      path = os.path.join(folder, name)
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 3)
+  before = _snapshot(workdir)
+  out = tmp_path / "export"
+  _exits_with_one_line(capsys, lambda: convert.convert_and_report(workdir=workdir, output=str(out)),
+                       "checkpoint")
+  assert not out.exists() and _snapshot(workdir) == before
+
+
+# ------------------------------------------------------------------ the real programs
+
+def _program(module, *args):
+  env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.mark.parametrize("override,status,fragments", [
+    ("--config.batch_sise=3", 2, ["unknown field 'batch_sise'", "batch_size"]),   # bad key
+    ("--config.batch_size=abc", 2, ["--config.batch_size=abc"]),                 # bad type
+    ("--config.data.corpus=/nonexistent/corpus.txt", 1, ["corpus file not found"]),  # bad file
+])
+def test_main_program(override, status, fragments, base, tmp_path):
+  workdir = _existing_workdir(tmp_path)
+  before = _snapshot(workdir)
+  proc = _program("micse_jax.main", "--config", "configs/micse.py", "--workdir", workdir,
+                  f"--config.model.name_or_path={base['model']}", "--config.eval_every=0",
+                  "--config.eval.final_tasks=", "--config.ami.layers=(0,1)", override)
+  assert proc.returncode == status, proc.stderr
+  _assert_one_line(proc.stderr, *fragments)
+  assert _snapshot(workdir) == before
+
+
+def test_convert_program_workdir_without_checkpoint(base, tmp_path):
+  workdir = _existing_workdir(tmp_path)
+  workdir_lib.write_run_config(workdir, {"model_dir": base["model"], "bert_config": {}})
+  os.makedirs(os.path.join(workdir, workdir_lib.ROLLING_DIR))
+  out = tmp_path / "export"
+  proc = _program("micse_jax.convert", "--workdir", workdir, "--output", str(out))
+  assert proc.returncode == 1, proc.stderr
+  _assert_one_line(proc.stderr, "no rolling checkpoint")
+  assert not out.exists()

@@ -1,0 +1,119 @@
+"""Crash safety, proven with a real kill: `python -m micse_jax.main` is SIGKILLed mid-run and
+once while a checkpoint is being written; re-running the same command resumes, and the final
+train state equals that of an uninterrupted run exactly (CPU)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from micse_jax import workdir as workdir_lib
+from tests.train_utils import tiny_training_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12
+
+
+def _command(config, workdir):
+  overrides = {"model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
+               "batch_size": 8, "num_train_steps": STEPS, "checkpoint_every": 2, "log_every": 1,
+               "eval_every": 0, "eval.final_tasks": "", "model.max_length": 16,
+               "momentum.queue_size": 12, "ami.layers": "(0,1)", "ami.num_samples": 20,
+               "optim.warmup_steps": 2, "optim.learning_rate": 1e-3}
+  return [sys.executable, "-m", "micse_jax.main", "--config", "configs/micse.py",
+          "--workdir", str(workdir), *[f"--config.{k}={v}" for k, v in overrides.items()]]
+
+
+def _env(cache_dir):
+  """The same compiled step for every run: JAX's persistent cache (also saves compile time)."""
+  return {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
+          "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def _entries(workdir):
+  folder = os.path.join(workdir, workdir_lib.ROLLING_DIR)
+  return os.listdir(folder) if os.path.isdir(folder) else []
+
+
+def _committed(workdir):
+  return sorted(int(n) for n in _entries(workdir) if n.isdigit())
+
+
+def _temporaries(workdir):
+  """Orbax writes a save into a temporary folder, renamed to `<step>` once complete."""
+  return {n for n in _entries(workdir) if "tmp" in n}
+
+
+def _run_and_kill(cmd, env, log_path, condition, timeout=600):
+  """Starts `cmd`; SIGKILLs it as soon as `condition()` holds. Returns whether it was killed."""
+  with open(log_path, "w", encoding="utf-8") as log:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+      if condition():
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
+      time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+  return False
+
+
+def _run(cmd, env, log_path):
+  with open(log_path, "w", encoding="utf-8") as log:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600,
+                          check=False)
+  assert proc.returncode == 0, open(log_path, encoding="utf-8").read()[-3000:]
+
+
+def _final_state(workdir):
+  manager = workdir_lib.rolling_manager(str(workdir), keep=0, read_only=True)
+  assert manager.latest_step() == STEPS
+  return manager.restore(STEPS, args=ocp.args.StandardRestore())
+
+
+def _first_progress_step(log_path):
+  """The step the progress bar starts from (tqdm `initial=`): 0 fresh, k when resumed."""
+  text = open(log_path, encoding="utf-8").read()
+  match = re.search(rf"train:[^|]*\|[^|]*\|\s*(\d+)/{STEPS}", text)
+  assert match, text[-2000:]
+  return int(match.group(1))
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, minilm_dir):
+  config = tiny_training_config(tmp_path, minilm_dir)
+  env = _env(tmp_path / "jax_cache")
+  reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+  _run(_command(config, reference), env, tmp_path / "reference.log")
+
+  cmd = _command(config, crashed)
+  # 1. killed mid-run: right after the first checkpoint is committed, between saves.
+  assert _run_and_kill(cmd, env, tmp_path / "kill1.log", lambda: _committed(crashed)), \
+      "the run finished before it could be killed"
+  after_first = _committed(crashed)
+  assert after_first and after_first[-1] < STEPS
+  # 2. killed while a later checkpoint is being written (a new Orbax temporary folder exists).
+  leftovers = _temporaries(crashed)
+  assert _run_and_kill(cmd, env, tmp_path / "kill2.log",
+                       lambda: bool(_temporaries(crashed) - leftovers)), \
+      "no checkpoint write was caught in progress"
+  resume_from = _committed(crashed)[-1]
+  assert resume_from < STEPS
+  # 3. the same command again: resumes from the last committed checkpoint and completes.
+  _run(cmd, env, tmp_path / "resume.log")
+  assert _first_progress_step(tmp_path / "kill2.log") == after_first[-1]
+  assert _first_progress_step(tmp_path / "resume.log") == resume_from > 0
+
+  want, got = _final_state(reference), _final_state(crashed)
+  assert jax.tree.structure(want) == jax.tree.structure(got)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
