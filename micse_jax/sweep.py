@@ -105,6 +105,8 @@ def main(argv):
 
 
 def run() -> None:
+  from micse_jax import cli  # pylint: disable=import-outside-toplevel
+  cli.quiet_startup()  # no JAX backend-probing INFO line before our one error line
   try:
     app.run(main)
   except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised while parsing --config.*

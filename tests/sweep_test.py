@@ -60,6 +60,7 @@ def test_expansion_is_the_hand_listed_grid(tmp_path):
     ({"axes": (("method", ()),)}, "axis 'method' is empty"),
     ({"axes": (("method", ("nosuch",)),)}, "config file not found: configs/nosuch.py"),
     ({"axes": (("batch_size", ("big",)),)}, "bad value 'big' for batch_size"),
+    ({"axes": (("optim.learning_rate", (-1.0,)),)}, "optim.learning_rate"),  # config_checks' range
 ])
 def test_bad_sweeps_raise_one_line(tmp_path, fields, message):
   with pytest.raises(spec.SweepError) as e:

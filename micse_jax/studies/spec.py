@@ -167,10 +167,21 @@ def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
       resolved = _resolve_size(dict(overrides)["data.num_sentences"], config.data.corpus, sizes_cache)
       overrides = [(k, resolved if k == "data.num_sentences" else v) for k, v in overrides]
       set_field(config, "data.num_sentences", resolved, config_file)
+    _check_run_config(config, config_file)
     name = _safe("__".join(f"{k}={_format(v)}" for k, v in labels)) or "run"
     runs.append(RunSpec(name=name, config_file=config_file, overrides=tuple(overrides), labels=labels,
                         workdir=os.path.join(sweep_dir, name)))
   return runs
+
+
+def _check_run_config(config: ml_collections.ConfigDict, source: str) -> None:
+  """The trainer's own field/combination checks (micse_jax.config_checks), before any run starts."""
+  from micse_jax import config_checks  # pylint: disable=import-outside-toplevel
+  try:
+    config_checks.check_fields(config)
+    config_checks.check_combinations(config)
+  except ConfigError as e:
+    raise SweepError(f"{source} with the sweep's overrides: {e}") from e
 
 
 def check_data(runs: list[RunSpec]) -> None:
