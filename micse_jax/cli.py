@@ -19,11 +19,19 @@ USAGE_EXIT = 2  # a flag or --config override that does not parse
 INPUT_EXIT = 1  # a MicseError: bad config value, corpus, model, checkpoint, data, output
 
 
+def _not_orbax_chatter(record: logging.LogRecord) -> bool:
+  """Orbax warns about its own read-only options on every restore; keep only its errors."""
+  return record.levelno >= logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 def quiet_startup() -> None:
-  """Hides start-up noise that is not ours: JAX's backend probing INFO line ("Unable to
-  initialize backend 'tpu'") and transformers' advice that PyTorch was not found."""
+  """Hides noise that is not ours: JAX's backend probing INFO line ("Unable to initialize
+  backend 'tpu'"), transformers' advice that PyTorch was not found, Orbax's option warnings."""
   os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  absl_logger = logging.getLogger("absl")
+  if _not_orbax_chatter not in absl_logger.filters:
+    absl_logger.addFilter(_not_orbax_chatter)
 
 
 def fail(message: str, status: int = INPUT_EXIT) -> NoReturn:

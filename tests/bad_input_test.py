@@ -205,6 +205,8 @@ def test_main_corrupted_checkpoint(base, minilm_dir, tmp_path, capsys):
   assert _snapshot(workdir) == before
 
 
+# ------------------------------------------------------------------ evaluate
+
 def _tiny_sts13(root, broken=False, incomplete=False):
   folder = os.path.join(root, "STS", "STS13-en-test")
   os.makedirs(folder, exist_ok=True)

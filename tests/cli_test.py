@@ -47,10 +47,21 @@ def test_flag_error_lines():
 def test_quiet_startup_hides_tpu_probe_and_pytorch_notice(monkeypatch, capfd):
   monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", raising=False)
   jax_logger = logging.getLogger("jax._src.xla_bridge")
-  monkeypatch.setattr(jax_logger, "level", logging.INFO)
+  previous = jax_logger.level
+  jax_logger.setLevel(logging.INFO)  # setLevel, not assignment: it clears the logger's cache
   assert jax_logger.isEnabledFor(logging.INFO)  # the "Unable to initialize backend 'tpu'" level
-  cli.quiet_startup()
-  assert not jax_logger.isEnabledFor(logging.INFO) and jax_logger.isEnabledFor(logging.WARNING)
+  try:
+    cli.quiet_startup()
+  finally:
+    enabled = jax_logger.isEnabledFor(logging.INFO), jax_logger.isEnabledFor(logging.WARNING)
+    jax_logger.setLevel(previous)
+  assert enabled == (False, True)
+  orbax_file = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "checkpoint_manager.py")
+  record = lambda level, path: logging.LogRecord("absl", level, path, 1, "msg", None, None)
+  absl_logger = logging.getLogger("absl")
+  assert not absl_logger.filter(record(logging.WARNING, orbax_file))  # "read_only=True, ..."
+  assert absl_logger.filter(record(logging.ERROR, orbax_file))
+  assert absl_logger.filter(record(logging.WARNING, os.path.join(os.sep, "micse_jax", "x.py")))
   from transformers.utils import logging as hf_logging
   capfd.readouterr()
   hf_logging.get_logger("transformers").warning_advice("PyTorch was not found. Models won't be available")
