@@ -1,7 +1,6 @@
 """The official-code AMI variant (`ami_loss(..., variant="official")`) against an independent
 NumPy transcription of the recipe in SAP-samples/acl2023-micse (`model/models.py`), and a
 check that the paper variant is unchanged."""
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,5 @@
 """The relatives as configs of the one step (issue 7): wiring checked against independent
 PyTorch/NumPy computations, InfoCSE's gradient isolation, config validation, smoke runs."""
-import dataclasses
 import importlib
 import os
 import subprocess

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import ml_collections
-import numpy as np
 import pytest
 
 from micse_jax.studies import aggregate, plots, runner, spec
@@ -191,7 +190,6 @@ def _sweep_cli(*args):
 
 def test_cli_bad_input_is_one_line_before_any_run(tmp_path, tiny_real_dir):
   from micse_jax.data.prepared import prepare_corpus
-  from micse_jax.tokenization import Tokenizer
   corpus = _corpus(tmp_path)
   sweep_dir = tmp_path / "sw"
   cases = [((("method", ("simcse",)), ("ami.wieght", (1e-3,))), "unknown axis/override key 'ami.wieght'"),
