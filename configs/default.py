@@ -6,6 +6,7 @@ queue of 384 negatives. Variants: `get_config("demo")` runs offline on CPU in mi
 """
 import ml_collections
 
+from configs.methods import add_method_fields
 from micse_jax import paths
 
 
@@ -71,6 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.sickr_dev = False            # also log SICK-R dev
   c.eval.final_tasks = "sts"          # evaluated on the best checkpoint at the end; "" skips
   c.eval.batch_size = 128
+
+  add_method_fields(c)  # views and loss terms of the relatives (issue 7)
 
   if arg == "demo":
     _apply_demo(c)

@@ -107,12 +107,14 @@ class TrainBatches:
   See the module docstring for the shuffle / epoch / sharding semantics.
   """
 
-  def __init__(self, tokens: Mapping[str, np.ndarray], global_batch_size: int, seed: int,
+  def __init__(self, tokens, global_batch_size: int, seed: int,
                process_index: int = 0, process_count: int = 1, sentence_ids: np.ndarray | None = None):
     """Builds the grain schedule.
 
     Args:
-      tokens: dict of int32 arrays `[N, length]` (`TOKEN_KEYS`).
+      tokens: dict of int32 arrays `[N, length]` (`TOKEN_KEYS`), or a random-access row
+        source with `len()` and `gather(indices) -> token dict` (a prepared corpus,
+        `micse_jax.data.prepared`), which is read only at the rows of this host's batches.
       global_batch_size: sentences per step summed over all hosts.
       seed: non-negative shuffle seed.
       process_index: this host's index in `[0, process_count)`.
@@ -123,9 +125,13 @@ class TrainBatches:
     Raises:
       ValueError: inconsistent arguments or fewer than `global_batch_size` sentences.
     """
-    self._num_sentences = _validate_tokens(tokens)
-    self.tokens = {k: np.asarray(tokens[k], dtype=np.int32) for k in TOKEN_KEYS}
-    self.sentence_ids = self._check_ids(sentence_ids)
+    if isinstance(tokens, Mapping):
+      self._num_sentences = _validate_tokens(tokens)
+      self.tokens = {k: np.asarray(tokens[k], dtype=np.int32) for k in TOKEN_KEYS}
+      self._rows = None
+      self.sentence_ids = self._check_ids(sentence_ids)
+    else:  # a row source (prepared corpus): token rows and sentence ids are read on demand
+      self._num_sentences, self.tokens, self._rows, self.sentence_ids = len(tokens), None, tokens, None
     self._check_sizes(global_batch_size, process_index, process_count)
     self.global_batch_size = int(global_batch_size)
     self.process_index = int(process_index)
@@ -165,6 +171,8 @@ class TrainBatches:
 
   def _gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     """Token rows and sentence ids for row `indices`."""
+    if self._rows is not None:
+      return self._rows.gather(indices)
     return {**{k: v[indices] for k, v in self.tokens.items()}, SENTENCE_IDS_KEY: self.sentence_ids[indices]}
 
   @property
@@ -194,6 +202,8 @@ class TrainBatches:
 
   def global_sentence_ids(self, step: int) -> np.ndarray:
     """Corpus sentence ids of the whole global batch of `step`, int32 `[B]`."""
+    if self._rows is not None:
+      return self._rows.gather(self.global_indices(step))[SENTENCE_IDS_KEY]
     return self.sentence_ids[self.global_indices(step)]
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
@@ -219,7 +229,8 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
   """Reads, subsets and tokenizes a corpus file into `TrainBatches`.
 
   Args:
-    corpus_path: UTF-8 text file, one sentence per line.
+    corpus_path: UTF-8 text file, one sentence per line, or a directory written by
+      `python -m micse_jax.prepare_data` (its tokenizer and max_length must match).
     tokenizer: a `micse_jax.tokenization.Tokenizer`.
     max_length: fixed padded sequence length.
     global_batch_size: sentences per step over all hosts.
@@ -239,17 +250,24 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
       than one global batch.
   """
   corpus_path = os.fspath(corpus_path)
-  sentences = read_corpus(corpus_path)
-  try:
-    indices = subset_indices(len(sentences), num_sentences, subset_seed)
-  except CorpusError as e:
-    raise CorpusError(f"{corpus_path}: {e}") from e
-  sentence_ids = first_occurrence_ids(sentences)[indices]
-  sentences = [sentences[i] for i in indices]
-  if len(sentences) < global_batch_size:
-    raise CorpusError(f"corpus {corpus_path} gives {len(sentences)} training sentences, "
+  if os.path.isdir(corpus_path):  # pre-tokenized (python -m micse_jax.prepare_data): rows read on demand
+    from micse_jax.data import prepared  # pylint: disable=import-outside-toplevel
+    tokens = prepared.open_prepared(corpus_path, tokenizer, max_length, num_sentences, subset_seed)
+    count, sentence_ids = len(tokens), None
+  else:
+    sentences = read_corpus(corpus_path)
+    try:
+      indices = subset_indices(len(sentences), num_sentences, subset_seed)
+    except CorpusError as e:
+      raise CorpusError(f"{corpus_path}: {e}") from e
+    sentence_ids = first_occurrence_ids(sentences)[indices]
+    sentences = [sentences[i] for i in indices]
+    tokens, count = None, len(sentences)
+  if count < global_batch_size:
+    raise CorpusError(f"corpus {corpus_path} gives {count} training sentences, "
                       f"fewer than one global batch of {global_batch_size}")
-  tokens = tokenize_corpus(sentences, tokenizer, max_length, show_progress=show_progress)
+  if tokens is None:
+    tokens = tokenize_corpus(sentences, tokenizer, max_length, show_progress=show_progress)
   if process_index is None:
     process_index = jax.process_index()
   if process_count is None:

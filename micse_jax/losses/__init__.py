@@ -1,9 +1,11 @@
-"""miCSE training objectives: InfoNCE (Eq. 2) and attention mutual information (Eq. 3-5)."""
+"""Training objectives: InfoNCE (miCSE Eq. 2), attention mutual information (Eq. 3-5), and the
+relatives' terms in their own modules (mlm, reconstruction, alignment)."""
 from micse_jax.losses.ami import AMIResult
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.ami import attention_mutual_information
 from micse_jax.losses.ami import fold_layer_parity
 from micse_jax.losses.ami import mi_from_samples
+from micse_jax.losses.ami import official_attention_mutual_information
 from micse_jax.losses.ami import sample_cells
 from micse_jax.losses.ami import slice_attention
 from micse_jax.losses.infonce import info_nce_loss
@@ -15,6 +17,7 @@ __all__ = [
     'fold_layer_parity',
     'info_nce_loss',
     'mi_from_samples',
+    'official_attention_mutual_information',
     'sample_cells',
     'slice_attention',
 ]

@@ -13,6 +13,35 @@ without replacement, with the same draw for both views (Alg. 1). The training
 loss adds -lambda * mean I to InfoNCE (Eq. 5), so minimizing it maximizes the
 agreement of the two views' attention.
 
+Two variants (`ami_loss(..., variant=...)`):
+
+* "paper" (default): Alg. 1 as written. Slices are (layer, group of heads);
+  cells are (real query, real key) pairs, optionally only those > 0 in both
+  views; a (sentence, slice) pair counts when it has >= `min_valid` valid
+  samples; loss = -lambda * mean MI.
+* "official": what SAP-samples/acl2023-micse (`model/models.py`, `cl_forward`)
+  computes. It differs from the paper variant in four ways:
+  1. slicing: one slice per (sentence, head, layer parity), pooling the chosen
+     layers of equal parity (`fold_layer_parity`, `heads_per_slice=1`,
+     `pool_layers=True`); the public recipe takes layers 7-10 (0-based,
+     `--min_layer 7 --max_layer 11`);
+  2. validity: a cell is valid when it is > 0 in both views. Padding is *not*
+     masked: padding query rows attend to real keys and count, and only the
+     padding keys drop out (their probability is exactly 0);
+  3. a slice with fewer than m = `num_samples` valid cells is dropped. If no
+     slice of the batch reaches m, every slice is kept and m is lowered to the
+     smallest valid count of the batch (m = 0: no AMI term that step);
+  4. the term is multiplied by (fraction of valid cells)^2 + 1e-6, the
+     fraction taken over all cells of the kept slices (a constant of the step,
+     no gradient). The fraction is about (mean real-key share of the padded
+     length) x (1 - attention dropout)^2, so it depends on padding and
+     dropout. lambda = 2.5e-3 was tuned with this factor: at a typical factor
+     of about 0.4 the same lambda weighs the paper variant roughly 2.5x more.
+  Kept from the paper variant: rho^2 is clamped to <= 1 - rho2_eps (the public
+  code would produce an infinite loss for identical views) and a slice with a
+  constant view contributes MI 0 (the public code's cosine with eps 1e-6 gives
+  0 as well).
+
 Everything below has static shapes and is jit-able. The biggest arrays are of
 the size of the attention tensors themselves (the sliced copies, the validity
 mask and the Gumbel noise); the samples are `[B, S, m]`.
@@ -238,22 +267,121 @@ def _weighted_mean(x: jax.Array, w: jax.Array) -> jax.Array:
   return jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+AMI_VARIANTS = ('paper', 'official')
+_OFFICIAL_SCALE_EPS = 1e-6
+
+
+class OfficialAMIResult(NamedTuple):
+  """Output of `official_attention_mutual_information`.
+
+  Attributes:
+    mi: `[B, S]` MI per (sentence, slice); 0 where the view is constant.
+    rho: `[B, S]` Pearson correlation of the sampled log-values.
+    weight: `[B, S]` 1.0 for the slices the official recipe keeps.
+    num_valid: `[B, S]` valid (> 0 in both views) cells per slice.
+    num_used: scalar int, samples per kept slice (m, or the batch's smallest
+      count when no slice reaches m).
+    scale: scalar, (fraction of valid cells over the kept slices)^2 + 1e-6.
+    indices: `[B, S, m]` sampled cell indices (first `num_used` are used).
+    sample_weight: `[B, S, m]` 1.0 for the samples that enter the MI.
+  """
+  mi: jax.Array
+  rho: jax.Array
+  weight: jax.Array
+  num_valid: jax.Array
+  num_used: jax.Array
+  scale: jax.Array
+  indices: jax.Array
+  sample_weight: jax.Array
+
+
+def official_attention_mutual_information(att1: jax.Array, att2: jax.Array, rng: jax.Array, *,
+                                          num_samples: int = 150,
+                                          rho2_eps: float = 1e-4) -> OfficialAMIResult:
+  """AMI as the official miCSE code computes it (see the module docstring, "official").
+
+  Args:
+    att1: `[L, B, H, T, T]` attention of view 1 on the chosen layers (L even;
+      the public recipe uses layers 7-10).
+    att2: the same for view 2.
+    rng: PRNG key for the cell sampling.
+    num_samples: m (150 in the public code).
+    rho2_eps: rho^2 is clamped to <= 1 - rho2_eps.
+
+  Returns:
+    An `OfficialAMIResult`; slices are (head, layer parity), `[B, 2H]`.
+  """
+  folded1, folded2 = fold_layer_parity(att1), fold_layer_parity(att2)
+  x1 = slice_attention(folded1, heads_per_slice=1, pool_layers=True)  # [B, S, C]
+  x2 = slice_attention(folded2, heads_per_slice=1, pool_layers=True)
+  valid = (x1 > 0) & (x2 > 0)  # zero cells only; padding rows are not masked
+  num_valid = jnp.sum(valid, axis=-1).astype(jnp.int32)
+  k = min(num_samples, valid.shape[-1])
+  reaches = num_valid >= num_samples
+  any_reaches = jnp.any(reaches)
+  # Fallback of the public code: no slice reaches m -> all slices, m = min count.
+  num_used = jnp.where(any_reaches, k, jnp.minimum(jnp.min(num_valid), k))
+  weight = jnp.where(any_reaches, reaches, num_used > 0).astype(jnp.float32)
+  indices, picked = sample_cells(valid, rng, k)
+  # Gumbel top-k is sorted, so its first num_used picks are a uniform subset too.
+  sample_weight = picked * (jnp.arange(k) < num_used).astype(jnp.float32) * weight[..., None]
+  u = _safe_log(jnp.take_along_axis(x1, indices, -1), sample_weight, 1e-30)
+  v = _safe_log(jnp.take_along_axis(x2, indices, -1), sample_weight, 1e-30)
+  rho, _ = weighted_pearson(u, v, sample_weight)
+  mi = gaussian_mi(rho, rho2_eps)
+  cells_kept = jnp.maximum(jnp.sum(weight) * valid.shape[-1], 1.0)
+  fraction = jnp.sum(weight * num_valid) / cells_kept
+  scale = jax.lax.stop_gradient(jnp.square(fraction) + _OFFICIAL_SCALE_EPS)
+  return OfficialAMIResult(mi, rho, weight, num_valid, num_used, scale, indices, sample_weight)
+
+
+def _official_ami_loss(att1: jax.Array, att2: jax.Array, rng: jax.Array, *, weight: float,
+                       num_samples: int, rho2_eps: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """-lambda * scale * mean MI over the kept slices (0 when none is kept)."""
+  res = official_attention_mutual_information(att1, att2, rng, num_samples=num_samples,
+                                              rho2_eps=rho2_eps)
+  mean_mi = _weighted_mean(res.mi, res.weight)
+  loss = -weight * res.scale * mean_mi
+  metrics = {
+      'ami': loss,
+      'ami_mi': mean_mi,
+      'ami_rho': _weighted_mean(res.rho, res.weight),
+      'ami_pairs': jnp.mean(res.weight),
+      'ami_samples': res.num_used.astype(jnp.float32),
+      'ami_scale': res.scale,
+  }
+  return loss, metrics
+
+
 def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: jax.Array, *,
              weight: float = 2.5e-3, num_samples: int = 150, heads_per_slice: int = 2,
              pool_layers: bool = False, require_positive: bool = True,
              log_eps: float = 1e-12, rho2_eps: float = 1e-4,
-             min_valid: int = 3) -> tuple[jax.Array, dict[str, jax.Array]]:
+             min_valid: int = 3,
+             variant: str = 'paper') -> tuple[jax.Array, dict[str, jax.Array]]:
   """AMI term of the miCSE objective (Eq. 5): loss = -weight * mean MI.
 
-  The mean runs over (sentence, slice) pairs with at least `min_valid` valid
-  samples (0 when there are none). Arguments as in
+  variant="paper" (default): the mean runs over (sentence, slice) pairs with at
+  least `min_valid` valid samples (0 when there are none). Arguments as in
   `attention_mutual_information`; `weight` is lambda of Eq. 5.
+
+  variant="official": the official code's recipe (module docstring), loss =
+  -weight * ((fraction of valid cells)^2 + 1e-6) * mean MI over the kept
+  slices. It has its own slicing and validity rules, so `attention_mask`,
+  `heads_per_slice`, `pool_layers`, `require_positive`, `log_eps` and
+  `min_valid` do not apply; `att1`/`att2` must hold an even number of layers.
 
   Returns:
     (loss, metrics) with metrics `ami` (the loss), `ami_mi` (mean MI), `ami_rho`
     (mean rho), `ami_pairs` (fraction of pairs that counted) and `ami_samples`
-    (mean valid samples per counted pair).
+    (mean valid samples per counted pair; official: samples per kept slice),
+    plus `ami_scale` for the official variant.
   """
+  if variant not in AMI_VARIANTS:
+    raise ValueError(f'ami variant must be one of {AMI_VARIANTS}, got {variant!r}')
+  if variant == 'official':
+    return _official_ami_loss(att1, att2, rng, weight=weight, num_samples=num_samples,
+                              rho2_eps=rho2_eps)
   res = attention_mutual_information(
       att1, att2, attention_mask, rng, num_samples=num_samples,
       heads_per_slice=heads_per_slice, pool_layers=pool_layers,

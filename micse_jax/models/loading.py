@@ -158,3 +158,22 @@ def param_shapes(model: BertModel) -> dict:
 def init_params(model: BertModel, seed: int = 0) -> dict:
   """Randomly initialised parameters (HF init: normal(0.02) kernels, zero biases)."""
   return jax.jit(lambda k: _init(model, k))(jax.random.PRNGKey(seed))
+
+
+def has_mlm_head(model_dir: str) -> bool:
+  """Whether the checkpoint holds BERT's MLM head (`cls.predictions.*`); reads names only."""
+  names = _safetensors_names(os.path.join(model_dir, "model.safetensors"))
+  if names is None:
+    names = load_hf_state_dict(model_dir).keys()
+  return any(weights.normalize_hf_name(n).startswith("cls.predictions.transform.") for n in names)
+
+
+def _safetensors_names(path: str):
+  if not os.path.isfile(path):
+    return None
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  try:
+    with safe_open(path, framework="flax") as f:
+      return list(f.keys())
+  except Exception as e:  # safetensors raises SafetensorError / OSError on bad files
+    raise ModelLoadError(f"corrupted or unreadable safetensors file {path}: {e}") from e

@@ -19,10 +19,11 @@ class TrainState:
   rng: jax.Array           # uint32[2] base key; each step folds in `step`
   # float16 only: {'scale', 'counter', 'skipped_steps'} of dynamic loss scaling (precision.py)
   loss_scale: Any = flax.struct.field(default_factory=dict)
+  frozen_params: Any = None  # never trained (InfoCSE: lower half of the initial encoder); {} when unused
 
 
 def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int,
-                       loss_scale: dict | None = None) -> TrainState:
+                       frozen_params=None, loss_scale: dict | None = None) -> TrainState:
   from micse_jax.training.queue import empty_queue, empty_queue_ids  # pylint: disable=import-outside-toplevel
   # Without momentum there is no queue: empty subtrees (Orbax cannot store zero-size arrays).
   queue, valid, ptr = empty_queue(queue_size, dim) if momentum else ({}, {}, {})
@@ -31,4 +32,5 @@ def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int
       step=jnp.zeros((), jnp.int32), params=params,
       ema_params=jax.tree.map(jnp.copy, params["encoder"]) if momentum else {},
       opt_state=tx.init(params), queue=queue, queue_valid=valid, queue_ptr=ptr,
-      queue_ids=queue_ids, rng=jax.random.PRNGKey(seed), loss_scale=loss_scale or {})
+      queue_ids=queue_ids, rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {},
+      loss_scale=loss_scale or {})

@@ -1,13 +1,15 @@
-"""The one update step: two dropout views → InfoNCE (+ queue) + AMI → AdamW → EMA → enqueue.
+"""The one update step: two views → loss terms picked by config → AdamW → EMA → enqueue.
 
 miCSE total loss L = L_C + L_D (paper §2): L_C is InfoNCE over the MLP-pooled [CLS] of two
 dropout views with in-batch and queue negatives (Eq. 2); L_D = −λ·AMI between the views'
-attention maps (Eq. 3–5). Each term is switched by config, so SimCSE, AMI+SimCSE,
-MoCo+SimCSE and miCSE are four configs of this one function.
+attention maps (Eq. 3–5). The relatives are the same step with other named parts
+(`training/views.py`, `training/terms.py`): the second view (dropout, Attention-Driven
+Dropout, Mirror-BERT span masking), the encoding (one encoder, or CT's two), the contrastive
+term (InfoNCE or positive-only) and the extra terms (AMI, InforMin-CL reconstruction, MLM,
+InfoCSE's auxiliary MLM network). One jitted, donated step for all of them.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -15,79 +17,66 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from micse_jax.data.pipeline import SENTENCE_IDS_KEY, TOKEN_KEYS
-from micse_jax.losses.ami import ami_loss
-from micse_jax.losses.infonce import info_nce_loss, l2_normalize
-from micse_jax.models.bert import BertConfig, BertModel, collect_attentions
-from micse_jax.models.heads import MLPHead
+from micse_jax.data.pipeline import SENTENCE_IDS_KEY
+from micse_jax.losses.infonce import l2_normalize
+from micse_jax.training import terms
 from micse_jax.training import precision
 from micse_jax.training.ema import ema_update
+from micse_jax.training.networks import Networks, build_networks, resolve_layers  # noqa: F401 (re-export)
 from micse_jax.training.queue import enqueue, enqueue_ids
 from micse_jax.training.state import TrainState
+from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
+
+KEY_NAMES = ("drop", "momentum", "ami", "view", "mlm", "infocse")
 
 
-def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
-  """0-based layer indices; negative ones count from the top (-1 = last layer)."""
-  if not layers or any(not -num_layers <= i < num_layers for i in layers):
-    raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
-  resolved = sorted({i % num_layers for i in layers})
-  if len(resolved) != len(layers):
-    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
-  return tuple(resolved)
+def step_keys(state: TrainState) -> dict[str, jax.Array]:
+  """One independent key per random part of the step, from the base key folded with the step."""
+  return dict(zip(KEY_NAMES, jax.random.split(jax.random.fold_in(state.rng, state.step), len(KEY_NAMES))))
 
 
-@dataclasses.dataclass(frozen=True)
-class Networks:
-  """The modules one step needs: online encoder (sows AMI layers), momentum encoder, MLP head."""
-  online: BertModel
-  momentum: BertModel
-  head: MLPHead
-  ami_layers: tuple[int, ...]
+def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks) -> Callable:
+  """loss_fn(params, frozen, batch, queue, queue_valid, queue_ids, keys, step) -> (loss, metrics)."""
+  second_view, encode = SECOND_VIEWS[config.view.kind], encode_views(config)
+  head_b = "head_b" if config.ct.enabled else "head"
+  pretrain_steps = config.infocse.pretrain_steps if config.infocse.enabled else 0
 
+  def project(params, head_name, hidden):
+    return nets.head.apply({"params": params[head_name]}, hidden[:, 0]).astype(jnp.float32)
 
-def build_networks(config: ml_collections.ConfigDict, bert_config: BertConfig) -> Networks:
-  dtype = precision.compute_dtype(config.model.dtype)
-  ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
-  bert_config = bert_config.replace(dropout_random_bits=config.model.dropout_random_bits)
-  p = config.momentum.dropout
-  momentum_config = bert_config.replace(hidden_dropout_prob=p, attention_probs_dropout_prob=p)
-  return Networks(
-      online=BertModel(bert_config, sow_attention_layers=ami_layers, dtype=dtype),
-      momentum=BertModel(momentum_config, dtype=dtype),
-      head=MLPHead(bert_config.hidden_size, bert_config.initializer_range, dtype=dtype),
-      ami_layers=ami_layers)
+  def loss_fn(params, frozen, batch, queue, queue_valid, queue_ids, keys, step):
+    view2 = second_view(params, batch, keys["view"], nets, config)
+    enc = encode(params, tokens_of(batch), view2, keys["drop"], nets)
+    z1, z2 = project(params, "head", enc.hidden1), project(params, head_b, enc.hidden2)
+    parts = [terms.contrastive_term(z1, z2, queue, queue_valid, config,
+                                    anchor_ids=batch.get(SENTENCE_IDS_KEY), queue_ids=queue_ids)]
+    if config.ami.enabled:
+      parts.append(terms.ami_term(enc.att1, enc.att2, batch["attention_mask"], keys["ami"], config))
+    if config.reconstruction.enabled:
+      parts.append(terms.reconstruction_term(z1, z2, config))
+    if config.mlm.enabled:
+      parts.append(terms.mlm_term(params, batch, keys["mlm"], nets, config))
+    loss = sum(p[0] for p in parts)
+    metrics = {k: v for _, m in parts for k, v in m.items()}
+    if config.infocse.enabled:
+      # InfoCSE §3.1 pre-training: the first `pretrain_steps` steps train only the auxiliary
+      # network (no gradient into the encoder through [CLS], the other terms switched off).
+      pretraining = step < pretrain_steps
+      cls = enc.hidden1[:, 0]
+      cls = jnp.where(pretraining, jax.lax.stop_gradient(cls), cls)
+      aux, aux_metrics = terms.infocse_term(params, frozen, batch, cls, keys["infocse"], nets, config)
+      loss = jnp.where(pretraining, aux_metrics["infocse_mlm"], loss + aux)
+      metrics.update(aux_metrics)
+    return loss, metrics
 
-
-def _views(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Stacks the token arrays twice: one forward pass gives two independent dropout views."""
-  return {k: jnp.concatenate([batch[k], batch[k]], axis=0) for k in TOKEN_KEYS}
+  return loss_fn
 
 
 def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any]) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Returns the pure (un-jitted) step; `trainer` jits it with shardings and donation."""
-  use_ami, use_momentum = config.ami.enabled, config.momentum.enabled
-  a = config.ami
-
-  def loss_fn(params, batch, queue, queue_valid, queue_ids, k_drop, k_ami):
-    views = _views(batch)
-    out, state = nets.online.apply(
-        {"params": params["encoder"]}, views["input_ids"], views["attention_mask"], views["token_type_ids"],
-        deterministic=False, rngs={"dropout": k_drop}, mutable=["intermediates"])
-    z = nets.head.apply({"params": params["head"]}, out.last_hidden_state[:, 0])
-    z1, z2 = jnp.split(z.astype(jnp.float32), 2)
-    loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature,
-                                  anchor_ids=batch[SENTENCE_IDS_KEY], queue_ids=queue_ids,
-                                  mask_same_sentence=config.momentum.mask_same_sentence)
-    metrics = dict(metrics, infonce=loss)
-    if use_ami:
-      att1, att2 = jnp.split(collect_attentions(state["intermediates"], nets.ami_layers), 2, axis=1)
-      l_d, ami_metrics = ami_loss(att1, att2, batch["attention_mask"], k_ami, weight=a.weight,
-                                  num_samples=a.num_samples, heads_per_slice=a.heads_per_slice,
-                                  pool_layers=a.pool_layers, require_positive=a.require_positive)
-      loss = loss + l_d
-      metrics.update(ami_metrics)
-    return loss, metrics
+  use_momentum = config.momentum.enabled
+  loss_fn = make_loss_fn(config, nets)
 
   def momentum_embeddings(state: TrainState, batch, key):
     """Momentum encoder (dropout p_m) + the online MLP head; no gradient flows here."""
@@ -97,18 +86,19 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     return jax.lax.stop_gradient(l2_normalize(z.astype(jnp.float32)))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    k_drop, k_mom, k_ami = jax.random.split(jax.random.fold_in(state.rng, state.step), 3)
+    keys = step_keys(state)
     queue = state.queue if use_momentum else None
     valid = state.queue_valid if use_momentum else None
     queue_ids = state.queue_ids if use_momentum else None
     grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
-    (loss, metrics), grads = grad_fn(state.params, batch, queue, valid, queue_ids, k_drop, k_ami)
+    (loss, metrics), grads = grad_fn(state.params, state.frozen_params, batch, queue, valid, queue_ids, keys,
+                                     state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if use_momentum:
-      keys = momentum_embeddings(state, batch, k_mom)
-      q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, keys)
+      embeddings = momentum_embeddings(state, batch, keys["momentum"])
+      q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, embeddings)
       new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
                         queue=q, queue_valid=v, queue_ptr=ptr,
                         queue_ids=enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY]))

@@ -18,10 +18,14 @@ from micse_jax.data.pipeline import TrainBatches, build_train_batches
 from micse_jax.errors import NonFiniteLossError
 from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
-from micse_jax.models.loading import load_config, load_pretrained, resolve_model_dir
+from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
+from micse_jax.training.analysis import Analysis
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
+from micse_jax.training.method_checks import check_method_config, check_mlm_head, needs_mlm_head
+from micse_jax.training.method_params import method_params
+from micse_jax.training.networks import SpecialTokens
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.precision import initial_loss_scale_state
 from micse_jax.training.queue import self_collision_warning
@@ -38,15 +42,20 @@ class Run:
   tokenizer: Tokenizer
   batches: TrainBatches
   nets: Networks
-  initial_params: dict  # {'encoder': BERT params, 'head': MLP head params}
+  initial_params: dict  # {'encoder': BERT params, 'head': MLP head params, + per method (method_params)}
+  frozen_params: dict = dataclasses.field(default_factory=dict)  # never trained (InfoCSE)
 
 
 def prepare(config: ml_collections.ConfigDict) -> Run:
   """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input."""
   config_checks.check_fields(config)
   config_checks.check_combinations(config)
-  config_checks.check_against_model(config, load_config(resolve_model_dir(config.model.name_or_path)))
-  _, encoder_params, bert_config, model_dir = load_pretrained(config.model.name_or_path)
+  check_method_config(config)  # the relatives' views/terms and their combinations
+  model_dir = resolve_model_dir(config.model.name_or_path)
+  config_checks.check_against_model(config, load_config(model_dir))
+  if needs_mlm_head(config):
+    check_mlm_head(config, model_dir, has_mlm_head(model_dir))
+  _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_mlm_head(config))
   tokenizer = Tokenizer.from_pretrained(model_dir)
   batches = build_train_batches(
       config.data.corpus, tokenizer, max_length=config.model.max_length,
@@ -56,18 +65,18 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
       batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
   if warning and jax.process_index() == 0:
     logging.warning(warning)
-  nets = build_networks(config, bert_config)
+  nets = build_networks(config, bert_config, SpecialTokens.from_tokenizer(tokenizer, bert_config.vocab_size))
   head = MLPHead(bert_config.hidden_size, bert_config.initializer_range)
   head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, bert_config.hidden_size)))["params"]
-  return Run(config, bert_config, model_dir, tokenizer, batches, nets,
-             {"encoder": encoder_params, "head": head_params})
+  params, frozen = method_params(config, nets, encoder_params, head_params, config.seed)
+  return Run(config, bert_config, model_dir, tokenizer, batches, nets, params, frozen)
 
 
 def initial_state(run: Run, tx) -> TrainState:
   c = run.config
   return create_train_state(run.initial_params, tx, seed=c.seed, momentum=c.momentum.enabled,
                             queue_size=c.momentum.queue_size, dim=run.bert_config.hidden_size,
-                            loss_scale=initial_loss_scale_state(c))
+                            frozen_params=run.frozen_params, loss_scale=initial_loss_scale_state(c))
 
 
 def jit_train_step(run: Run, tx, mesh, state_sharding):
@@ -106,9 +115,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                           "bert_config": run.bert_config.to_dict()})
   train_step = jit_train_step(run, tx, mesh, state_sharding)
   selector = DevSelector(run, workdir)
+  analysis = Analysis.create(run)
   writer = _summary_writer(workdir)
   try:
-    state = _loop(run, state, train_step, mesh, rolling, selector, writer)
+    state = _loop(run, state, train_step, mesh, rolling, selector, writer, analysis)
   finally:
     rolling.wait_until_finished()
     selector.manager.wait_until_finished()
@@ -117,7 +127,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return final_evaluation(run, workdir, state, selector)
 
 
-def _loop(run: Run, state, train_step, mesh, rolling, selector, writer):
+def _loop(run: Run, state, train_step, mesh, rolling, selector, writer, analysis=None):
   c = run.config
   start = int(state.step)
   bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
@@ -137,12 +147,16 @@ def _loop(run: Run, state, train_step, mesh, rolling, selector, writer):
       now = time.perf_counter()
       host["steps_per_sec"] = c.log_every / max(now - tick, 1e-9)
       tick = now
-      bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "ami_mi") if k in host})
+      bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi") if k in host})
       _write_scalars(writer, done, host)
     if evaluate:
       scores = selector(state)
       _write_scalars(writer, done, scores)
       bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
+    if analysis is not None and c.eval_every > 0 and (done % c.eval_every == 0 or last):
+      stats = analysis(state)  # alignment, uniformity, attention MI on the held-out slice
+      _write_scalars(writer, done, stats)
+      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
     if save:
       checkpoint.save_state(rolling, state)
   return state
@@ -159,5 +173,6 @@ def _write_scalars(writer, step: int, scalars: dict) -> None:
   if writer is None:
     return
   for k, v in scalars.items():
-    writer.add_scalar(f"train/{k}" if "dev" not in k else f"eval/{k}", float(np.asarray(v)), step)
+    tag = k if "/" in k else f"train/{k}" if "dev" not in k else f"eval/{k}"
+    writer.add_scalar(tag, float(np.asarray(v)), step)
   writer.flush()

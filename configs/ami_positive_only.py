@@ -1,0 +1,9 @@
+"""Positive-only training with AMI (miCSE Tab. 4, App. E): where AMI's regularising effect
+shows most."""
+from configs import positive_only
+
+
+def get_config(arg=None):
+  c = positive_only.get_config(arg)
+  c.ami.enabled = True
+  return c

@@ -1,0 +1,241 @@
+"""Pre-tokenized corpora: a TFDS dataset in ArrayRecord shards, read by random access without TF.
+
+`prepare_corpus` streams a text corpus (one sentence per line, the same lines `read_corpus`
+keeps) through the tokenizer in chunks and writes one TFDS `train` split in the `array_record`
+file format with `disable_shuffling` (row i is the corpus's i-th sentence). Memory stays
+bounded: only one chunk of sentences is held, and TFDS's writer spills to disk.
+
+Row layout: the three `TOKEN_KEYS` arrays, int32 `[max_length]`, padded exactly as
+`tokenize_corpus` pads, and `sentence_id`, the row of the text's first occurrence (exact
+duplicates share it, as `corpus.first_occurrence_ids`), so a prepared corpus gives
+bit-identical `TrainBatches`. Finding first occurrences keeps one 16-byte digest per distinct
+sentence in memory while preparing (about 0.1 GB per million distinct sentences).
+The dataset's metadata records the tokenizer (its name and a fingerprint of its vocabulary
+and normalizer), `max_length`, the row count and the source file.
+
+Reading uses `tfds.builder_from_directory(dir).as_data_source()`, i.e. ArrayRecord random
+access with NumPy decoding (no TensorFlow). `PreparedRows.gather(indices)` reads only the
+requested rows, so each host reads just its share of each step's global batch.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+import numpy as np
+
+from micse_jax.data.corpus import subset_indices
+from micse_jax.errors import CorpusError
+
+TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+SENTENCE_IDS_KEY = "sentence_ids"   # the batch key (micse_jax.data.pipeline.SENTENCE_IDS_KEY)
+_ID_FEATURE = "sentence_id"
+_BOM = "\ufeff"
+_SPLIT = "train"
+
+
+def is_prepared_dir(path: str) -> bool:
+  """True when `path` is a directory written by `prepare_corpus` (a TFDS dataset directory)."""
+  return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json"))
+          and os.path.isfile(os.path.join(path, "features.json")))
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+  """sha256 over the vocabulary and the normalizer settings: equal ⇔ the same token ids."""
+  hf = tokenizer.hf
+  normalizer = getattr(getattr(hf, "backend_tokenizer", None), "normalizer", None)
+  payload = json.dumps({"vocab": sorted(hf.get_vocab().items()), "normalizer": str(normalizer),
+                        "class": type(hf).__name__})
+  return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def iter_corpus_lines(path: str) -> Iterator[str]:
+  """Streams the sentences `read_corpus` would return (same splitting, BOM and blank-line rules)."""
+  if not os.path.isfile(path):
+    raise CorpusError(f"corpus file not found: {path}")
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  offset = 0
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      try:
+        line = decoder.decode(raw)
+      except UnicodeDecodeError as e:
+        raise CorpusError(f"corpus file is not valid UTF-8: {path}: line {number}, byte offset "
+                          f"{offset + e.start} (bytes 0x{raw[e.start:e.end].hex()}: {e.reason})") from e
+      offset += len(raw)
+      if number == 1 and line.startswith(_BOM):
+        line = line[len(_BOM):]
+      line = line[:-1] if line.endswith("\n") else line
+      line = line[:-1] if line.endswith("\r") else line
+      if line.strip():
+        yield line
+
+
+def _row_chunks(path: str, tokenizer, max_length: int, chunk_size: int) -> Iterator[tuple[int, dict]]:
+  """(row index, {key: int32 [max_length], sentence_id}) per sentence, tokenized `chunk_size` at a time."""
+  chunk, row, first = [], 0, {}
+
+  def flush():
+    enc = tokenizer(chunk, max_length, pad_to=max_length)
+    for i, sentence in enumerate(chunk):
+      digest = hashlib.blake2b(sentence.encode("utf-8"), digest_size=16).digest()
+      example = {k: np.asarray(enc[k][i], dtype=np.int32) for k in TOKEN_KEYS}
+      example[_ID_FEATURE] = np.int32(first.setdefault(digest, row + i))
+      yield row + i, example
+
+  for sentence in iter_corpus_lines(path):
+    chunk.append(sentence)
+    if len(chunk) == chunk_size:
+      yield from flush()
+      row += len(chunk)
+      chunk = []
+  if chunk:
+    yield from flush()
+    row += len(chunk)
+  if row == 0:
+    raise CorpusError(f"corpus file has no non-blank lines: {path}")
+
+
+def _builder_class():
+  """The TFDS builder (defined lazily: importing tensorflow_datasets takes seconds)."""
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+
+  class PretokenizedCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """One `train` split of fixed-length token rows, in corpus order."""
+    VERSION = tfds.core.Version("1.0.0")
+    # No source file / URL checksums to look up (tfds's lookup imports importlib_resources).
+    code_path = None
+
+    def __init__(self, *, corpus, tokenizer, max_length, chunk_size, metadata, **kwargs):
+      self._corpus, self._tokenizer = corpus, tokenizer
+      self._max_length, self._chunk_size, self._metadata = max_length, chunk_size, metadata
+      super().__init__(**kwargs)
+
+    def _info(self):
+      feature = lambda: tfds.features.Tensor(shape=(self._max_length,), dtype=np.int32,
+                                             encoding=tfds.features.Encoding.ZLIB)
+      return tfds.core.DatasetInfo(
+          builder=self, description="Pre-tokenized sentences (micse_jax.prepare_data).",
+          features=tfds.features.FeaturesDict({**{k: feature() for k in TOKEN_KEYS},
+                                               _ID_FEATURE: tfds.features.Scalar(dtype=np.int32)}),
+          disable_shuffling=True, metadata=tfds.core.MetadataDict(self._metadata))
+
+    def _split_generators(self, dl_manager):
+      del dl_manager
+      return {_SPLIT: self._generate_examples()}
+
+    def _generate_examples(self):
+      yield from _row_chunks(self._corpus, self._tokenizer, self._max_length, self._chunk_size)
+
+  return PretokenizedCorpus
+
+
+def prepare_corpus(corpus: str, tokenizer, tokenizer_name: str, max_length: int, output: str,
+                   chunk_size: int = 8192) -> dict:
+  """Tokenizes `corpus` once into a prepared directory `output`; returns its metadata.
+
+  Written to a temporary directory beside `output` and renamed at the end, so `output` is
+  either complete or absent.
+
+  Raises:
+    CorpusError: bad corpus, non-positive `max_length`, or `output` already exists.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  if max_length <= 0:
+    raise CorpusError(f"max_length must be positive, got {max_length}")
+  if os.path.exists(output):
+    raise CorpusError(f"output already exists: {output} (remove it or choose another --output)")
+  if not os.path.isfile(corpus):
+    raise CorpusError(f"corpus file not found: {corpus}")
+  metadata = {"tokenizer": tokenizer_name, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+              "max_length": int(max_length), "source": os.path.abspath(corpus)}
+  parent = os.path.dirname(os.path.abspath(output))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
+  try:
+    builder = _builder_class()(corpus=corpus, tokenizer=tokenizer, max_length=max_length,
+                               chunk_size=chunk_size, metadata=metadata, data_dir=tmp,
+                               file_format="array_record")
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    os.replace(builder.data_dir, output)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return PreparedRows(output).metadata
+
+
+class PreparedRows:
+  """Random-access token rows of a prepared directory; `gather(indices)` reads only those rows."""
+
+  def __init__(self, path: str):
+    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    if not is_prepared_dir(path):
+      raise CorpusError(f"corpus path is a directory but not a prepared corpus (no dataset_info.json; "
+                        f"write one with python -m micse_jax.prepare_data): {path}")
+    self.path = path
+    builder = tfds.builder_from_directory(path)
+    self.metadata = dict(builder.info.metadata or {})
+    self._source = builder.as_data_source(split=_SPLIT)
+    self.metadata["num_sentences"] = len(self._source)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def gather(self, indices) -> dict[str, np.ndarray]:
+    """Rows `indices`: int32 token arrays `[len(indices), max_length]` and `sentence_ids` `[len(indices)]`."""
+    records = self._source.__getitems__([int(i) for i in indices])
+    batch = {k: np.stack([r[k] for r in records]).astype(np.int32, copy=False) for k in TOKEN_KEYS}
+    batch[SENTENCE_IDS_KEY] = np.asarray([r[_ID_FEATURE] for r in records], dtype=np.int32)
+    return batch
+
+
+class SubsetRows:
+  """A few-shot subset of `PreparedRows`: row j is corpus row `subset_indices(...)[j]`."""
+
+  def __init__(self, rows: PreparedRows, corpus_rows: np.ndarray | None):
+    self.rows, self.corpus_rows = rows, corpus_rows
+
+  def __len__(self) -> int:
+    return len(self.rows) if self.corpus_rows is None else len(self.corpus_rows)
+
+  def gather(self, indices) -> dict[str, np.ndarray]:
+    indices = np.asarray(indices, dtype=np.int64)
+    return self.rows.gather(indices if self.corpus_rows is None else self.corpus_rows[indices])
+
+
+def check_compatible(metadata: dict, path: str, tokenizer, max_length: int) -> None:
+  """Raises CorpusError (one line) when the prepared data do not fit the model's tokenizer/length."""
+  if metadata.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
+    raise CorpusError(f"prepared corpus {path} was tokenized with {metadata.get('tokenizer')!r}, whose "
+                      "vocabulary/normalization differ from the model's tokenizer; re-run "
+                      "python -m micse_jax.prepare_data with the model's --tokenizer")
+  if int(metadata.get("max_length", -1)) != int(max_length):
+    raise CorpusError(f"prepared corpus {path} has max_length {metadata.get('max_length')}, but "
+                      f"model.max_length is {max_length}; re-run prepare_data with --max_length {max_length}")
+
+
+def open_prepared(path: str, tokenizer, max_length: int, num_sentences: int | None,
+                  subset_seed: int) -> SubsetRows:
+  """Opens and checks a prepared corpus; applies the same few-shot subset as the text path."""
+  rows = PreparedRows(path)
+  check_compatible(rows.metadata, path, tokenizer, max_length)
+  try:
+    subset = None if not num_sentences or num_sentences <= 0 else subset_indices(
+        len(rows), num_sentences, subset_seed)
+  except CorpusError as e:
+    raise CorpusError(f"{path}: {e}") from e
+  return SubsetRows(rows, subset)
+
+
+def corpus_size(path: str) -> int:
+  """Number of training sentences of a text corpus or a prepared directory (without tokenizing)."""
+  if is_prepared_dir(path):
+    with open(os.path.join(path, "dataset_info.json"), encoding="utf-8") as f:
+      info = json.load(f)
+    return sum(int(n) for split in info.get("splits", []) if split.get("name") == _SPLIT
+               for n in split.get("shardLengths", []))
+  return sum(1 for _ in iter_corpus_lines(path))

@@ -1,0 +1,45 @@
+"""Tokenize a corpus once into a prepared (TFDS / ArrayRecord) directory for training at scale.
+
+    python -m micse_jax.prepare_data --corpus wiki1m.txt --tokenizer bert-base-uncased \
+        --max_length 32 --output data/wiki1m_bert32
+
+Train on it with `--config.data.corpus=data/wiki1m_bert32` (the model's tokenizer and
+`model.max_length` must match what is recorded). See `micse_jax/data/prepared.py`.
+"""
+import logging
+import sys
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("corpus", None, "UTF-8 text file, one sentence per line.")
+flags.DEFINE_string("tokenizer", None, "Model directory or hub name whose tokenizer to use.")
+flags.DEFINE_integer("max_length", 32, "Fixed (padded) length, including special tokens.")
+flags.DEFINE_string("output", None, "Directory to create (must not exist).")
+flags.DEFINE_integer("chunk_size", 8192, "Sentences tokenized per call.")
+flags.mark_flags_as_required(["corpus", "tokenizer", "output"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from micse_jax.errors import MicseError  # pylint: disable=import-outside-toplevel
+  from micse_jax.data.prepared import prepare_corpus  # pylint: disable=import-outside-toplevel
+  from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel
+  from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
+  try:
+    tokenizer = Tokenizer.from_pretrained(resolve_model_dir(FLAGS.tokenizer))
+    meta = prepare_corpus(FLAGS.corpus, tokenizer, FLAGS.tokenizer, FLAGS.max_length, FLAGS.output,
+                          chunk_size=FLAGS.chunk_size)
+  except (MicseError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+  print(f"wrote {meta['num_sentences']} rows (max_length {meta['max_length']}, tokenizer "
+        f"{meta['tokenizer']}) to {FLAGS.output} in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+  app.run(main)

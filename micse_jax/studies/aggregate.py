@@ -1,0 +1,160 @@
+"""Sweep results: mean ± std over seeds per method × size (× other axes), as JSON, Markdown, CSV.
+
+The std is the sample standard deviation over the finished seeds (ddof = 1, as papers report
+seed spread); with one finished seed it is undefined and shown as "-". `n` is the number of
+finished seeds of the row; failed or unfinished runs are listed separately, never averaged in.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+
+import numpy as np
+
+from micse_jax.evaluation.report import STS_COLUMNS, TRANSFER_COLUMNS
+from micse_jax.jsonio import write_json
+from micse_jax.studies.runner import read_status
+from micse_jax.studies.spec import RunSpec, method_name
+
+RESULTS_FILE = "results.json"
+
+
+def mean_std(values) -> tuple[float | None, float | None]:
+  """Mean and sample std (ddof=1) of the finite values; std None for fewer than two."""
+  vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+  if not vals:
+    return None, None
+  return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
+
+
+def _scores(document: dict) -> dict[str, float]:
+  """{'STS12': ..., 'sts_avg': ..., 'MR': ..., 'transfer_avg': ...} from a run's results.json."""
+  out = {}
+  for group, metric in (("sts", "spearman"), ("transfer", "acc")):
+    part = document.get(group) or {}
+    for task, result in (part.get("tasks") or {}).items():
+      out[task] = result.get(metric)
+    if part.get("avg") is not None:
+      out[f"{group}_avg"] = part["avg"]
+  return out
+
+
+def _run_corpus_size(run: RunSpec, cache: dict) -> int | None:
+  """Training-set size of a run that uses the whole corpus (data.num_sentences = 0)."""
+  path = os.path.join(run.workdir, "config.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    corpus = json.load(f)["data"]["corpus"]
+  if corpus not in cache:
+    from micse_jax.data.prepared import corpus_size  # pylint: disable=import-outside-toplevel
+    cache[corpus] = corpus_size(corpus) if os.path.exists(corpus) else None
+  return cache[corpus]
+
+
+def collect(runs: list[RunSpec]) -> tuple[list[dict], list[dict]]:
+  """(rows, problems): one row per group of runs differing only by seed, in sweep order."""
+  groups: dict[tuple, list] = {}
+  problems, sizes = [], {}
+  for run in runs:
+    key = tuple((k, v) for k, v in run.labels if k != "seed")
+    groups.setdefault(key, [])
+    status = read_status(run.workdir)
+    results = os.path.join(run.workdir, RESULTS_FILE)
+    if status.get("status") == "done" and os.path.isfile(results):
+      with open(results, encoding="utf-8") as f:
+        groups[key].append((run, _scores(json.load(f))))
+    else:
+      problems.append({"run": run.name, "status": status.get("status", "not run"),
+                       "error": status.get("error")})
+  rows = []
+  for key, finished in groups.items():
+    labels = dict(key)
+    first_run = next(r for r in runs if tuple((k, v) for k, v in r.labels if k != "seed") == key)
+    size = int(first_run.override("data.num_sentences", 0) or 0)
+    row = {"method": method_name(first_run.config_file), **{k: v for k, v in labels.items() if k != "method"},
+           "num_sentences": size if size > 0 else _run_corpus_size(first_run, sizes) if finished else None,
+           "all_sentences": size <= 0, "n": len(finished), "seeds": [r.label("seed") for r, _ in finished],
+           "scores": {}}
+    names = sorted({name for _, scores in finished for name in scores})
+    for name in names:
+      mean, std = mean_std(s.get(name) for _, s in finished)
+      row["scores"][name] = {"mean": mean, "std": std, "values": [s.get(name) for _, s in finished]}
+    rows.append(row)
+  return rows, problems
+
+
+def _columns(rows: list[dict]) -> list[tuple[str, str]]:
+  """(score key, header) of the scores present in any row, in the paper's order."""
+  present = {name for row in rows for name in row["scores"]}
+  columns = [(k, label) for k, label in STS_COLUMNS if k in present]
+  if "sts_avg" in present:
+    columns.append(("sts_avg", "STS Avg."))
+  columns += [(k, label) for k, label in TRANSFER_COLUMNS if k in present]
+  if "transfer_avg" in present:
+    columns.append(("transfer_avg", "Transfer Avg."))
+  return columns
+
+
+def _label_keys(rows: list[dict]) -> list[str]:
+  fixed = {"method", "num_sentences", "all_sentences", "n", "seeds", "scores"}
+  return [k for k in rows[0] if k not in fixed] if rows else []
+
+
+def _size_text(row: dict) -> str:
+  if row["all_sentences"]:
+    return f"all ({row['num_sentences']})" if row["num_sentences"] else "all"
+  return str(row["num_sentences"])
+
+
+def _cell(score: dict | None) -> str:
+  if not score or score["mean"] is None:
+    return "-"
+  return f"{score['mean']:.2f} ± {score['std']:.2f}" if score["std"] is not None else f"{score['mean']:.2f} ± -"
+
+
+def markdown(rows: list[dict], problems: list[dict], name: str) -> str:
+  columns, extra = _columns(rows), [k for k in _label_keys(rows) if k != "data.num_sentences"]
+  header = ["method", *extra, "sentences", "seeds"] + [label for _, label in columns]
+  lines = [f"# Sweep `{name}`", "",
+           "Mean ± sample std (ddof=1) over the finished seeds; `seeds` = number finished. "
+           "STS: Spearman x100 (cosine, [CLS] before the MLP); transfer: accuracy.", "",
+           "| " + " | ".join(header) + " |", "|" + "|".join(["---"] * (len(extra) + 3) + ["---:"] * len(columns)) + "|"]
+  for row in rows:
+    cells = [row["method"], *(str(row.get(k)) for k in extra), _size_text(row), str(row["n"])]
+    cells += [_cell(row["scores"].get(key)) for key, _ in columns]
+    lines.append("| " + " | ".join(cells) + " |")
+  if problems:
+    lines += ["", "Runs not counted:", ""]
+    lines += [f"- `{p['run']}`: {p['status']}" + (f" — {p['error']}" if p.get("error") else "") for p in problems]
+  return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict]) -> str:
+  columns, extra = _columns(rows), _label_keys(rows)
+  buffer = io.StringIO()
+  writer = csv.writer(buffer)
+  writer.writerow(["method", *extra, "num_sentences", "all_sentences", "n_seeds"]
+                  + [f"{key}_{stat}" for key, _ in columns for stat in ("mean", "std")])
+  for row in rows:
+    scores = [row["scores"].get(key, {}).get(stat) for key, _ in columns for stat in ("mean", "std")]
+    writer.writerow([row["method"], *(row.get(k) for k in extra), row["num_sentences"], row["all_sentences"],
+                     row["n"]] + ["" if v is None else f"{v:.6g}" for v in scores])
+  return buffer.getvalue()
+
+
+def write_reports(runs: list[RunSpec], sweep_dir: str, name: str) -> dict:
+  """Writes results.json / results.md / results.csv in `sweep_dir`; returns the JSON document."""
+  rows, problems = collect(runs)
+  document = {"sweep": name, "std": "sample (ddof=1) over finished seeds", "rows": rows, "not_counted": problems}
+  os.makedirs(sweep_dir, exist_ok=True)
+  write_json(os.path.join(sweep_dir, "results.json"), document)
+  for filename, text in (("results.md", markdown(rows, problems, name)), ("results.csv", csv_text(rows))):
+    tmp = os.path.join(sweep_dir, filename + ".tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+      f.write(text)
+    os.replace(tmp, os.path.join(sweep_dir, filename))
+  return document

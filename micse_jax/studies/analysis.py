@@ -1,0 +1,122 @@
+"""Diagnostics of one trained model: attention agreement of dropout views, STS scatter, alignment/uniformity.
+
+* miCSE App. D (Fig. 8): for each slice (layer, head), the joint 2-D histogram of the log
+  attention probabilities of the same sentences under two dropout masks, titled with the slice's
+  mutual information (AMI's Gaussian estimate, Eq. 4, averaged over sentences).
+* miCSE App. C (Fig. 7): cosine similarity of the embeddings against the gold score on STS-B test.
+* Wang & Isola (ICML 2020), as in SimCSE Fig. 2: on L2-normalised embeddings,
+  alignment = E_(x,y)~pos ||f(x) - f(y)||^2 over STS-B test pairs with gold > 4, and
+  uniformity = log E_(x,y)~data exp(-2 ||f(x) - f(y)||^2) over distinct STS-B test sentences.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+from scipy import stats  # pylint: disable=wrong-import-position
+
+from micse_jax.losses.ami import attention_mutual_information  # pylint: disable=wrong-import-position
+from micse_jax.models.bert import BertModel, collect_attentions  # pylint: disable=wrong-import-position
+
+
+def _normalize(x: np.ndarray) -> np.ndarray:
+  x = np.asarray(x, dtype=np.float64)
+  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def alignment(x: np.ndarray, y: np.ndarray) -> float:
+  """Mean squared distance of normalised positive pairs (rows of x and y)."""
+  return float(np.mean(np.sum((_normalize(x) - _normalize(y)) ** 2, axis=1)))
+
+
+def uniformity(x: np.ndarray, t: float = 2.0) -> float:
+  """log of the mean Gaussian potential exp(-t ||u - v||^2) over distinct pairs of normalised rows."""
+  u = _normalize(x)
+  sq = np.maximum(2.0 - 2.0 * u @ u.T, 0.0)
+  i, j = np.triu_indices(len(u), k=1)
+  return float(np.log(np.mean(np.exp(-t * sq[i, j]))))
+
+
+def dropout_attention(encoder, sentences: list[str], seed: int = 0, max_length: int = 32):
+  """Attention `[L, B, H, T, T]` of two dropout views of `sentences` (train-mode forward, as in training)."""
+  config = encoder.model.config
+  layers = tuple(range(config.num_hidden_layers))
+  model = BertModel(config, sow_attention_layers=layers)
+  batch = encoder.tokenizer(sentences, max_length)
+  views = []
+  for key in jax.random.split(jax.random.PRNGKey(seed), 2):
+    _, state = model.apply({"params": encoder.params}, batch["input_ids"], batch["attention_mask"],
+                           batch["token_type_ids"], deterministic=False, rngs={"dropout": key},
+                           mutable=["intermediates"])
+    views.append(collect_attentions(state["intermediates"], layers))
+  return views[0], views[1], jnp.asarray(batch["attention_mask"])
+
+
+def slice_mutual_information(att1, att2, mask, seed: int = 0, num_samples: int = 150) -> np.ndarray:
+  """`[L, H]` mean AMI (Eq. 4) per (layer, head) slice over the sentences."""
+  num_layers, _, heads = att1.shape[:3]
+  result = attention_mutual_information(att1, att2, mask, jax.random.PRNGKey(seed + 1),
+                                        num_samples=num_samples, heads_per_slice=1)
+  weight = np.asarray(result.weight)
+  mi = np.sum(np.asarray(result.mi) * weight, axis=0) / np.maximum(weight.sum(0), 1)
+  return mi.reshape(num_layers, heads)
+
+
+def attention_histograms(att1, att2, mask, mi: np.ndarray, path: str) -> str:
+  """Grid of per-slice 2-D histograms of log attention, view 1 vs view 2 (cells > 0 in both)."""
+  a1, a2 = np.asarray(att1), np.asarray(att2)
+  tokens = np.asarray(mask).astype(bool)
+  pairs = tokens[:, :, None] & tokens[:, None, :]
+  num_layers, _, heads = a1.shape[:3]
+  fig, axes = plt.subplots(num_layers, heads, figsize=(2.6 * heads, 2.4 * num_layers), squeeze=False)
+  for layer in range(num_layers):
+    for head in range(heads):
+      x, y = a1[layer][:, head], a2[layer][:, head]
+      keep = pairs & (x > 0) & (y > 0)
+      ax = axes[layer, head]
+      ax.hist2d(np.log(x[keep]), np.log(y[keep]), bins=40, cmap="viridis", norm=matplotlib.colors.LogNorm())
+      ax.set_title(f"layer {layer} head {head}: MI {mi[layer, head]:.2f}", fontsize=8)
+      ax.tick_params(labelsize=6)
+      if layer == num_layers - 1:
+        ax.set_xlabel("log attention, view 1", fontsize=7)
+      if head == 0:
+        ax.set_ylabel("log attention, view 2", fontsize=7)
+  return _save(fig, path)
+
+
+def cosine_vs_gold(cosines: np.ndarray, gold: np.ndarray, path: str) -> tuple[str, float]:
+  """Scatter of cosine against gold score; returns (path, Spearman x100)."""
+  rho = float(stats.spearmanr(cosines, gold).correlation * 100)
+  fig, ax = plt.subplots(figsize=(5, 4))
+  ax.scatter(gold, cosines, s=4, alpha=0.4)
+  ax.set_xlabel("gold similarity (0-5)")
+  ax.set_ylabel("cosine of embeddings")
+  ax.set_title(f"STS-B test: Spearman {rho:.2f}")
+  ax.grid(alpha=0.3)
+  return _save(fig, path), rho
+
+
+def alignment_uniformity_plot(align: float, uniform: float, label: str, path: str) -> str:
+  fig, ax = plt.subplots(figsize=(4.5, 4))
+  ax.scatter([uniform], [align], s=60, color="tab:red")
+  ax.annotate(label, (uniform, align), textcoords="offset points", xytext=(6, 6), fontsize=8)
+  ax.set_xlabel("uniformity (lower is better)")
+  ax.set_ylabel("alignment (lower is better)")
+  ax.set_title("Alignment-uniformity (STS-B test)")
+  ax.margins(0.5)
+  ax.grid(alpha=0.3)
+  return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

@@ -1,0 +1,83 @@
+"""Study figures (matplotlib, Agg): the few-shot curve (miCSE Fig. 3/4a) and ablation deltas (Fig. 4b)."""
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+BASELINE = "simcse"
+
+
+def _series(rows: list[dict], metric: str) -> dict[str, list[tuple[int, float, float]]]:
+  """method → [(training-set size, mean, std or 0)] sorted by size, rows with a score only."""
+  out: dict[str, list] = {}
+  for row in rows:
+    score = row["scores"].get(metric)
+    if not score or score["mean"] is None or not row["num_sentences"]:
+      continue
+    out.setdefault(row["method"], []).append((row["num_sentences"], score["mean"], score["std"] or 0.0))
+  return {m: sorted(v) for m, v in out.items()}
+
+
+def _save(fig, path: str) -> str:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def fewshot_curve(rows: list[dict], path: str, metric: str = "sts_avg") -> str | None:
+  """STS average against training-set size (log x), one line and mean ± std band per method."""
+  series = _series(rows, metric)
+  if not series:
+    return None
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for method, points in series.items():
+    x, mean, std = (np.array(v, dtype=float) for v in zip(*points))
+    line, = ax.plot(x, mean, marker="o", label=method)
+    ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+  ax.set_xscale("log")
+  ax.set_xlabel("training sentences")
+  ax.set_ylabel("STS avg. Spearman x100" if metric == "sts_avg" else metric)
+  ax.set_title("Few-shot curve (mean ± std over seeds)")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  return _save(fig, path)
+
+
+def ablation_deltas(rows: list[dict], path: str, metric: str = "sts_avg", baseline: str = BASELINE) -> str | None:
+  """Per size, each method's mean score minus SimCSE's (bars), with the method's seed std as error bar."""
+  series = _series(rows, metric)
+  if baseline not in series or len(series) < 2:
+    return None
+  base = {size: mean for size, mean, _ in series[baseline]}
+  others = [m for m in series if m != baseline]
+  sizes = sorted(base)
+  width = 0.8 / len(others)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for i, method in enumerate(others):
+    points = {size: (mean, std) for size, mean, std in series[method]}
+    xs = [j for j, s in enumerate(sizes) if s in points]
+    deltas = [points[sizes[j]][0] - base[sizes[j]] for j in xs]
+    errors = [points[sizes[j]][1] for j in xs]
+    ax.bar(np.array(xs) + (i - (len(others) - 1) / 2) * width, deltas, width, yerr=errors, capsize=3, label=method)
+  ax.axhline(0, color="black", linewidth=0.8)
+  ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
+  ax.set_xlabel("training sentences")
+  ax.set_ylabel(f"Δ {metric} vs {baseline}")
+  ax.set_title(f"Ablation: difference to {baseline}")
+  ax.grid(axis="y", alpha=0.3)
+  ax.legend()
+  return _save(fig, path)
+
+
+def write_plots(rows: list[dict], sweep_dir: str) -> list[str]:
+  """fewshot_curve.png and ablation_deltas.png next to the tables (those that have data)."""
+  made = [fewshot_curve(rows, os.path.join(sweep_dir, "fewshot_curve.png")),
+          ablation_deltas(rows, os.path.join(sweep_dir, "ablation_deltas.png"))]
+  return [p for p in made if p]

@@ -1,0 +1,117 @@
+"""Run a study: `python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py [--executor local|slurm]`.
+
+Expands the sweep (see micse_jax/studies/spec.py), checks every run's overrides and data before
+starting anything, then runs the unfinished runs through submitit: `--executor local` on this
+machine (`--parallel` at a time) or `--executor slurm` as one array job. Re-running skips finished
+runs and resumes interrupted ones. `--report` writes results.{json,md,csv} and the figures in the
+sweep directory. `--dry_run` prints the plan (and, for SLURM, writes the sbatch script) only.
+"""
+import os
+import shlex
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Sweep config file (`configs/sweeps/x.py[:arg]`).")
+flags.DEFINE_string("sweep_dir", None, "Directory of the sweep's runs and tables (default runs/sweeps/<name>).")
+flags.DEFINE_enum("executor", "local", ["local", "slurm"], "submitit executor.")
+flags.DEFINE_integer("parallel", 1, "Local executor: runs at a time.")
+flags.DEFINE_string("partition", None, "SLURM partition.")
+flags.DEFINE_string("account", None, "SLURM account.")
+flags.DEFINE_integer("gpus_per_run", 1, "SLURM: GPUs per run (one node).")
+flags.DEFINE_integer("cpus_per_run", 8, "SLURM: CPUs per run.")
+flags.DEFINE_integer("max_parallel", 64, "SLURM: array tasks running at once (--array=...%N).")
+flags.DEFINE_integer("timeout_min", 24 * 60, "Per-run time limit in minutes.")
+flags.DEFINE_multi_string("setup", [], "SLURM: extra shell lines before the run (module load, venv).")
+flags.DEFINE_bool("report", False, "Only aggregate finished runs into tables and figures.")
+flags.DEFINE_bool("dry_run", False, "Print the plan (write the sbatch script for SLURM); run nothing.")
+flags.mark_flags_as_required(["config"])
+FLAGS = flags.FLAGS
+
+
+def _fail(message: str, code: int = 2) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(code)
+
+
+def _report(runs, sweep_dir, name) -> None:
+  from micse_jax.studies import aggregate, plots  # pylint: disable=import-outside-toplevel
+  document = aggregate.write_reports(runs, sweep_dir, name)
+  figures = plots.write_plots(document["rows"], sweep_dir)
+  with open(os.path.join(sweep_dir, "results.md"), encoding="utf-8") as f:
+    print(f.read())
+  print(f"wrote results.json, results.md, results.csv{''.join(', ' + os.path.basename(p) for p in figures)} "
+        f"in {sweep_dir}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
+  logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
+  sweep = FLAGS.config
+  sweep_dir = os.path.abspath(FLAGS.sweep_dir or os.path.join("runs", "sweeps", sweep.name))
+  try:
+    runs = spec.expand(sweep, sweep_dir)
+    spec.check_data(runs)
+  except spec.SweepError as e:
+    _fail(str(e))
+  if FLAGS.report:
+    _report(runs, sweep_dir, sweep.name)
+    return
+  plans = {run.name: runner.plan(run) for run in runs}
+  todo = [run for run in runs if plans[run.name] != "skip"]
+  print(f"[sweep] {sweep.name}: {len(runs)} runs, {len(runs) - len(todo)} finished, {len(todo)} to run "
+        f"in {sweep_dir}")
+  for run in runs:
+    print(f"[sweep]   {plans[run.name]:<22} {run.name}")
+  folder = os.path.join(sweep_dir, "submitit")
+  if FLAGS.executor == "slurm":
+    params = runner.slurm_parameters(partition=FLAGS.partition, gpus_per_run=FLAGS.gpus_per_run,
+                                     cpus_per_run=FLAGS.cpus_per_run, timeout_min=FLAGS.timeout_min,
+                                     max_parallel=FLAGS.max_parallel, account=FLAGS.account,
+                                     extra_setup=tuple(FLAGS.setup))
+  if FLAGS.dry_run:
+    for run in todo:
+      print(shlex.join(spec.main_command(run)))
+    if FLAGS.executor == "slurm" and todo:
+      os.makedirs(sweep_dir, exist_ok=True)
+      path = os.path.join(sweep_dir, "sweep.sbatch")
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(runner.slurm_script(folder, params, len(todo)))
+      print(f"[sweep] sbatch script (not submitted): {path}")
+    return
+  if not todo:
+    _report(runs, sweep_dir, sweep.name)
+    return
+  if FLAGS.executor == "slurm":
+    try:
+      jobs = runner.submit_slurm(todo, runner.slurm_executor(folder, params))
+    except RuntimeError as e:  # e.g. no srun/sbatch on this machine
+      _fail(str(e), 1)
+    print(f"[sweep] submitted array job {jobs[0].job_id.split('_')[0]} ({len(jobs)} runs); when it is "
+          f"done: python -m micse_jax.sweep --config ... --report")
+    return
+  outcomes = runner.run_local(todo, folder, FLAGS.parallel, FLAGS.timeout_min)
+  failed = {name: msg for name, (state, msg) in outcomes.items() if state != "done"}
+  _report(runs, sweep_dir, sweep.name)
+  if failed:
+    print(f"[sweep] {len(failed)} of {len(todo)} runs failed:", file=sys.stderr)
+    for name, message in failed.items():
+      print(f"[sweep]   {name}: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def run() -> None:
+  from micse_jax import cli  # pylint: disable=import-outside-toplevel
+  cli.quiet_startup()  # no JAX backend-probing INFO line before our one error line
+  try:
+    app.run(main)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised while parsing --config.*
+    _fail(f"invalid sweep config or override: {e}")
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,92 @@
+"""The loss terms of the one train step; each returns `(weighted loss, metrics)`.
+
+| term | paper | function |
+| --- | --- | --- |
+| InfoNCE with optional queue negatives | miCSE Eq. 2 (SimCSE Eq. 1) | `contrastive_term` |
+| positive-only alignment, no negatives | miCSE App. E / Tab. 4 | `contrastive_term` |
+| attention mutual information, -λ·AMI | miCSE Eq. 3-5 | `ami_term` |
+| InforMin-CL reconstruction λ·E‖z¹−z²‖² | InforMin-CL Eq. 8-9 | `reconstruction_term` |
+| MLM auxiliary β·L_MLM on a masked copy | SimCSE App. (do_mlm) | `mlm_term` |
+| InfoCSE auxiliary MLM network λ·L_MLM | InfoCSE §3.1, Eq. 5 | `infocse_term` |
+
+The pure formulas live in `micse_jax/losses/`; this file wires them to the networks.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from micse_jax.losses.alignment import positive_only_loss
+from micse_jax.losses.ami import ami_loss
+from micse_jax.losses.infonce import info_nce_loss, l2_normalize
+from micse_jax.losses.mlm import mlm_loss
+from micse_jax.losses.reconstruction import reconstruction_loss
+from micse_jax.training.views import special_mask
+from micse_jax.views import mlm_mask
+
+
+def contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=None, queue_ids=None):
+  """InfoNCE (in-batch + queue negatives; queue entries of the anchor's own sentence masked when
+  `momentum.mask_same_sentence`), or the positive-only alignment objective."""
+  if config.loss.objective == "positive_only":
+    loss = positive_only_loss(z1, z2, temperature=config.loss.temperature)
+    pos_cos = jnp.mean(jnp.sum(l2_normalize(z1) * l2_normalize(z2), axis=-1))
+    return loss, {"positive_only": loss, "pos_cos": pos_cos}
+  loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature,
+                                anchor_ids=anchor_ids, queue_ids=queue_ids,
+                                mask_same_sentence=config.momentum.mask_same_sentence)
+  return loss, dict(metrics, infonce=loss)
+
+
+def ami_term(att1, att2, attention_mask, key, config):
+  """-λ·AMI between the views' attention (miCSE Eq. 5); `ami.variant` picks paper/official."""
+  a = config.ami
+  return ami_loss(att1, att2, attention_mask, key, weight=a.weight, num_samples=a.num_samples,
+                  heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
+                  require_positive=a.require_positive, variant=a.variant)
+
+
+def reconstruction_term(z1, z2, config):
+  """InforMin-CL: λ·L_R with L_R = E‖z¹ − z²‖² (Eq. 8-9); `normalize` = the public code's form."""
+  r = config.reconstruction
+  l_r = reconstruction_loss(z1, z2, normalize=r.normalize)
+  return r.weight * l_r, {"reconstruction": l_r}
+
+
+def _masked_copy(batch, key, nets, prob):
+  t = nets.tokens
+  return mlm_mask(key, batch["input_ids"], batch["attention_mask"], special_mask(batch, nets),
+                  vocab_size=t.vocab_size, mask_token_id=t.mask_id, prob=prob)
+
+
+def mlm_term(params, batch, key, nets, config):
+  """SimCSE's `do_mlm`: β·MLM loss of the online encoder + BERT MLM head on a masked *copy*."""
+  k_mask, k_drop = jax.random.split(key)
+  masked_ids, labels, weights = _masked_copy(batch, k_mask, nets, config.mlm.prob)
+  variables = {"params": {**params["encoder"], "cls": params["mlm_head"]}}
+  out = nets.with_mlm_head.apply(variables, masked_ids, batch["attention_mask"], batch["token_type_ids"],
+                                 deterministic=False, rngs={"dropout": k_drop})
+  loss = mlm_loss(out.mlm_logits, labels, weights)
+  return config.mlm.weight * loss, {"mlm": loss}
+
+
+def infocse_term(params, frozen, batch, cls_vector, key, nets, config, weight=None):
+  """InfoCSE: the auxiliary network predicts the masked tokens from the frozen lower half's
+  states with position 0 replaced by the online [CLS] (`cls_vector`, with gradient).
+
+  The frozen states and the tied decoder embeddings are `stop_gradient`-ed and come from
+  `frozen` (not `params`), so the trained encoder gets gradient only through `cls_vector`.
+  """
+  k_mask, k_drop = jax.random.split(key)
+  masked_ids, labels, weights = _masked_copy(batch, k_mask, nets, config.infocse.mask_prob)
+  lower = frozen["infocse_lower"]
+  out = nets.infocse_lower.apply({"params": lower}, masked_ids, batch["attention_mask"],
+                                 batch["token_type_ids"], deterministic=True)
+  hidden = jax.lax.stop_gradient(out.last_hidden_state)
+  hidden = hidden.at[:, 0].set(cls_vector.astype(hidden.dtype))
+  embeddings = jax.lax.stop_gradient(lower["embeddings"]["word_embeddings"]["embedding"])
+  logits = nets.infocse_aux.apply({"params": params["infocse"]}, hidden, batch["attention_mask"], embeddings,
+                                  deterministic=False, rngs={"dropout": k_drop})
+  loss = mlm_loss(logits, labels, weights)
+  weight = config.infocse.weight if weight is None else weight
+  return weight * loss, {"infocse_mlm": loss}
