@@ -123,7 +123,9 @@ class JaxStep:
 
   def keys(self):
     """The step's (dropout, momentum, AMI) keys, derived exactly as `make_train_step` does."""
-    return jax.random.split(jax.random.fold_in(self.state.rng, self.state.step), 3)
+    from micse_jax.training.step import step_keys  # pylint: disable=import-outside-toplevel
+    keys = step_keys(self.state)
+    return keys["drop"], keys["momentum"], keys["ami"]
 
   def pieces(self) -> dict[str, Callable[[], object]]:
     """name → zero-argument callable running that separately jitted piece on the current state."""
