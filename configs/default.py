@@ -31,7 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.dtype = "float32"           # computation dtype: float32 | bfloat16 | float16 (params stay fp32)
   c.model.loss_scale_init = 2.0 ** 15  # float16 only: dynamic loss scaling (jmp), initial scale
   c.model.loss_scale_period = 2000    # float16 only: finite steps before the scale doubles
-  c.model.dropout_random_bits = 32    # 32: flax Dropout; 16: two decisions per random word (faster)
+  c.model.dropout_random_bits = 32    # 32: flax Dropout; 16: two decisions per random word (opt-in)
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = paths.corpus_path("wiki1m_for_simcse.txt")
