@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.infocse import InfoCSEAuxiliary, lower_half_layers
