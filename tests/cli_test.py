@@ -108,7 +108,7 @@ def test_the_shipped_configs_pass_the_field_checks():
     ("optim.learning_rate", 0.0), ("optim.learning_rate", float("inf")), ("ami.weight", -1e-3),
     ("loss.temperature", -0.05), ("momentum.dropout", -0.1), ("momentum.decay", 1.5),
     ("momentum.queue_size", -1), ("eval_every", -5), ("batch_size", 1), ("optim.b2", 1.0),
-    ("model.max_length", 1), ("model.dtype", "float16"), ("num_train_steps", 0),
+    ("model.max_length", 1), ("model.dtype", "float8"), ("num_train_steps", 0),
 ])
 def test_out_of_range_fields_are_named(field, value):
   with pytest.raises(errors.ConfigError, match=field.replace(".", r"\.")):

@@ -11,7 +11,6 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 
 from micse_jax import workdir as workdir_lib
 from tests.train_utils import tiny_training_config
@@ -88,7 +87,6 @@ def _first_progress_step(log_path):
   return int(match.group(1))
 
 
-@pytest.mark.slow
 def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, minilm_dir):
   config = tiny_training_config(tmp_path, minilm_dir)
   env = _env(tmp_path / "jax_cache")

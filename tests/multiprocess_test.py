@@ -7,7 +7,6 @@ import subprocess
 
 import jax
 import numpy as np
-import pytest
 
 from micse_jax import convert
 from micse_jax.models.loading import load_hf_state_dict
@@ -34,7 +33,6 @@ def _assert_close(a, b, atol):
     np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=0, atol=atol)
 
 
-@pytest.mark.slow
 def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path, minilm_dir):
   # n = B = 8: from step 1 every anchor meets its own sentence in the queue, so the hosts' rows
   # of global corpus ids and the same-sentence mask are part of what must match.

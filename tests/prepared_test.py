@@ -110,7 +110,6 @@ def test_cli_writes_dataset_and_refuses_existing_output(tmp_path, tiny_real_dir)
       f"error: output already exists: {out} (remove it or choose another --output)"]
 
 
-@pytest.mark.slow
 def test_training_on_prepared_resumes_bit_identical_to_text(tmp_path, minilm_dir, monkeypatch):
   from micse_jax.training import checkpoint, trainer
   from tests.train_test import _leaves_equal, _restore_latest
