@@ -10,7 +10,7 @@ import pytest
 from micse_jax.data import CorpusError, build_train_batches, read_corpus, select_subset
 from micse_jax.data.prepared import PreparedRows, corpus_size, prepare_corpus
 from micse_jax.tokenization import Tokenizer
-from tests.train_utils import tiny_training_config
+from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Blank lines, CRLF, a BOM, non-ASCII and an over-long sentence: the text reader's edge cases.
@@ -121,17 +121,8 @@ def test_training_on_prepared_resumes_bit_identical_to_text(tmp_path, minilm_dir
   trainer.train_and_evaluate(config, text_run)
   prep_config = config.copy_and_resolve_references()
   prep_config.data.corpus = prepared_dir
-  real_save = checkpoint.save_state
-
-  def save_then_preempt(manager, state, metrics=None):
-    real_save(manager, state, metrics)
-    manager.wait_until_finished()
-    raise KeyboardInterrupt("simulated preemption")
-
-  monkeypatch.setattr(checkpoint, "save_state", save_then_preempt)
-  with pytest.raises(KeyboardInterrupt):
-    trainer.train_and_evaluate(prep_config, prep_run)  # stopped after the step-2 checkpoint
-  monkeypatch.setattr(checkpoint, "save_state", real_save)
+  # stopped after the step-2 checkpoint
+  train_preempted_after_first_save(trainer, checkpoint, monkeypatch, prep_config, prep_run)
   trainer.train_and_evaluate(prep_config, prep_run)    # resumes at step 2 from the prepared rows
   a, b = _restore_latest(text_run, config), _restore_latest(prep_run, prep_config)
   assert int(a.step) == int(b.step) == 4

@@ -15,7 +15,7 @@ from micse_jax.training.ema import ema_update
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.queue import empty_queue, empty_queue_ids, enqueue, enqueue_ids
 from micse_jax.training.step import resolve_layers
-from tests.train_utils import tiny_training_config
+from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,17 +153,7 @@ def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
   trainer.train_and_evaluate(config, straight)
 
-  real_save = checkpoint.save_state
-
-  def save_then_preempt(manager, state, metrics=None):
-    real_save(manager, state, metrics)
-    manager.wait_until_finished()
-    raise KeyboardInterrupt("simulated preemption")
-
-  monkeypatch.setattr(checkpoint, "save_state", save_then_preempt)
-  with pytest.raises(KeyboardInterrupt):
-    trainer.train_and_evaluate(config, resumed)
-  monkeypatch.setattr(checkpoint, "save_state", real_save)
+  train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, resumed)
   assert checkpoint.rolling_manager(resumed, 2).latest_step() == 3
   trainer.train_and_evaluate(config, resumed)  # restarts from step 3, data position included
 

@@ -37,3 +37,19 @@ def tiny_training_config(tmp_path, tokenizer_dir, variant="micse", **overrides):
     node[leaf] = value
   return config
 
+
+
+def train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, workdir) -> None:
+  """Runs training until its first checkpoint is committed, then stops it (a simulated preemption)."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  real_save = checkpoint.save_state
+
+  def save_then_preempt(manager, state, metrics=None):
+    real_save(manager, state, metrics)
+    manager.wait_until_finished()
+    raise KeyboardInterrupt("simulated preemption")
+
+  monkeypatch.setattr(checkpoint, "save_state", save_then_preempt)
+  with pytest.raises(KeyboardInterrupt):
+    trainer.train_and_evaluate(config, workdir)
+  monkeypatch.setattr(checkpoint, "save_state", real_save)

@@ -10,8 +10,6 @@
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import matplotlib
@@ -23,6 +21,7 @@ from scipy import stats  # pylint: disable=wrong-import-position
 
 from micse_jax.losses.ami import attention_mutual_information  # pylint: disable=wrong-import-position
 from micse_jax.models.bert import BertModel, collect_attentions  # pylint: disable=wrong-import-position
+from micse_jax.studies.plots import save_figure  # pylint: disable=wrong-import-position
 
 
 def _normalize(x: np.ndarray) -> np.ndarray:
@@ -87,7 +86,7 @@ def attention_histograms(att1, att2, mask, mi: np.ndarray, path: str) -> str:
         ax.set_xlabel("log attention, view 1", fontsize=7)
       if head == 0:
         ax.set_ylabel("log attention, view 2", fontsize=7)
-  return _save(fig, path)
+  return save_figure(fig, path, dpi=110)
 
 
 def cosine_vs_gold(cosines: np.ndarray, gold: np.ndarray, path: str) -> tuple[str, float]:
@@ -99,7 +98,7 @@ def cosine_vs_gold(cosines: np.ndarray, gold: np.ndarray, path: str) -> tuple[st
   ax.set_ylabel("cosine of embeddings")
   ax.set_title(f"STS-B test: Spearman {rho:.2f}")
   ax.grid(alpha=0.3)
-  return _save(fig, path), rho
+  return save_figure(fig, path, dpi=110), rho
 
 
 def alignment_uniformity_plot(align: float, uniform: float, label: str, path: str) -> str:
@@ -111,12 +110,4 @@ def alignment_uniformity_plot(align: float, uniform: float, label: str, path: st
   ax.set_title("Alignment-uniformity (STS-B test)")
   ax.margins(0.5)
   ax.grid(alpha=0.3)
-  return _save(fig, path)
-
-
-def _save(fig, path: str) -> str:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return save_figure(fig, path, dpi=110)

@@ -23,10 +23,11 @@ def _series(rows: list[dict], metric: str) -> dict[str, list[tuple[int, float, f
   return {m: sorted(v) for m, v in out.items()}
 
 
-def _save(fig, path: str) -> str:
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+  """Writes `fig` as PNG (creating the folder) and closes it; returns the path."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=dpi)
   plt.close(fig)
   return path
 
@@ -47,7 +48,7 @@ def fewshot_curve(rows: list[dict], path: str, metric: str = "sts_avg") -> str |
   ax.set_title("Few-shot curve (mean ± std over seeds)")
   ax.grid(alpha=0.3)
   ax.legend()
-  return _save(fig, path)
+  return save_figure(fig, path)
 
 
 def ablation_deltas(rows: list[dict], path: str, metric: str = "sts_avg", baseline: str = BASELINE) -> str | None:
@@ -73,7 +74,7 @@ def ablation_deltas(rows: list[dict], path: str, metric: str = "sts_avg", baseli
   ax.set_title(f"Ablation: difference to {baseline}")
   ax.grid(axis="y", alpha=0.3)
   ax.legend()
-  return _save(fig, path)
+  return save_figure(fig, path)
 
 
 def write_plots(rows: list[dict], sweep_dir: str) -> list[str]:
