@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from micse_jax import cli, config_checks, errors, workdir as workdir_lib
+from tests.train_utils import set_dotted
 
 
 def test_a_bug_deep_in_training_keeps_its_traceback(monkeypatch, tmp_path):
@@ -90,11 +91,7 @@ def _config(**changes):
   from configs import default
   config = default.get_config()
   for key, value in changes.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    set_dotted(config, key, value)
   return config
 
 

@@ -30,12 +30,17 @@ def tiny_training_config(tmp_path, tokenizer_dir, variant="micse", **overrides):
   config.log_every = 1
   config.checkpoint_every = 2
   for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    set_dotted(config, key, value)
   return config
+
+
+def set_dotted(config, key: str, value) -> None:
+  """config['a']['b'] = value for key 'a.b'."""
+  node = config
+  *parents, leaf = key.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
 
 
 
