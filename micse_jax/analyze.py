@@ -6,9 +6,10 @@ alignment_uniformity.png (Wang & Isola) and analysis.json with the numbers.
 See micse_jax/studies/analysis.py.
 """
 import os
-import sys
 
 from absl import app, flags
+
+from micse_jax import cli
 
 flags.DEFINE_string("model", None, "HF directory, hub name or training workdir.")
 flags.DEFINE_string("checkpoint", "best", "For a workdir: best | latest | a step.")
@@ -22,8 +23,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.reject_extra_args(argv)
   # pylint: disable=import-outside-toplevel
   import numpy as np
   from micse_jax.encoder import load_encoder
@@ -38,8 +38,7 @@ def main(argv):
     checkpoint = int(FLAGS.checkpoint) if FLAGS.checkpoint.isdigit() else FLAGS.checkpoint
     encoder = load_encoder(FLAGS.model, checkpoint)
   except (MicseError, ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    cli.fail(str(e))
   os.makedirs(FLAGS.output, exist_ok=True)
   encode = lambda s: encoder.encode(s, FLAGS.pooler)
   sentences = list(dict.fromkeys(stsb.sentences1 + stsb.sentences2))
@@ -65,4 +64,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.quiet_startup()
+  app.run(main, flags_parser=cli.flags_parser())

@@ -105,7 +105,6 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "momentum.dropout": _real(0, 1, hi_open=True),
     "momentum.queue_size": _int(0),
     "momentum.mask_same_sentence": _bool,
-    "momentum.mask_same_sentence": _bool,
     "eval.sickr_dev": _bool,
     "eval.batch_size": _int(1),
 }

@@ -75,13 +75,17 @@ class SentenceEncoder:
     ids = self.tokenizer.token_ids(sentences, max_length)
     order = np.argsort([len(s) for s in ids], kind="stable")
     out = np.zeros((len(ids), self.hidden_size), np.float32)
+    pending = None  # (rows, device result) of the previous batch: padding the next one overlaps it
     for start in range(0, len(order), batch_size):
       rows = order[start:start + batch_size]
       length = bucket_length(max(len(ids[r]) for r in rows), max_length, buckets)
       batch = self.tokenizer.pad([ids[r] for r in rows] + [[]] * (batch_size - len(rows)), length)
       batch["attention_mask"][len(rows):, 0] = 1  # filler rows: one real token, results dropped
-      emb = self._embed(params, head_params, batch, pooler)
-      out[rows] = np.asarray(emb)[:len(rows)]
+      emb = self._embed(params, head_params, batch, pooler)  # dispatched asynchronously
+      if pending is not None:
+        out[pending[0]] = np.asarray(pending[1])[:len(pending[0])]
+      pending = (rows, emb)
+    out[pending[0]] = np.asarray(pending[1])[:len(pending[0])]
     return out
 
   def __hash__(self):

@@ -7,10 +7,11 @@ Train on it with `--config.data.corpus=data/wiki1m_bert32` (the model's tokenize
 `model.max_length` must match what is recorded). See `micse_jax/data/prepared.py`.
 """
 import logging
-import sys
 import time
 
 from absl import app, flags
+
+from micse_jax import cli
 
 flags.DEFINE_string("corpus", None, "UTF-8 text file, one sentence per line.")
 flags.DEFINE_string("tokenizer", None, "Model directory or hub name whose tokenizer to use.")
@@ -22,8 +23,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.reject_extra_args(argv)
   from micse_jax.errors import MicseError  # pylint: disable=import-outside-toplevel
   from micse_jax.data.prepared import prepare_corpus  # pylint: disable=import-outside-toplevel
   from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel
@@ -35,11 +35,11 @@ def main(argv):
     meta = prepare_corpus(FLAGS.corpus, tokenizer, FLAGS.tokenizer, FLAGS.max_length, FLAGS.output,
                           chunk_size=FLAGS.chunk_size)
   except (MicseError, ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    cli.fail(str(e))
   print(f"wrote {meta['num_sentences']} rows (max_length {meta['max_length']}, tokenizer "
         f"{meta['tokenizer']}) to {FLAGS.output} in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.quiet_startup()
+  app.run(main, flags_parser=cli.flags_parser())

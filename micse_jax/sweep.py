@@ -14,6 +14,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from micse_jax import cli
+
 config_flags.DEFINE_config_file("config", None, "Sweep config file (`configs/sweeps/x.py[:arg]`).")
 flags.DEFINE_string("sweep_dir", None, "Directory of the sweep's runs and tables (default runs/sweeps/<name>).")
 flags.DEFINE_enum("executor", "local", ["local", "slurm"], "submitit executor.")
@@ -31,9 +33,8 @@ flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
 
-def _fail(message: str, code: int = 2) -> None:
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(code)
+def _fail(message: str, code: int = cli.USAGE_EXIT) -> None:
+  cli.fail(message, code)
 
 
 def _report(runs, sweep_dir, name) -> None:
@@ -47,8 +48,7 @@ def _report(runs, sweep_dir, name) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.reject_extra_args(argv)
   from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   sweep = FLAGS.config
@@ -105,12 +105,9 @@ def main(argv):
 
 
 def run() -> None:
-  from micse_jax import cli  # pylint: disable=import-outside-toplevel
+  """Flags and the sweep config are parsed first (a bad one: one line, exit 2)."""
   cli.quiet_startup()  # no JAX backend-probing INFO line before our one error line
-  try:
-    app.run(main)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised while parsing --config.*
-    _fail(f"invalid sweep config or override: {e}")
+  app.run(main, flags_parser=cli.flags_parser(lambda: FLAGS.config.to_dict()))
 
 
 if __name__ == "__main__":

@@ -26,9 +26,12 @@ def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   assert result["jax"]["mfu"] is None if jax.devices()[0].platform == "cpu" else True
   traces = [f for _, _, files in os.walk(tmp_path / "trace") for f in files if f.endswith(".xplane.pb")]
   assert traces, "--profile writes a jax.profiler trace"
+  kinds = result["profile"]["ms_per_step_by_kind"]
+  assert kinds["matrix multiply"] > 0 and sum(kinds.values()) == pytest.approx(result["profile"]["op_ms_per_step"])
   printed = capsys.readouterr().out
   for text in ("micse_jax step", "PyTorch step", "ratio PyTorch / micse_jax", "separately jitted",
-               "online forward+backward", "AMI term", "momentum forward", "optimizer + EMA"):
+               "online forward+backward", "AMI term", "momentum forward", "optimizer + EMA",
+               "XLA op time per step"):
     assert text in printed
 
 
@@ -57,3 +60,26 @@ def test_encode_comparison_agrees_with_sentence_transformers():
   result = encode.encode_benchmark(jax_step.model_dir_for("tiny"), sentences, batch_size=8, max_length=64)
   assert result["micse_jax_sentences_per_s"] > 0 and result["sentence_transformers_sentences_per_s"] > 0
   assert result["mean_cosine_between_the_two"] > 0.999  # the same embeddings, independently computed
+
+
+def test_trace_summary_sums_op_events_by_kind_without_containers(tmp_path):
+  import gzip
+  from micse_jax.bench import trace_summary
+  run = tmp_path / "plugins" / "profile" / "2026_01_01"
+  run.mkdir(parents=True)
+  meta = lambda tid, name: {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}}
+  op = lambda tid, name, dur: {"ph": "X", "pid": 1, "tid": tid, "name": name, "ts": 0, "dur": dur}
+  events = [meta(1, "python"), meta(2, "tf_XLAEigen/1"), meta(3, "tf_XLAPjRtCpuClient/2"),
+            op(1, "train_step", 99000),               # python thread: not an op
+            op(2, "ynn_fusion.3", 3000), op(3, "dot.1", 1000),
+            op(2, "multiply_add_fusion.7", 2000), op(3, "custom-call", 500),
+            op(2, "while.2", 8000), op(2, "ThunkExecutor::Execute", 9000), op(2, "end: copy", 10),
+            op(3, "copy.4", 250), op(3, "wrapped_scatter.1", 250), op(2, "abs", 1000)]
+  with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  s = trace_summary.summarize(str(tmp_path), steps=2)
+  assert s["ms_per_step_by_kind"] == {"matrix multiply": 2.0, "elementwise fusion": 1.0, "other": 0.5,
+                                      "custom call": 0.25, "copy / transpose": 0.125,
+                                      "scatter / gather": 0.125}
+  assert s["op_ms_per_step"] == 4.0
+  assert s["top_ops_ms_per_step"][0] == ("ynn_fusion", 1.5)

