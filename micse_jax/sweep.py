@@ -33,10 +33,6 @@ flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
 
-def _fail(message: str, code: int = cli.USAGE_EXIT) -> None:
-  cli.fail(message, code)
-
-
 def _report(runs, sweep_dir, name) -> None:
   from micse_jax.studies import aggregate, plots  # pylint: disable=import-outside-toplevel
   document = aggregate.write_reports(runs, sweep_dir, name)
@@ -57,7 +53,7 @@ def main(argv):
     runs = spec.expand(sweep, sweep_dir)
     spec.check_data(runs)
   except spec.SweepError as e:
-    _fail(str(e))
+    cli.fail(str(e), cli.USAGE_EXIT)
   if FLAGS.report:
     _report(runs, sweep_dir, sweep.name)
     return
@@ -90,7 +86,7 @@ def main(argv):
     try:
       jobs = runner.submit_slurm(todo, runner.slurm_executor(folder, params))
     except RuntimeError as e:  # e.g. no srun/sbatch on this machine
-      _fail(str(e), 1)
+      cli.fail(str(e), cli.INPUT_EXIT)
     print(f"[sweep] submitted array job {jobs[0].job_id.split('_')[0]} ({len(jobs)} runs); when it is "
           f"done: python -m micse_jax.sweep --config ... --report")
     return
