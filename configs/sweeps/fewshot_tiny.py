@@ -4,7 +4,8 @@ SimCSE, MoCo+SimCSE, AMI+SimCSE and miCSE × training-set sizes 64, 512, 4096 an
 wiki1m_head.txt (11,915 sentences) × 3 seeds = 48 runs, the number of steps held constant
 across sizes (miCSE's few-shot protocol), STS suite on the best STS-B-dev checkpoint.
 `get_config("all")` adds the landed relatives (ADD, InforMin-CL, InfoCSE) to the same grid
-and the same sweep directory (84 runs; ADD costs about 2.5 times a miCSE run).
+and the same sweep directory (84 runs; ADD also runs an importance forward, so it costs more).
+`get_config("timing")`: one seed of each core method on all sentences, to time the grid.
 
     python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --parallel 2
     python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --report
@@ -47,6 +48,9 @@ def get_config(arg=None):
   )
   if arg == "all":
     c.axes = (("method", CORE_METHODS + RELATIVES),) + c.axes[1:]
+  elif arg == "timing":
+    c.name = "fewshot_tiny_timing"
+    c.axes = (("method", CORE_METHODS), ("data.num_sentences", (0,)), ("seed", (0,)))
   elif arg == "smoke":
     c.name = "fewshot_tiny_smoke"
     c.num_train_steps = 4
@@ -54,5 +58,5 @@ def get_config(arg=None):
     c.overrides = c.overrides + (("eval_every", 0), ("checkpoint_every", 2))
     c.axes = (("method", ("simcse", "micse")), ("data.num_sentences", (64,)), ("seed", (0,)))
   elif arg not in (None, ""):
-    raise ValueError(f"unknown variant {arg!r}; expected '', 'all' or 'smoke'")
+    raise ValueError(f"unknown variant {arg!r}; expected '', 'all', 'timing' or 'smoke'")
   return c
