@@ -17,6 +17,7 @@ import ml_collections
 
 from micse_jax import paths, workdir as workdir_lib
 from micse_jax.errors import ConfigError
+from micse_jax.optional import require
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
 # and saves); any other difference would silently continue a different run.
@@ -241,10 +242,17 @@ def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> 
         "To start fresh, pass a new --workdir (or delete this one); to resume, use its config.json values")
 
 
+def check_packages(config: ml_collections.ConfigDict) -> None:
+  """The optional packages this config's paths need are installed (`micse_jax/optional.py`)."""
+  if config.model.dtype == "float16":
+    require("jmp", "float16 training (model.dtype=float16, dynamic loss scaling)")
+
+
 def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
   """All checks that need no model: call before anything is loaded, built or written."""
   check_fields(config)
   check_combinations(config)
+  check_packages(config)
   check_workdir_writable(workdir)
   check_resume_compatible(config, workdir)
   check_senteval(config)

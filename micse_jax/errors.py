@@ -35,6 +35,10 @@ class ExportError(MicseError):
   """The parameters or the output location do not allow an export."""
 
 
+class MissingDependencyError(MicseError):
+  """An optional package that the requested path needs is not installed (`micse_jax/optional.py`)."""
+
+
 class NonFiniteLossError(MicseError):
   """The loss became NaN/inf; the last saved checkpoint is the last good state."""
 

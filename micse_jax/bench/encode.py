@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from micse_jax.optional import require
+
 WORDS = ("the a of in river city music game team school history war north people year film "
          "song album station church population village district county species family "
          "research university company season league player world national first second").split()
@@ -41,8 +43,8 @@ def _timed(fn, repeats: int) -> float:
 def encode_benchmark(model_dir: str, sentences: list[str], batch_size: int, max_length: int,
                      repeats: int = 1) -> dict:
   """Sentences/s of both encoders and their ratio; also the mean cosine of their embeddings."""
-  import torch  # pylint: disable=import-outside-toplevel
-  from sentence_transformers import SentenceTransformer  # pylint: disable=import-outside-toplevel
+  torch = require("torch", "the sentence-transformers comparison of the bench (--encode)")
+  SentenceTransformer = require("sentence_transformers", "the bench's --encode comparison").SentenceTransformer
   from micse_jax.encoder import SentenceEncoder  # pylint: disable=import-outside-toplevel
   ours = SentenceEncoder.from_pretrained(model_dir)
   theirs = SentenceTransformer(model_dir, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import time
 
+from micse_jax.optional import require
+
 
 def time_steps(step, n_warmup: int, n: int) -> list[float]:
   """Runs `step` n_warmup times untimed, then n times; returns the n wall times (s)."""
@@ -25,8 +27,8 @@ def time_steps(step, n_warmup: int, n: int) -> list[float]:
 
 def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps: int):
   """Median-able step times (s) of the PyTorch miCSE step, and peak CUDA memory (None on CPU)."""
-  import torch
-  import transformers
+  import transformers  # pylint: disable=import-outside-toplevel
+  torch = require("torch", "the PyTorch baseline of the bench")
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.BertModel.from_pretrained(model_dir, attn_implementation="eager").to(device).train()
   hidden, layers = model.config.hidden_size, model.config.num_hidden_layers

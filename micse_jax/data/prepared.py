@@ -32,6 +32,7 @@ import numpy as np
 
 from micse_jax.data.corpus import subset_indices
 from micse_jax.errors import CorpusError
+from micse_jax.optional import require
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 SENTENCE_IDS_KEY = "sentence_ids"   # the batch key (micse_jax.data.pipeline.SENTENCE_IDS_KEY)
@@ -103,12 +104,19 @@ def _row_chunks(path: str, tokenizer, max_length: int, chunk_size: int) -> Itera
 
 
 _DATASET = "pretokenized_corpus"
+_PURPOSE = "a prepared (pre-tokenized) corpus"
+
+
+def _tfds():
+  """tensorflow_datasets, imported where used: it is optional and takes seconds to import."""
+  return require("tensorflow_datasets", _PURPOSE)
+
 ROWS_PER_SHARD = 1_000_000  # about 0.25 GB of ArrayRecord per shard at max_length 32
 
 
 def _features(max_length: int):
   """The TFDS features of one row (imported lazily: tensorflow_datasets takes seconds)."""
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  tfds = _tfds()
   token_row = lambda: tfds.features.Tensor(shape=(max_length,), dtype=np.int32,
                                            encoding=tfds.features.Encoding.ZLIB)
   return tfds.features.FeaturesDict({**{k: token_row() for k in TOKEN_KEYS},
@@ -127,7 +135,7 @@ def _write_shards(rows: Iterator[tuple[int, dict]], features, directory: str,
   Rows go straight to disk: TFDS's own generator path buffers up to 1 GB and then spills
   through `tf.io.gfile`, which needs TensorFlow, so it fails above ~3M sentences without it.
   """
-  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=import-outside-toplevel
+  ArrayRecordWriter = require("array_record.python.array_record_module", _PURPOSE).ArrayRecordWriter
   lengths, num_bytes, writer = [], 0, None
   for _, example in rows:
     if writer is None or lengths[-1] == rows_per_shard:
@@ -159,7 +167,7 @@ def prepare_corpus(corpus: str, tokenizer, tokenizer_name: str, max_length: int,
   Raises:
     CorpusError: bad corpus, non-positive `max_length`, or `output` already exists.
   """
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  tfds = _tfds()
   if max_length <= 0:
     raise CorpusError(f"max_length must be positive, got {max_length}")
   if os.path.exists(output):
@@ -190,7 +198,7 @@ class PreparedRows:
   """Random-access token rows of a prepared directory; `gather(indices)` reads only those rows."""
 
   def __init__(self, path: str):
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    tfds = _tfds()
     if not is_prepared_dir(path):
       raise CorpusError(f"corpus path is a directory but not a prepared corpus (no dataset_info.json; "
                         f"write one with python -m micse_jax.prepare_data): {path}")

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import matplotlib
+import numpy as np
+from scipy import stats
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-from scipy import stats  # pylint: disable=wrong-import-position
-
-from micse_jax.losses.ami import attention_mutual_information  # pylint: disable=wrong-import-position
-from micse_jax.models.bert import BertModel, collect_attentions  # pylint: disable=wrong-import-position
-from micse_jax.studies.plots import save_figure  # pylint: disable=wrong-import-position
+from micse_jax.losses.ami import attention_mutual_information
+from micse_jax.models.bert import BertModel, collect_attentions
+from micse_jax.optional import require
+from micse_jax.studies.plots import pyplot, save_figure
 
 
 def _normalize(x: np.ndarray) -> np.ndarray:
@@ -73,13 +70,14 @@ def attention_histograms(att1, att2, mask, mi: np.ndarray, path: str) -> str:
   tokens = np.asarray(mask).astype(bool)
   pairs = tokens[:, :, None] & tokens[:, None, :]
   num_layers, _, heads = a1.shape[:3]
+  plt, colors = pyplot(), require("matplotlib.colors", "drawing figures (analyze)")
   fig, axes = plt.subplots(num_layers, heads, figsize=(2.6 * heads, 2.4 * num_layers), squeeze=False)
   for layer in range(num_layers):
     for head in range(heads):
       x, y = a1[layer][:, head], a2[layer][:, head]
       keep = pairs & (x > 0) & (y > 0)
       ax = axes[layer, head]
-      ax.hist2d(np.log(x[keep]), np.log(y[keep]), bins=40, cmap="viridis", norm=matplotlib.colors.LogNorm())
+      ax.hist2d(np.log(x[keep]), np.log(y[keep]), bins=40, cmap="viridis", norm=colors.LogNorm())
       ax.set_title(f"layer {layer} head {head}: MI {mi[layer, head]:.2f}", fontsize=8)
       ax.tick_params(labelsize=6)
       if layer == num_layers - 1:
@@ -92,7 +90,7 @@ def attention_histograms(att1, att2, mask, mi: np.ndarray, path: str) -> str:
 def cosine_vs_gold(cosines: np.ndarray, gold: np.ndarray, path: str) -> tuple[str, float]:
   """Scatter of cosine against gold score; returns (path, Spearman x100)."""
   rho = float(stats.spearmanr(cosines, gold).correlation * 100)
-  fig, ax = plt.subplots(figsize=(5, 4))
+  fig, ax = pyplot().subplots(figsize=(5, 4))
   ax.scatter(gold, cosines, s=4, alpha=0.4)
   ax.set_xlabel("gold similarity (0-5)")
   ax.set_ylabel("cosine of embeddings")
@@ -102,7 +100,7 @@ def cosine_vs_gold(cosines: np.ndarray, gold: np.ndarray, path: str) -> tuple[st
 
 
 def alignment_uniformity_plot(align: float, uniform: float, label: str, path: str) -> str:
-  fig, ax = plt.subplots(figsize=(4.5, 4))
+  fig, ax = pyplot().subplots(figsize=(4.5, 4))
   ax.scatter([uniform], [align], s=60, color="tab:red")
   ax.annotate(label, (uniform, align), textcoords="offset points", xytext=(6, 6), fontsize=8)
   ax.set_xlabel("uniformity (lower is better)")

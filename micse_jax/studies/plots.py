@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import os
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
+from micse_jax.optional import require
 
 BASELINE = "simcse"
+
+
+def pyplot():
+  """`matplotlib.pyplot` on the file-only Agg backend (matplotlib is optional: figures only)."""
+  require("matplotlib", "drawing figures (sweep --report, analyze)").use("Agg")
+  return require("matplotlib.pyplot", "drawing figures (sweep --report, analyze)")
 
 
 def _series(rows: list[dict], metric: str) -> dict[str, list[tuple[int, float, float]]]:
@@ -25,7 +29,7 @@ def _series(rows: list[dict], metric: str) -> dict[str, list[tuple[int, float, f
 
 def _colors(methods) -> dict[str, str]:
   """One colour per method, the same in every figure (matplotlib's default cycle, table order)."""
-  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  cycle = pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
   return {m: cycle[i % len(cycle)] for i, m in enumerate(methods)}
 
 
@@ -34,7 +38,7 @@ def save_figure(fig, path: str, dpi: int = 120) -> str:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.tight_layout()
   fig.savefig(path, dpi=dpi)
-  plt.close(fig)
+  pyplot().close(fig)
   return path
 
 
@@ -43,7 +47,7 @@ def fewshot_curve(rows: list[dict], path: str, metric: str = "sts_avg") -> str |
   series = _series(rows, metric)
   if not series:
     return None
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = pyplot().subplots(figsize=(6, 4))
   colors = _colors(series)
   for method, points in series.items():
     x, mean, std = (np.array(v, dtype=float) for v in zip(*points))
@@ -68,7 +72,7 @@ def ablation_deltas(rows: list[dict], path: str, metric: str = "sts_avg", baseli
   sizes = sorted(base)
   width = 0.8 / len(others)
   colors = _colors(series)
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = pyplot().subplots(figsize=(6, 4))
   for i, method in enumerate(others):
     points = {size: (mean, std) for size, mean, std in series[method]}
     xs = [j for j, s in enumerate(sizes) if s in points]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from micse_jax.optional import require
 from micse_jax.studies.spec import REPO, RunSpec, main_command
 
 STATUS_FILE = "sweep_status.json"
@@ -89,7 +90,7 @@ def _environment_setup() -> list[str]:
 
 
 def local_executor(folder: str, timeout_min: int):
-  import submitit  # pylint: disable=import-outside-toplevel
+  submitit = require("submitit", "running a sweep (micse_jax.sweep)")
   os.environ["PYTHONPATH"] = REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
   executor = submitit.LocalExecutor(folder=folder)
   executor.update_parameters(timeout_min=timeout_min)
@@ -111,7 +112,7 @@ def slurm_parameters(*, partition: str | None, gpus_per_run: int, cpus_per_run: 
 
 def slurm_executor(folder: str, params: dict):
   """A SlurmExecutor whose `map_array` submits one array job (`--array=0-(n-1)%array_parallelism`)."""
-  import submitit  # pylint: disable=import-outside-toplevel
+  submitit = require("submitit", "running a sweep (micse_jax.sweep)")
   executor = submitit.SlurmExecutor(folder=folder)
   executor.update_parameters(**params)
   return executor

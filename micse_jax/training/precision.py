@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import jmp
 
 from micse_jax.errors import ConfigError
+from micse_jax.optional import require
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -45,8 +45,13 @@ def initial_loss_scale_state(config) -> dict:
           "counter": jnp.zeros((), jnp.int32), "skipped_steps": jnp.zeros((), jnp.int32)}
 
 
-def _as_jmp(state: dict, period: int) -> jmp.DynamicLossScale:
-  return jmp.DynamicLossScale(state["scale"], state["counter"], period=period, factor=2)
+def _jmp():
+  """The `jmp` module (optional: only float16 training needs it)."""
+  return require("jmp", "float16 training (model.dtype=float16, dynamic loss scaling)")
+
+
+def _as_jmp(state: dict, period: int):
+  return _jmp().DynamicLossScale(state["scale"], state["counter"], period=period, factor=2)
 
 
 def value_and_unscaled_grad(loss_fn: Callable, state: dict, period: int) -> Callable:
@@ -79,6 +84,7 @@ def keep_if_finite(grads, updated: Any, previous: Any, period: int) -> tuple[Any
   state = previous.loss_scale
   if not state:
     return updated, {}
+  jmp = _jmp()
   finite = jmp.all_finite(grads)
   kept = jmp.select_tree(finite, updated, previous.replace(step=updated.step))
   adjusted = _as_jmp(state, period).adjust(finite)
