@@ -120,7 +120,7 @@ def slurm_executor(folder: str, params: dict):
 
 def slurm_script(folder: str, params: dict, num_runs: int) -> str:
   """The sbatch script submitit would submit for `num_runs` runs (for --dry_run; no cluster needed)."""
-  from submitit.slurm import slurm  # pylint: disable=import-outside-toplevel
+  slurm = require("submitit.slurm.slurm", "writing a sweep's sbatch script (micse_jax.sweep --dry_run)")
   command = " ".join([sys.executable, "-u -m submitit.core._submit", str(folder)])
   return slurm._make_sbatch_string(command=command, folder=folder, map_count=num_runs, **params)  # pylint: disable=protected-access
 
