@@ -57,4 +57,4 @@ PY
   fi
   echo "== compat: $(python --version) set=$set_name result: $([ $status = 0 ] && echo PASS || echo FAIL)"
   exit $status
-} 2>&1 | grep -v "^WARNING: Location" | tee "$log"
+} 2>&1 | grep --line-buffered -v "^WARNING: Location" | tee "$log"
