@@ -128,6 +128,12 @@ def test_trace_summary_classifies_gpu_kernels_on_the_device_streams_only(tmp_pat
   assert s["top_ops_ms_per_step"][0][1] == pytest.approx(0.2)
   assert s["top_ops_ms_per_step"][0][0].startswith("sm90_xmma_gemm")
   assert "GPU kernel time per step" in trace_summary.report_lines(s)[0]
+  # Stream lines named otherwise: every device line but the derived ones is read.
+  for e in events:
+    if e.get("name") == "thread_name" and e["args"]["name"].startswith("Stream"):
+      e["args"]["name"] = e["args"]["name"].replace("Stream #", "CUDA stream ")
+  _write_trace(tmp_path / "renamed", events)
+  assert trace_summary.summarize(str(tmp_path / "renamed"), steps=2) == s
 
 
 @pytest.mark.gpu

