@@ -134,16 +134,19 @@ def _gib(b) -> str:
 
 
 def header_lines(r: dict) -> list[str]:
+  """The first line: model, shape, dtype, devices, jax version."""
   return [f"micse_jax.bench: {r['model']}, {r['batch_size']} sentences x 2 views x {r['max_length']} tokens, "
           f"{r['dtype']}, {r['num_devices']} x {r['device']} (jax {r['jax_version']})"]
 
 
 def compile_lines(r: dict) -> list[str]:
+  """Compile time and XLA's FLOP count of the train step."""
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
           f"(XLA FLOPs/step {r['step_flops'] or float('nan'):.3g})"]
 
 
 def jax_lines(r: dict) -> list[str]:
+  """The micse_jax step: time, throughput, peak memory, MFU."""
   j = r["jax"]
   mfu = "n/a (CPU, or no known peak for this device)" if j["mfu"] is None else f"{100 * j['mfu']:.1f}%"
   return [f"  micse_jax step               {j['step_ms']:.1f} ms   ({j['sentences_per_s']:.1f} sentences/s)",
@@ -152,6 +155,7 @@ def jax_lines(r: dict) -> list[str]:
 
 
 def torch_lines(r: dict) -> list[str]:
+  """The PyTorch baseline's step and its ratio to micse_jax's."""
   t = r["torch"]
   return [f"  PyTorch step                 {t['step_ms']:.1f} ms   ({t['sentences_per_s']:.1f} sentences/s), "
           f"peak device memory {_gib(t['peak_device_bytes'])}",
@@ -159,6 +163,7 @@ def torch_lines(r: dict) -> list[str]:
 
 
 def breakdown_lines(r: dict) -> list[str]:
+  """The separately jitted pieces of the step and their shares."""
   total = sum(r["breakdown_ms"].values())
   lines = ["  breakdown (each piece separately jitted and timed; pieces cannot fuse across "
            "their borders, so they sum to more than the step):"]
@@ -169,6 +174,7 @@ def breakdown_lines(r: dict) -> list[str]:
 
 
 def encode_lines(r: dict) -> list[str]:
+  """Encode throughput against sentence-transformers'."""
   e = r["encode"]
   return [f"  encode ({e['sentences']} sentences from {e['source']}, batch {e['batch_size']}, mean pooling):",
           f"    micse_jax SentenceEncoder.encode        {e['micse_jax_sentences_per_s']:.1f} sentences/s",
@@ -178,6 +184,7 @@ def encode_lines(r: dict) -> list[str]:
 
 
 def profile_lines(r: dict) -> list[str]:
+  """The profile's time by op / kernel kind and where the trace is."""
   return trace_summary.report_lines(r["profile"]) + [f"  profiler trace written to {r['profile_dir']}"]
 
 

@@ -53,6 +53,7 @@ _DERIVED = re.compile(r"^(XLA |Steps|Framework|TensorFlow|Source|Launch|Memory|S
 
 
 def trace_file(directory: str) -> str:
+  """The newest perfetto_trace.json.gz under DIR/plugins/profile/."""
   files = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "perfetto_trace.json.gz")))
   if not files:
     raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}/plugins/profile")
@@ -113,6 +114,7 @@ def summarize(directory: str, steps: int, top: int = 8) -> dict:
 
 
 def report_lines(summary: dict) -> list[str]:
+  """The summary as report lines: total, time by kind, the largest ops or kernels."""
   total = summary["op_ms_per_step"]
   what = ("GPU kernel time per step {:.1f} ms (kernels and copies on the device's streams, summed)"
           if summary.get("platform") == "gpu" else

@@ -14,37 +14,44 @@
 # --dry (or MICSE_ACCEPTANCE_DRY=1): the same parts on CPU at tiny shapes.
 # PYTHON picks the interpreter (default python3: on the lent image, the one that holds torch and jax).
 set -euo pipefail
-repo="$(cd "$(dirname "$0")/../.." && pwd)"
-[[ $# -ge 1 && "$1" != --* ]] || { echo "usage: $0 OUT [--part 1|2|3] [--kit DIR] [--dry]" >&2; exit 2; }
-out="$1"; shift
-part=all; kit="$repo/.kit"; dry="${MICSE_ACCEPTANCE_DRY:-0}"; extra=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --part) part="$2"; shift 2 ;;
-    --kit) kit="$2"; shift 2 ;;
-    --dtypes|--batches|--budget_s) extra+=("$1" "$2"); shift 2 ;;
-    --dry) dry=1; shift ;;
-    *) echo "error: unknown argument $1" >&2; exit 2 ;;
-  esac
-done
-python="${PYTHON:-python3}"
-[[ -d "$kit/wheels" ]] || { echo "error: no wheels in $kit/wheels: run scripts/device/wheels.sh $kit here and carry it" >&2; exit 1; }
-site="${MICSE_KIT_SITE:-/tmp/micse_kit_site}"
-if [[ ! -f "$site/.installed" ]]; then
-  rm -rf "$site"
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-    --target "$site" "$kit"/wheels/*.whl
-  touch "$site/.installed"
-fi
-export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
-[[ -d "$kit/data" ]] && export MICSE_DATA_DIR="$kit/data"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-flags=(--out "$out" --part "$part" ${extra[@]+"${extra[@]}"})
-if [[ "$dry" == 1 ]]; then
-  flags+=(--dry)
-  export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
-fi
-mkdir -p "$out"
-cd "$repo"
-set -o pipefail
-"$python" -m micse_jax.bench.acceptance "${flags[@]}" 2>&1 | tee -a "$out/acceptance.log"
+
+main() {  # the whole script is read before it runs (safe to edit while a run goes on)
+  repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  [[ $# -ge 1 && "$1" != --* ]] || { echo "usage: ${BASH_SOURCE[0]} OUT [--part 1|2|3] [--kit DIR] [--dry]" >&2; exit 2; }
+  out="$1"; shift
+  part=all; kit="$repo/.kit"; dry="${MICSE_ACCEPTANCE_DRY:-0}"; extra=()
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --part) part="$2"; shift 2 ;;
+      --kit) kit="$2"; shift 2 ;;
+      --dtypes|--batches|--budget_s) extra+=("$1" "$2"); shift 2 ;;
+      --dry) dry=1; shift ;;
+      *) echo "error: unknown argument $1" >&2; exit 2 ;;
+    esac
+  done
+  python="${PYTHON:-python3}"
+  mkdir -p "$out"
+  out="$(cd "$out" && pwd)"
+  [[ -d "$kit" ]] && kit="$(cd "$kit" && pwd)"
+  [[ -d "$kit/wheels" ]] || { echo "error: no wheels in $kit/wheels: run scripts/device/wheels.sh $kit here and carry it" >&2; exit 1; }
+  site="${MICSE_KIT_SITE:-/tmp/micse_kit_site}"
+  if [[ ! -f "$site/.installed" ]]; then
+    rm -rf "$site"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+      --target "$site" "$kit"/wheels/*.whl
+    touch "$site/.installed"
+  fi
+  export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
+  [[ -d "$kit/data" ]] && export MICSE_DATA_DIR="$kit/data"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  flags=(--out "$out" --part "$part" ${extra[@]+"${extra[@]}"})
+  if [[ "$dry" == 1 ]]; then
+    flags+=(--dry)
+    export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
+  fi
+  cd "$repo"
+  set -o pipefail
+  "$python" -m micse_jax.bench.acceptance "${flags[@]}" 2>&1 | tee -a "$out/acceptance.log"
+}
+
+main "$@"
