@@ -87,7 +87,8 @@ class JaxStep:
     from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
     from micse_jax.training.precision import initial_loss_scale_state  # pylint: disable=import-outside-toplevel
     from micse_jax.training.state import create_train_state  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.step import build_networks, make_train_step  # pylint: disable=import-outside-toplevel
+    from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
+    from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from micse_jax.models.bert import BertConfig, BertModel
+from micse_jax.models.bert import BertConfig, BertModel, resolve_layers
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.infocse import InfoCSEAuxiliary, lower_half_layers
 
@@ -26,16 +26,6 @@ class SpecialTokens:
   def from_tokenizer(cls, tokenizer, vocab_size: int) -> "SpecialTokens":
     hf = tokenizer.hf
     return cls(int(hf.cls_token_id), int(hf.sep_token_id), int(hf.mask_token_id), vocab_size)
-
-
-def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
-  """0-based layer indices; negative ones count from the top (-1 = last layer)."""
-  if not layers or any(not -num_layers <= i < num_layers for i in layers):
-    raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
-  resolved = sorted({i % num_layers for i in layers})
-  if len(resolved) != len(layers):
-    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
-  return tuple(resolved)
 
 
 @dataclasses.dataclass(frozen=True)

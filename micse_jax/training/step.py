@@ -22,7 +22,7 @@ from micse_jax.losses.infonce import l2_normalize
 from micse_jax.training import terms
 from micse_jax.training import precision
 from micse_jax.training.ema import ema_update
-from micse_jax.training.networks import Networks, build_networks, resolve_layers  # noqa: F401 (re-export)
+from micse_jax.training.networks import Networks
 from micse_jax.training.queue import enqueue, enqueue_ids
 from micse_jax.training.state import TrainState
 from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
