@@ -30,8 +30,7 @@ from micse_jax.data.pipeline import SENTENCE_IDS_KEY, TOKEN_KEYS
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import collect_attentions
-from micse_jax.training.ema import ema_update
-from micse_jax.training.queue import enqueue
+from micse_jax.training.momentum import ema_update, enqueue
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
