@@ -23,12 +23,11 @@ from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
 from micse_jax.training.analysis import Analysis
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
-from micse_jax.training.method_params import method_params
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.precision import initial_loss_scale_state
 from micse_jax.training.momentum import self_collision_warning
 from micse_jax.training.state import TrainState, create_train_state
-from micse_jax.training.networks import Networks, SpecialTokens, build_networks
+from micse_jax.training.networks import Networks, SpecialTokens, build_networks, method_params
 from micse_jax.training.step import make_train_step
 
 
