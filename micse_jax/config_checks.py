@@ -289,11 +289,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
   return flat
 
 
-def has_checkpoints(workdir: str) -> bool:
-  rolling = os.path.join(workdir, workdir_lib.ROLLING_DIR)
-  return os.path.isdir(rolling) and any(name.isdigit() for name in os.listdir(rolling))
-
-
 def config_differences(saved: dict, config_dict: dict) -> list[str]:
   """`field (saved → new)` for every run-defining field that differs (JSON-normalised)."""
   new = _flatten(json.loads(json.dumps(config_dict)))
@@ -308,7 +303,7 @@ def config_differences(saved: dict, config_dict: dict) -> list[str]:
 
 def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
   """A workdir with checkpoints resumes only a run with the same model, data and objective."""
-  if not has_checkpoints(workdir):
+  if not workdir_lib.has_steps(os.path.join(workdir, workdir_lib.ROLLING_DIR)):
     return
   saved = workdir_lib.read_run_config(workdir)
   differences = config_differences(saved, config.to_dict())

@@ -68,18 +68,18 @@ def check_args(*, output: str | None, workdir: str | None, model: str | None, st
 
 
 def restore_workdir(workdir: str, which: str | int) -> dict:
-  """`micse_jax.workdir.restore_for_export`; its input errors (`MicseError`) as one line."""
+  """`micse_jax.workdir.restore_trained_weights`; its input errors (`MicseError`) as one line."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
   workdir_lib = importlib.import_module("micse_jax.workdir")
   try:
-    return workdir_lib.restore_for_export(workdir, which)
+    return workdir_lib.restore_trained_weights(workdir, which)
   except MicseError as e:  # anything else is a bug and keeps its traceback
     raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {one_line(e)}") from e
 
 
 def load_model_dir(path_or_name: str) -> dict:
-  """A plain HF checkpoint in the shape `restore_for_export` returns.
+  """A plain HF checkpoint in the shape `restore_trained_weights` returns.
 
   A checkpoint without pooler weights (e.g. a `BertForMaskedLM`) loads with a random pooler;
   that one is dropped so the export gets the documented all-zero pooler instead.

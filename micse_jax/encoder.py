@@ -101,7 +101,7 @@ def load_encoder(path_or_name: str, checkpoint: str | int = "best", dtype=jnp.fl
     return SentenceEncoder.from_pretrained(path_or_name, dtype=dtype)
   if checkpoint == "best" and not workdir.best_manager(path_or_name, read_only=True).all_steps():
     checkpoint = "latest"  # a run without dev evaluation has no best checkpoint
-  restored = workdir.restore_for_export(path_or_name, checkpoint)
+  restored = workdir.restore_trained_weights(path_or_name, checkpoint)
   config: BertConfig = restored["bert_config"]
   as_jax = lambda tree: jax.tree.map(jnp.asarray, tree)
   return SentenceEncoder(BertModel(config, dtype=dtype), as_jax(restored["encoder_params"]),

@@ -8,7 +8,7 @@ import subprocess
 import jax
 import numpy as np
 
-from micse_jax import convert
+from micse_jax import convert, workdir as workdir_lib
 from micse_jax.models.loading import load_hf_state_dict
 from micse_jax.models import weights
 from micse_jax.data import subset_indices
@@ -25,7 +25,7 @@ def _restore(workdir, config):
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # restore onto this topology
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
                           jax.eval_shape(lambda: trainer.initial_state(run, make_optimizer(config))))
-  return checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
 
 
 def _assert_close(a, b, atol):

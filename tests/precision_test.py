@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from micse_jax import workdir as workdir_lib
 from micse_jax.training import checkpoint, precision, trainer
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState
@@ -103,7 +104,7 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
   run = trainer.prepare(config)
   tx = make_optimizer(config)
   init = trainer.initial_state(run, tx)
-  final = checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2),
+  final = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2),
                                    jax.eval_shape(lambda: trainer.initial_state(run, tx)))
   assert int(final.step) == 3
   for a, b in zip(jax.tree.leaves((init.params, init.opt_state, init.ema_params, init.queue_valid)),
@@ -121,11 +122,11 @@ def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
   run = trainer.prepare(config)
   tx = make_optimizer(config)
   abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
-  saved = checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  saved = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
   assert float(saved.loss_scale["scale"]) == 4.0 and int(saved.loss_scale["skipped_steps"]) == 0
   config.num_train_steps = 4
   trainer.train_and_evaluate(config, workdir)
-  resumed = checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  resumed = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
   assert int(resumed.step) == 4 and float(resumed.loss_scale["scale"]) == 16.0
   assert {x.dtype for x in jax.tree.leaves(resumed.params)} == {np.dtype("float32")}
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from micse_jax import workdir as workdir_lib
 from micse_jax.training import checkpoint, trainer
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.momentum import ema_update, empty_queue, empty_queue_ids, enqueue, enqueue_ids
@@ -142,7 +143,7 @@ def _restore_latest(workdir, config):
   run = trainer.prepare(config)
   tx = make_optimizer(config)
   abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
-  return checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
 
 
 def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
@@ -153,7 +154,7 @@ def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   trainer.train_and_evaluate(config, straight)
 
   train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, resumed)
-  assert checkpoint.rolling_manager(resumed, 2).latest_step() == 3
+  assert workdir_lib.rolling_manager(resumed, 2).latest_step() == 3
   trainer.train_and_evaluate(config, resumed)  # restarts from step 3, data position included
 
   a, b = _restore_latest(straight, config), _restore_latest(resumed, config)
@@ -173,7 +174,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_d
   workdir = str(tmp_path / "nan")
   with pytest.raises(trainer.NonFiniteLossError, match="non-finite loss"):
     trainer.train_and_evaluate(config, workdir)
-  last = checkpoint.rolling_manager(workdir, 2).latest_step()
+  last = workdir_lib.rolling_manager(workdir, 2).latest_step()
   assert last is not None and last < 8
   state = _restore_latest(workdir, config)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

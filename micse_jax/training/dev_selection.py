@@ -45,23 +45,23 @@ class DevSelector:
     self.run = run
     self.encoder = SentenceEncoder(BertModel(run.bert_config, dtype=run.nets.online.dtype), None,
                                    run.tokenizer, model_dir=run.model_dir)
-    self.manager = checkpoint.best_manager(workdir)
+    self.manager = workdir_lib.best_manager(workdir)
     self.best = self._stored_best()
 
   def _stored_best(self) -> float:
     step = self.manager.best_step()
-    return float(self.manager.metrics(step)["stsb_dev"]) if step is not None else -math.inf
+    return float(self.manager.metrics(step)[workdir_lib.BEST_METRIC]) if step is not None else -math.inf
 
   def encode_fn(self, params):
     return params_encode_fn(self.encoder, params, self.run.config.eval.batch_size)
 
   def __call__(self, state) -> dict:
     encode = self.encode_fn(state.params)
-    scores = {"stsb_dev": sts.stsb_dev_spearman(encode, self.dir)}
+    scores = {workdir_lib.BEST_METRIC: sts.stsb_dev_spearman(encode, self.dir)}
     if self.run.config.eval.sickr_dev:
       scores["sickr_dev"] = sts.sickr_dev_spearman(encode, self.dir)
-    if scores["stsb_dev"] > self.best:
-      self.best = scores["stsb_dev"]
+    if scores[workdir_lib.BEST_METRIC] > self.best:
+      self.best = scores[workdir_lib.BEST_METRIC]
       checkpoint.save_best(self.manager, int(state.step), state.params, self.best)
     return scores
 
@@ -80,6 +80,6 @@ def final_evaluation(run: Run, workdir: str, state, selector: DevSelector) -> di
                                  settings={**results["settings"], "checkpoint": which},
                                  elapsed_seconds=results["elapsed_seconds"])
   if jax.process_index() == 0:
-    report.write_json(os.path.join(workdir, "results.json"), document)
+    report.write_json(os.path.join(workdir, workdir_lib.RESULTS_FILE), document)
     print(report.markdown_table(document))
   return document

@@ -101,7 +101,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   abstract_state = jax.eval_shape(lambda: initial_state(run, tx))
   state_sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), abstract_state)
   os.makedirs(workdir, exist_ok=True)
-  rolling = checkpoint.rolling_manager(workdir, config.keep_checkpoints)
+  rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   if rolling.latest_step() is not None:
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state, state_sharding)
@@ -165,7 +165,7 @@ def _summary_writer(workdir: str):
   if jax.process_index() != 0:
     return None
   from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-  return SummaryWriter(os.path.join(workdir, "tensorboard"))
+  return SummaryWriter(os.path.join(workdir, workdir_lib.TENSORBOARD_DIR))
 
 
 def _write_scalars(writer, step: int, scalars: dict) -> None:
