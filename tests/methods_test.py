@@ -116,7 +116,7 @@ def test_mlm_term_is_torch_masked_lm_cross_entropy(tmp_path, tiny_real_dir):
   weighted, metrics = terms.mlm_term(params, batch, key, nets, config)
   # the same masked copy, from the same key, fed to torch
   from micse_jax.training.views import special_mask
-  from micse_jax.views import mlm_mask
+  from micse_jax.augmentation import mlm_mask
   masked, labels, w = mlm_mask(jax.random.split(key)[0], batch["input_ids"], batch["attention_mask"],
                                special_mask(batch, nets), vocab_size=nets.tokens.vocab_size,
                                mask_token_id=nets.tokens.mask_id, prob=config.mlm.prob)
