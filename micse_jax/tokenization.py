@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # a token batch: int32 [batch, length] each
 
 
 def bucket_length(longest: int, max_length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:

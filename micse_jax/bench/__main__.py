@@ -23,8 +23,8 @@ import jax
 
 from micse_jax.bench import hardware, jax_step, trace_summary
 from micse_jax.bench.torch_step import time_steps
+from micse_jax.config_checks import DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
 PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
                 "ami": "AMI term (sampling + correlation, fwd+bwd)",

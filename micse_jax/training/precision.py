@@ -20,10 +20,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from micse_jax.config_checks import DTYPES
 from micse_jax.errors import ConfigError
 from micse_jax.optional import require
 
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES}
 
 
 def compute_dtype(name: str):

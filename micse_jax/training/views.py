@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from micse_jax import augmentation
 from micse_jax.models.bert import collect_attentions
+from micse_jax.tokenization import TOKEN_KEYS
 
-TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def tokens_of(batch: dict) -> dict:
