@@ -2,8 +2,8 @@
 
 Writes attention_histograms.png (per-slice joint histograms of the log attention of two dropout
 views, with each slice's MI; miCSE App. D), sts_cosine_vs_gold.png (STS-B test; App. C),
-alignment_uniformity.png (Wang & Isola) and analysis.json with the numbers.
-See micse_jax/studies/analysis.py.
+alignment_uniformity.png (Wang & Isola) and diagnostics.json with the numbers.
+See micse_jax/studies/diagnostics.py.
 """
 import os
 
@@ -13,7 +13,7 @@ from micse_jax import cli
 
 flags.DEFINE_string("model", None, "HF directory, hub name or training workdir.")
 flags.DEFINE_string("checkpoint", "best", "For a workdir: best | latest | a step.")
-flags.DEFINE_string("output", None, "Directory for the PNGs and analysis.json.")
+flags.DEFINE_string("output", None, "Directory for the PNGs and diagnostics.json.")
 flags.DEFINE_string("senteval_dir", None, "SentEval data (default ../shared/data/senteval).")
 flags.DEFINE_integer("num_sentences", 64, "STS-B test sentences whose attention is histogrammed.")
 flags.DEFINE_integer("seed", 0, "Dropout / sampling seed.")
@@ -29,7 +29,7 @@ def main(argv):
   from micse_jax.encoder import load_encoder
   from micse_jax.evaluation import report, senteval_data
   from micse_jax.evaluation.sts import cosine_rows, encode_unique
-  from micse_jax.studies import analysis
+  from micse_jax.studies import diagnostics
   from micse_jax import paths
   from micse_jax.errors import MicseError
   senteval_dir = FLAGS.senteval_dir or paths.senteval_dir()
@@ -45,20 +45,20 @@ def main(argv):
   embeddings, index = encode_unique(encode, sentences)
   e1 = embeddings[[index[s] for s in stsb.sentences1]]
   e2 = embeddings[[index[s] for s in stsb.sentences2]]
-  _, spearman = analysis.cosine_vs_gold(cosine_rows(e1, e2), stsb.scores,
+  _, spearman = diagnostics.cosine_vs_gold(cosine_rows(e1, e2), stsb.scores,
                                         os.path.join(FLAGS.output, "sts_cosine_vs_gold.png"))
   positive = stsb.scores > 4.0
-  align, uniform = analysis.alignment(e1[positive], e2[positive]), analysis.uniformity(embeddings)
-  analysis.alignment_uniformity_plot(align, uniform, os.path.basename(os.path.normpath(FLAGS.model)),
+  align, uniform = diagnostics.alignment_uniformity(e1[positive], e2[positive], embeddings)
+  diagnostics.alignment_uniformity_plot(align, uniform, os.path.basename(os.path.normpath(FLAGS.model)),
                                      os.path.join(FLAGS.output, "alignment_uniformity.png"))
-  att1, att2, mask = analysis.dropout_attention(encoder, sentences[:FLAGS.num_sentences], FLAGS.seed)
-  mi = analysis.slice_mutual_information(att1, att2, mask, FLAGS.seed)
-  analysis.attention_histograms(att1, att2, mask, mi, os.path.join(FLAGS.output, "attention_histograms.png"))
+  att1, att2, mask = diagnostics.dropout_attention(encoder, sentences[:FLAGS.num_sentences], FLAGS.seed)
+  mi = diagnostics.slice_mutual_information(att1, att2, mask, FLAGS.seed)
+  diagnostics.attention_histograms(att1, att2, mask, mi, os.path.join(FLAGS.output, "attention_histograms.png"))
   document = {"model": os.path.abspath(FLAGS.model) if os.path.exists(FLAGS.model) else FLAGS.model,
               "stsb_test_spearman": spearman, "alignment": align, "uniformity": uniform,
               "num_positive_pairs": int(positive.sum()), "num_sentences_uniformity": len(sentences),
               "slice_mi": np.asarray(mi).tolist(), "mean_slice_mi": float(np.mean(mi))}
-  report.write_json(os.path.join(FLAGS.output, "analysis.json"), document)
+  report.write_json(os.path.join(FLAGS.output, "diagnostics.json"), document)
   print(f"STS-B test Spearman {spearman:.2f}, alignment {align:.3f}, uniformity {uniform:.3f}, "
         f"mean slice MI {float(np.mean(mi)):.3f}; figures in {FLAGS.output}")
 

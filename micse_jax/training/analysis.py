@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from micse_jax.losses.alignment import alignment, uniformity
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import l2_normalize
-from micse_jax.models.bert import BertModel, collect_attentions, resolve_layers
+from micse_jax.models.bert import BertModel, resolve_layers, two_dropout_views
+from micse_jax.tokenization import TOKEN_KEYS
 from micse_jax.training.networks import compute_dtype
 
 
@@ -44,18 +45,15 @@ def read_heldout(path: str, first_line: int, num_sentences: int) -> list[str]:
 
 def analysis_metrics(model: BertModel, layers, ami_config, params, batch, key) -> dict[str, jax.Array]:
   """alignment / uniformity / attention MI of `params` on one token batch (see module doc)."""
+  del layers  # the model sows them
   k_drop, k_ami = jax.random.split(key)
-  args = lambda b: (b["input_ids"], b["attention_mask"], b["token_type_ids"])
-  both = {k: jnp.concatenate([v, v]) for k, v in batch.items()}
-  out, state = model.apply({"params": params}, *args(both), deterministic=False, rngs={"dropout": k_drop},
-                           mutable=["intermediates"])
-  x1, x2 = jnp.split(l2_normalize(out.last_hidden_state[:, 0].astype(jnp.float32)), 2)
-  att1, att2 = jnp.split(collect_attentions(state["intermediates"], layers), 2, axis=1)
+  h1, h2, att1, att2 = two_dropout_views(model, params, batch, batch, k_drop)
+  x1, x2 = (l2_normalize(h[:, 0].astype(jnp.float32)) for h in (h1, h2))
   a = ami_config
   _, ami = ami_loss(att1, att2, batch["attention_mask"], k_ami, weight=1.0, num_samples=a.num_samples,
                     heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
                     require_positive=a.require_positive)
-  clean = model.apply({"params": params}, *args(batch), deterministic=True)
+  clean = model.apply({"params": params}, *(batch[k] for k in TOKEN_KEYS), deterministic=True)
   z = l2_normalize(clean.last_hidden_state[:, 0].astype(jnp.float32))
   return {"analysis/alignment": alignment(x1, x2), "analysis/uniformity": uniformity(z),
           "analysis/attention_mi": ami["ami_mi"]}
