@@ -244,7 +244,7 @@ def check_mlm_head(config, model_dir: str, has_head: bool) -> None:
 def check_senteval(config: ml_collections.ConfigDict) -> None:
   """With dev selection on, a SentEval dir that exists must hold STS-B dev (and the final tasks).
 
-  A missing default dir only disables selection (with a warning, see `DevSelector`); a missing
+  A missing default dir only disables selection (with a warning, see `evaluators.dev_selection.DevSelection`); a missing
   dir that the config names explicitly is an error.
   """
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel

@@ -1,4 +1,4 @@
-"""Analysis metrics logged by every config: alignment, uniformity and attention MI.
+"""Held-out metrics logged by every config: alignment, uniformity and attention MI.
 
 On a fixed held-out slice of sentences (`analysis.corpus`, lines `first_line ...`; by default
 the non-wiki part of `english_mix.txt`, which no wiki1m training run sees), every `eval_every`
@@ -28,7 +28,6 @@ from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import l2_normalize
 from micse_jax.models.bert import BertModel, resolve_layers, two_dropout_views
 from micse_jax.tokenization import TOKEN_KEYS
-from micse_jax.training.networks import compute_dtype
 
 
 def read_heldout(path: str, first_line: int, num_sentences: int) -> list[str]:
@@ -67,22 +66,23 @@ def analysis_layers(layers, num_layers: int) -> tuple[int, ...]:
     return tuple(range(max(0, num_layers - 4), num_layers))
 
 
-class Analysis:
-  """Callable on a train state → host floats; `create` returns None when disabled/no data."""
+class HeldoutMetrics:
+  """Callable on the encoder params → host floats; `create` returns None when disabled/no data."""
 
-  def __init__(self, run, sentences: list[str]):
-    c = run.config
-    layers = analysis_layers(c.ami.layers, run.bert_config.num_hidden_layers)
-    model = BertModel(run.bert_config, sow_attention_layers=layers, dtype=compute_dtype(c))
-    self.batch = {k: jnp.asarray(v) for k, v in
-                  run.tokenizer(sentences, c.model.max_length, pad_to=c.model.max_length).items()}
-    self.seed = c.seed
-    self.fn = jax.jit(functools.partial(analysis_metrics, model, layers, c.ami))
+  def __init__(self, encoder, config, sentences: list[str]):
+    bert_config = encoder.model.config
+    layers = analysis_layers(config.ami.layers, bert_config.num_hidden_layers)
+    model = BertModel(bert_config, sow_attention_layers=layers, dtype=encoder.model.dtype)
+    length = config.model.max_length
+    self.batch = {k: jnp.asarray(v) for k, v in encoder.tokenizer(sentences, length, pad_to=length).items()}
+    self.seed = config.seed
+    self.fn = jax.jit(functools.partial(analysis_metrics, model, layers, config.ami))
 
   @classmethod
-  def create(cls, run) -> "Analysis | None":
-    a = run.config.analysis
-    if not a.enabled or run.config.eval_every <= 0:
+  def create(cls, encoder, config) -> "HeldoutMetrics | None":
+    """From the `analysis.*` fields; None when off, when `eval_every` <= 0 or without the corpus."""
+    a = config.analysis
+    if not a.enabled or config.eval_every <= 0:
       return None
     if not os.path.isfile(a.corpus):
       logging.warning("analysis corpus not found at %s: no alignment/uniformity/attention-MI logging", a.corpus)
@@ -91,8 +91,9 @@ class Analysis:
     if len(sentences) < 2:
       logging.warning("analysis corpus %s has < 2 sentences after line %d: no analysis", a.corpus, a.first_line)
       return None
-    return cls(run, sentences)
+    return cls(encoder, config, sentences)
 
-  def __call__(self, state) -> dict[str, float]:
-    key = jax.random.fold_in(jax.random.PRNGKey(self.seed), 0)  # the same dropout masks every time
-    return {k: float(v) for k, v in jax.device_get(self.fn(state.params["encoder"], self.batch, key)).items()}
+  def __call__(self, encoder_params) -> dict[str, float]:
+    """The metrics of `encoder_params`, with the same dropout masks at every call."""
+    key = jax.random.fold_in(jax.random.PRNGKey(self.seed), 0)
+    return {k: float(v) for k, v in jax.device_get(self.fn(encoder_params, self.batch, key)).items()}
