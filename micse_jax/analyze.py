@@ -7,7 +7,7 @@ See micse_jax/studies/diagnostics.py.
 """
 import os
 
-from absl import app, flags
+from absl import flags
 
 from micse_jax import cli
 
@@ -31,14 +31,11 @@ def main(argv):
   from micse_jax.evaluation.sts import cosine_rows, encode_unique
   from micse_jax.studies import diagnostics
   from micse_jax import paths
-  from micse_jax.errors import MicseError
   senteval_dir = FLAGS.senteval_dir or paths.senteval_dir()
-  try:
+  with cli.input_errors_as_one_line():  # bad input only (MicseError); anything else keeps its traceback
     stsb = senteval_data.load_stsb(senteval_dir)["test"]
     checkpoint = int(FLAGS.checkpoint) if FLAGS.checkpoint.isdigit() else FLAGS.checkpoint
     encoder = load_encoder(FLAGS.model, checkpoint)
-  except (MicseError, ValueError, FileNotFoundError) as e:
-    cli.fail(str(e))
   os.makedirs(FLAGS.output, exist_ok=True)
   encode = lambda s: encoder.encode(s, FLAGS.pooler)
   sentences = list(dict.fromkeys(stsb.sentences1 + stsb.sentences2))
@@ -63,6 +60,10 @@ def main(argv):
         f"mean slice MI {float(np.mean(mi)):.3f}; figures in {FLAGS.output}")
 
 
+def run() -> None:
+  """Entry point: `python -m micse_jax.analyze ...` or `micse-analyze ...`."""
+  cli.run_program(main)
+
+
 if __name__ == "__main__":
-  cli.quiet_startup()
-  app.run(main, flags_parser=cli.flags_parser())
+  run()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 
 from micse_jax import cli
@@ -139,9 +139,7 @@ def convert_and_report(**kwargs) -> str:
 
 def run() -> None:
   """Entry point: `python -m micse_jax.convert ...` or `micse-convert ...`."""
-  cli.quiet_startup()
-  define_flags()
-  app.run(main, flags_parser=cli.flags_parser())
+  cli.run_program(main, define_flags)
 
 
 if __name__ == "__main__":

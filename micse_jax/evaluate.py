@@ -119,10 +119,7 @@ def define_flags() -> None:
 
 def run() -> None:
   """Entry point: `python -m micse_jax.evaluate ...` or `micse-evaluate ...`."""
-  from absl import app  # pylint: disable=import-outside-toplevel
-  cli.quiet_startup()
-  define_flags()
-  app.run(main, flags_parser=cli.flags_parser())
+  cli.run_program(main, define_flags)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ A flag or override that does not parse exits 2, bad input (`MicseError`) exits 1
 import logging
 
 import ml_collections
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from micse_jax import cli
@@ -42,8 +42,7 @@ def main(argv) -> None:
 def run() -> None:
   """Entry point (`micse-train`): flags and overrides are checked (one line, exit 2) before
   anything else runs."""
-  cli.quiet_startup()
-  app.run(main, flags_parser=cli.flags_parser(lambda: FLAGS.config.to_dict()))
+  cli.run_program(main, materialize=lambda: FLAGS.config.to_dict())
 
 
 if __name__ == "__main__":
