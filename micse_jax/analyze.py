@@ -23,6 +23,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+  """Writes the diagnostic figures and analysis.json of `--model` (absl main)."""
   cli.reject_extra_args(argv)
   # pylint: disable=import-outside-toplevel
   import numpy as np

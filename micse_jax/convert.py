@@ -121,6 +121,7 @@ def convert(*, output: str, workdir: str | None = None, model: str | None = None
 
 
 def main(argv):
+  """Exports the checkpoint the flags name to a HF / sentence-transformers directory (absl main)."""
   cli.reject_extra_args(argv)
   if not FLAGS["verbosity"].present:  # keep stderr to warnings and the one error line
     absl_logging.set_verbosity(absl_logging.WARNING)

@@ -37,11 +37,13 @@ class SentenceEncoder:
 
   @classmethod
   def from_pretrained(cls, path_or_name: str, dtype=jnp.float32) -> "SentenceEncoder":
+    """An encoder from a HF directory or hub name (no trained MLP head)."""
     model, params, _, model_dir = load_pretrained(path_or_name, dtype=dtype)
     return cls(model, params, Tokenizer.from_pretrained(model_dir), model_dir=model_dir)
 
   @property
   def hidden_size(self) -> int:
+    """The embedding width."""
     return self.model.config.hidden_size
 
   @functools.partial(jax.jit, static_argnums=(0, 4))

@@ -73,6 +73,7 @@ def _encode_fn(flags_values):
 
 
 def main(argv: Sequence[str]) -> None:
+  """Evaluates the model the flags name and reports the scores (absl main)."""
   from absl import flags, logging  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.WARNING)
   cli.reject_extra_args(argv)

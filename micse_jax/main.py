@@ -34,6 +34,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def main(argv) -> None:
+  """Trains `--config` into `--workdir` (absl main)."""
   cli.reject_extra_args(argv)
   logging.getLogger("absl").setLevel(logging.WARNING)
   train(FLAGS.config, FLAGS.workdir)

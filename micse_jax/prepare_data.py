@@ -23,6 +23,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+  """Tokenizes `--corpus` into a prepared directory `--output` (absl main)."""
   cli.reject_extra_args(argv)
   from micse_jax.data.prepared import prepare_corpus  # pylint: disable=import-outside-toplevel
   from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel

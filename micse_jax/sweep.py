@@ -44,6 +44,7 @@ def _report(runs, sweep_dir, name) -> None:
 
 
 def main(argv):
+  """Expands the sweep config and submits, reports or plots its runs (absl main)."""
   cli.reject_extra_args(argv)
   from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines

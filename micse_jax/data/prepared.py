@@ -229,6 +229,7 @@ class SubsetRows:
     return len(self.rows) if self.corpus_rows is None else len(self.corpus_rows)
 
   def gather(self, indices) -> dict[str, np.ndarray]:
+    """Rows `indices` of the subset (positions in it, mapped to corpus rows)."""
     indices = np.asarray(indices, dtype=np.int64)
     return self.rows.gather(indices if self.corpus_rows is None else self.corpus_rows[indices])
 

@@ -60,18 +60,22 @@ class BertConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
+    """A config from a HF config dict (unknown keys and None values ignored)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 
   @classmethod
   def from_json_file(cls, path: str) -> "BertConfig":
+    """A config from a HF `config.json`."""
     with open(path, encoding="utf-8") as f:
       return cls.from_dict(json.load(f))
 
   def to_dict(self) -> dict[str, Any]:
+    """All fields as a plain dict (JSON-serialisable)."""
     return dataclasses.asdict(self)
 
   def replace(self, **changes) -> "BertConfig":
+    """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
 
 

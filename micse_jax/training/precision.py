@@ -35,6 +35,7 @@ def compute_dtype(name: str):
 
 
 def uses_loss_scaling(config) -> bool:
+  """float16 needs dynamic loss scaling; float32 and bfloat16 do not."""
   return config.model.dtype == "float16"
 
 

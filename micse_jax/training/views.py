@@ -21,6 +21,7 @@ from micse_jax.tokenization import TOKEN_KEYS
 
 
 def tokens_of(batch: dict) -> dict:
+  """The `TOKEN_KEYS` entries of a batch (drops `sentence_ids` and the like)."""
   return {k: batch[k] for k in TOKEN_KEYS}
 
 
@@ -30,6 +31,7 @@ def token_args(batch: dict) -> tuple:
 
 
 def special_mask(batch: dict, nets) -> jax.Array:
+  """True at [CLS], [SEP] and padding: the tokens no view may drop or mask."""
   t = nets.tokens
   return augmentation.special_token_mask(batch["input_ids"], batch["attention_mask"], t.cls_id, t.sep_id)
 
@@ -107,4 +109,5 @@ def encode_cross(params, view1, view2, key, nets) -> Encoded:
 
 
 def encode_views(config) -> Callable:
+  """The encoding of the config's method: CT's two encoders, else one stacked forward."""
   return encode_cross if config.ct.enabled else encode_stacked
