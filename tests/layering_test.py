@@ -237,3 +237,13 @@ def test_size_and_docstring_checkers_can_fail():
   tree = ast.parse(source)
   assert _undocumented(tree) == ["public", "long"]
   assert _long_functions(tree) == ["long (62 lines)"]
+
+
+def test_design_map_matches_the_tree():
+  """docs/DESIGN.md names every module of the package once in its map, and only modules that exist."""
+  import re  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(paths.REPO, "docs", "DESIGN.md"), encoding="utf-8") as f:
+    rows = re.findall(r"^\| `(micse_jax/[\w/]+\.py)` \|", f.read(), flags=re.M)
+  tree = sorted(os.path.relpath(p, paths.REPO).replace(os.sep, "/") for p in _modules_under("")
+                if not p.endswith("__init__.py"))
+  assert sorted(rows) == tree
