@@ -2,7 +2,7 @@
 
 Writes attention_histograms.png (per-slice joint histograms of the log attention of two dropout
 views, with each slice's MI; miCSE App. D), sts_cosine_vs_gold.png (STS-B test; App. C),
-alignment_uniformity.png (Wang & Isola) and diagnostics.json with the numbers.
+alignment_uniformity.png (Wang & Isola) and analysis.json with the numbers.
 See micse_jax/studies/diagnostics.py.
 """
 import os
@@ -13,7 +13,7 @@ from micse_jax import cli
 
 flags.DEFINE_string("model", None, "HF directory, hub name or training workdir.")
 flags.DEFINE_string("checkpoint", "best", "For a workdir: best | latest | a step.")
-flags.DEFINE_string("output", None, "Directory for the PNGs and diagnostics.json.")
+flags.DEFINE_string("output", None, "Directory for the PNGs and analysis.json.")
 flags.DEFINE_string("senteval_dir", None, "SentEval data (default ../shared/data/senteval).")
 flags.DEFINE_integer("num_sentences", 64, "STS-B test sentences whose attention is histogrammed.")
 flags.DEFINE_integer("seed", 0, "Dropout / sampling seed.")
@@ -56,7 +56,7 @@ def main(argv):
               "stsb_test_spearman": spearman, "alignment": align, "uniformity": uniform,
               "num_positive_pairs": int(positive.sum()), "num_sentences_uniformity": len(sentences),
               "slice_mi": np.asarray(mi).tolist(), "mean_slice_mi": float(np.mean(mi))}
-  report.write_json(os.path.join(FLAGS.output, "diagnostics.json"), document)
+  report.write_json(os.path.join(FLAGS.output, "analysis.json"), document)
   print(f"STS-B test Spearman {spearman:.2f}, alignment {align:.3f}, uniformity {uniform:.3f}, "
         f"mean slice MI {float(np.mean(mi)):.3f}; figures in {FLAGS.output}")
 
