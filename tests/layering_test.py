@@ -14,17 +14,18 @@ CLI_MODULES = {"micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "mic
 
 
 def _imports(path: str) -> set[str]:
-  """Every module a file imports, at top level or inside functions."""
+  """The package modules a file imports, at top level or inside functions: `from a import b`
+  counts `a.b` when that is a module, else `a`."""
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read())
-  names = set()
+  found = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
-      names.update(a.name for a in node.names)
+      found.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module:
-      names.add(node.module)
-      names.update(f"{node.module}.{a.name}" for a in node.names)
-  return names
+      found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                   for a in node.names)
+  return {m for m in found if m in MODULES}
 
 
 def _modules_under(sub: str) -> list[str]:
@@ -114,20 +115,6 @@ def _all_modules() -> dict[str, str]:
 MODULES = _all_modules()
 
 
-def _module_imports(path: str) -> set[str]:
-  """The package modules a file imports: `from a import b` counts `a.b` when that is a module, else `a`."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read())
-  found = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
-      found.update(a.name for a in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                   for a in node.names)
-  return {m for m in found if m in MODULES}
-
-
 def _layer(module: str) -> int | None:
   """The index in `LAYERS` of the longest prefix naming `module` (None: the package itself)."""
   best, best_len = None, -1
@@ -176,12 +163,12 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "micse_jax"))
 def test_no_upward_import(module):
   own = _layer(module)
-  upward = {m for m in _module_imports(MODULES[module]) if m != "micse_jax" and _layer(m) > own}
+  upward = {m for m in _imports(MODULES[module]) if m != "micse_jax" and _layer(m) > own}
   assert not upward, f"{module} (layer {own}) imports from a higher layer: {sorted(upward)}"
 
 
 def test_no_import_cycle():
-  graph = {m: _module_imports(p) - {m} for m, p in MODULES.items()}
+  graph = {m: _imports(p) - {m} for m, p in MODULES.items()}
   assert _cycles(graph) == []
 
 
