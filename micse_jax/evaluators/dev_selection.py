@@ -15,7 +15,7 @@ import ml_collections
 
 from micse_jax import workdir as workdir_lib
 from micse_jax.encoder import SentenceEncoder
-from micse_jax.evaluation import report, senteval_data, sts
+from micse_jax.evaluation import report, sts
 from micse_jax.evaluation.runner import run_evaluation
 
 EVAL_POOLER = "cls_before_pooler"
@@ -28,15 +28,17 @@ def params_encode_fn(encoder: SentenceEncoder, params: dict, batch_size: int):
 
 
 class DevSelection:
-  """Scores STS-B dev (and optionally SICK-R dev) of explicit params with [CLS] before the MLP."""
+  """Scores STS-B dev (and optionally SICK-R dev) of explicit params with [CLS] before the MLP.
+
+  The SentEval directory and its tasks were checked once before the run (`config_checks.check_senteval`);
+  a missing default directory only turns selection off, with a warning.
+  """
 
   def __init__(self, encoder: SentenceEncoder, eval_config: ml_collections.ConfigDict, eval_every: int):
     self.dir = eval_config.senteval_dir
     self.enabled = eval_every > 0 and os.path.isdir(self.dir)
     if eval_every > 0 and not self.enabled:
       logging.warning("SentEval data not found at %s: no dev-set model selection", self.dir)
-    if self.enabled:
-      senteval_data.check_senteval_dir(self.dir)
     self.encoder, self.config = encoder, eval_config
 
   @property
