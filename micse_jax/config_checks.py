@@ -20,7 +20,6 @@ import ml_collections
 
 from micse_jax import paths, workdir as workdir_lib
 from micse_jax.errors import ConfigError
-from micse_jax.models.bert import resolve_layers
 from micse_jax.optional import require
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
@@ -337,6 +336,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
   """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
+  from micse_jax.models.bert import resolve_layers  # pylint: disable=import-outside-toplevel (JAX)
   if config.ami.enabled:
     try:
       resolve_layers(config.ami.layers, bert_config.num_hidden_layers)
