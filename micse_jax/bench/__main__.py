@@ -10,9 +10,10 @@ memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.
 sentence-transformers' encode (batch --encode_batch_size). Each figure is printed as soon as it
 is measured and appended as one JSON row to --rows (bench/rows.py), and --output is rewritten
 with the result so far after each row, so a late failure (out of memory at the PyTorch
-baseline, say) loses nothing measured before it. A JSON line with every figure ends the output. `--profile DIR` writes a jax.profiler trace of a few
-full steps (open with TensorBoard's profile plugin or ui.perfetto.dev) and prints their XLA op
-time by kind (matrix multiplies, elementwise fusions, ...; bench/trace_summary.py).
+baseline, say) loses nothing measured before it. A JSON line with every figure ends the output.
+`--profile DIR` writes a jax.profiler trace of a few full steps (open with TensorBoard's
+profile plugin or ui.perfetto.dev) and prints their op (XLA:CPU) or kernel (GPU) time by kind
+(matrix multiplies, fusions, copies, ...; bench/trace_summary.py).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ import jax
 from micse_jax.bench import hardware, jax_step, trace_summary
 from micse_jax.bench.rows import Rows
 from micse_jax.bench.torch_step import time_steps
+from micse_jax.config_checks import DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
 PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
                 "ami": "AMI term (sampling + correlation, fwd+bwd)",
@@ -35,6 +36,7 @@ PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
 
 
 def parse_args(argv):
+  """The benchmark's command line (argparse)."""
   p = argparse.ArgumentParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
   p.add_argument("--model", default="minilm",
                  help="minilm (shipped checkpoint) | bert-base | tiny (random weights) | a HF directory")
@@ -69,6 +71,7 @@ def _ms(times) -> float:
 
 
 def breakdown(step: jax_step.JaxStep, warmup: int, steps: int) -> dict:
+  """Milliseconds per step of each separately jitted piece of the step (`PIECES`)."""
   pieces = step.pieces()
   return {name: _ms(jax_step.time_piece(pieces[name], warmup, steps)) for name in PIECES}
 
@@ -202,6 +205,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
+  """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
   result = run(args, Rows({}, rows_path=args.rows, output_path=args.output))
   print(json.dumps(result))

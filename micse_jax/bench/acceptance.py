@@ -40,6 +40,7 @@ KIT_MODULES = ("ml_collections", "grain", "array_record.python.array_record_modu
 
 
 def parse_args(argv):
+  """The command line (see the module docstring)."""
   p = argparse.ArgumentParser(prog="python -m micse_jax.bench.acceptance", description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True, help="folder for acceptance.jsonl / .json / .md")
   p.add_argument("--part", default="all", choices=("1", "2", "3", "all"))
@@ -62,9 +63,11 @@ class Part:
     self.scratch = tempfile.mkdtemp(prefix="micse_acceptance_")
 
   def left_s(self) -> float:
+    """Seconds left of the budget."""
     return self.deadline - time.monotonic()
 
   def add(self, row: dict) -> None:
+    """Prints the row, appends it to acceptance.jsonl, rewrites the report."""
     row = {"dry": self.dry, **row}
     print("acceptance row: " + json.dumps(row), flush=True)
     append_json_line(os.path.join(self.out, ROWS_FILE), row)
@@ -190,6 +193,7 @@ def run_training(part: Part) -> None:
 
 
 def main(argv=None) -> None:
+  """Runs the parts asked for (or merges parts' rows with --report)."""
   args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   if args.report:
