@@ -83,3 +83,67 @@ def test_trace_summary_sums_op_events_by_kind_without_containers(tmp_path):
                                       "scatter / gather": 0.125}
   assert s["op_ms_per_step"] == 4.0
   assert s["top_ops_ms_per_step"][0] == ("ynn_fusion", 1.5)
+
+
+def _write_trace(directory, events):
+  import gzip
+  run = directory / "plugins" / "profile" / "2026_01_01"
+  run.mkdir(parents=True)
+  with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+
+
+def test_trace_summary_classifies_gpu_kernels_on_the_device_streams_only(tmp_path):
+  """A GPU profile: kernels on /device:GPU:0's stream lines, classified by kernel name (cuBLAS,
+  cuBLASLt, CUTLASS, Triton GEMMs vs XLA's fusions, copies, NCCL); the host's thunk events and
+  the device's derived `XLA Ops` line describe the same work and are not added again."""
+  from micse_jax.bench import trace_summary
+  process = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+  thread = lambda pid, tid, name: {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+  op = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur}
+  gemms = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_kernel": 400,
+           "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": 300,
+           "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_nn_align8>": 200,
+           "gemm_fusion_dot_general_12": 60, "void gemv2T_kernel_val<int, int, float>": 40}
+  events = [process(1, "/host:CPU"), thread(1, 10, "python3"), thread(1, 11, "tf_pjrt_thread/42"),
+            process(2, "/device:GPU:0"), thread(2, 20, "Stream #13(Kernel,MemcpyD2D)"),
+            thread(2, 21, "Stream #14(MemcpyH2D)"), thread(2, 22, "XLA Ops"), thread(2, 23, "XLA Modules"),
+            op(1, 10, "train_step", 9999), op(1, 11, "Thunk:#hlo_op=fusion.3#", 5000),
+            op(1, 11, "cuLaunchKernelEx", 700),
+            op(2, 22, "fusion.3", 3000), op(2, 23, "jit_train_step(123)", 9000)]
+  events += [op(2, 20, name, dur) for name, dur in gemms.items()]
+  events += [op(2, 20, "loop_add_fusion_3", 100), op(2, 20, "loop_multiply_fusion", 50),
+             op(2, 20, "input_reduce_fusion_1", 80), op(2, 20, "wrapped_transpose_2", 20),
+             op(2, 20, "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", 30),
+             op(2, 20, "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x64_4x1x1_kernel0_0", 70),
+             op(2, 21, "MemcpyH2D", 10), op(2, 20, "loop_gather_fusion", 25), op(2, 20, "rng_state", 15)]
+  _write_trace(tmp_path, events)
+  s = trace_summary.summarize(str(tmp_path), steps=2)
+  assert s["platform"] == "gpu"
+  assert s["ms_per_step_by_kind"] == pytest.approx({  # microseconds / 1000 / 2 steps
+      "matrix multiply": 1000 / 2e3, "elementwise fusion": 150 / 2e3, "reduce fusion": 80 / 2e3,
+      "attention (cuDNN fused)": 70 / 2e3, "collective (NCCL)": 30 / 2e3, "copy / transpose": 30 / 2e3,
+      "scatter / gather": 25 / 2e3, "other": 15 / 2e3})
+  assert s["op_ms_per_step"] == pytest.approx(1400 / 2e3)
+  assert s["top_ops_ms_per_step"][0][1] == pytest.approx(0.2)
+  assert s["top_ops_ms_per_step"][0][0].startswith("sm90_xmma_gemm")
+  assert "GPU kernel time per step" in trace_summary.report_lines(s)[0]
+  # Stream lines named otherwise: every device line but the derived ones is read.
+  for e in events:
+    if e.get("name") == "thread_name" and e["args"]["name"].startswith("Stream"):
+      e["args"]["name"] = e["args"]["name"].replace("Stream #", "CUDA stream ")
+  _write_trace(tmp_path / "renamed", events)
+  assert trace_summary.summarize(str(tmp_path / "renamed"), steps=2) == s
+
+
+@pytest.mark.gpu
+def test_gpu_profile_puts_most_kernel_time_in_named_kinds(tmp_path):
+  """On a GPU the profile summary reads the device's kernels: GEMMs are found (cuBLAS/cuDNN/
+  Triton names) and few kernels fall in 'other'."""
+  result = bench.main(["--model", "tiny", "--batch_size", "64", "--max_length", "32", "--steps", "2",
+                       "--warmup", "1", "--no_breakdown", "--no-encode", "--no_torch",
+                       "--profile", str(tmp_path / "trace")])
+  s = result["profile"]
+  assert s["platform"] == "gpu"
+  assert s["ms_per_step_by_kind"]["matrix multiply"] > 0
+  assert s["ms_per_step_by_kind"].get("other", 0) < 0.2 * s["op_ms_per_step"], s["top_ops_ms_per_step"]

@@ -57,3 +57,15 @@ def wiki_corpus(shared_data):
   if not os.path.isfile(path):
     pytest.skip(f"corpus not found at {path}")
   return path
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked `gpu` skip unless JAX's default backend is a GPU."""
+  gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+  if not gpu_tests:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() != "gpu":
+    skip = pytest.mark.skip(reason=f"needs a GPU (JAX backend here: {jax.default_backend()})")
+    for item in gpu_tests:
+      item.add_marker(skip)

@@ -7,10 +7,13 @@ Prints: compile time and XLA FLOP count of the train step; the step time (median
 micse_jax and of the PyTorch baseline and their ratio; the step broken down into separately
 jitted pieces (online forward+backward, AMI term, momentum forward, optimizer+EMA); peak
 memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
-sentence-transformers' encode (batch --encode_batch_size). A JSON line with every figure ends
-the output (also written to --output). `--profile DIR` writes a jax.profiler trace of a few
-full steps (open with TensorBoard's profile plugin or ui.perfetto.dev) and prints their XLA op
-time by kind (matrix multiplies, elementwise fusions, ...; bench/trace_summary.py).
+sentence-transformers' encode (batch --encode_batch_size). Each figure is printed as soon as it
+is measured and appended as one JSON row to --rows (bench/rows.py), and --output is rewritten
+with the result so far after each row, so a late failure (out of memory at the PyTorch
+baseline, say) loses nothing measured before it. A JSON line with every figure ends the output.
+`--profile DIR` writes a jax.profiler trace of a few full steps (open with TensorBoard's
+profile plugin or ui.perfetto.dev) and prints their op (XLA:CPU) or kernel (GPU) time by kind
+(matrix multiplies, fusions, copies, ...; bench/trace_summary.py).
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ import sys
 import jax
 
 from micse_jax.bench import hardware, jax_step, trace_summary
+from micse_jax.bench.rows import Rows
 from micse_jax.bench.torch_step import time_steps
+from micse_jax.config_checks import DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
 PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
                 "ami": "AMI term (sampling + correlation, fwd+bwd)",
@@ -32,6 +36,7 @@ PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
 
 
 def parse_args(argv):
+  """The benchmark's command line (argparse)."""
   p = argparse.ArgumentParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
   p.add_argument("--model", default="minilm",
                  help="minilm (shipped checkpoint) | bert-base | tiny (random weights) | a HF directory")
@@ -53,7 +58,8 @@ def parse_args(argv):
                  help="sentences for --encode (first lines); default: the shared wiki excerpt, "
                       "else random words")
   p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 full steps here")
-  p.add_argument("--output", help="also write the JSON result line to this file")
+  p.add_argument("--output", help="also write the JSON result to this file (rewritten after each row)")
+  p.add_argument("--rows", help="append each measured row to this JSON-lines file as it is measured")
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
     p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
@@ -65,6 +71,7 @@ def _ms(times) -> float:
 
 
 def breakdown(step: jax_step.JaxStep, warmup: int, steps: int) -> dict:
+  """Milliseconds per step of each separately jitted piece of the step (`PIECES`)."""
   pieces = step.pieces()
   return {name: _ms(jax_step.time_piece(pieces[name], warmup, steps)) for name in PIECES}
 
@@ -78,7 +85,8 @@ def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> dict:
   return trace_summary.summarize(directory, n)
 
 
-def run(args) -> dict:
+def run(args, rows: Rows | None = None) -> dict:
+  """Measures everything `args` asks for; each part goes to `rows` as soon as it is measured."""
   import transformers  # pylint: disable=import-outside-toplevel
   model_dir = jax_step.model_dir_for(args.model)
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
@@ -86,34 +94,37 @@ def run(args) -> dict:
   result = {"model": args.model, "batch_size": args.batch_size, "max_length": args.max_length,
             "dtype": args.dtype, "device": hardware.device_kind(), "num_devices": jax.device_count(),
             "jax_version": jax.__version__, "dropout_random_bits": args.dropout_random_bits}
+  rows = rows or Rows({})
+  rows.add("setup", header_lines, **result)
   def overrides(config):
     config.model.dropout_random_bits = args.dropout_random_bits
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
-  result["compile_s"], result["step_flops"] = step.compile()
+  compile_s, flops = step.compile()
+  rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops)
   if not args.no_breakdown:  # before the full step: that one donates (consumes) the state
-    result["breakdown_ms"] = breakdown(step, 1, args.piece_steps)
+    rows.add("breakdown", breakdown_lines, breakdown_ms=breakdown(step, 1, args.piece_steps))
   times = time_steps(step.run_step, args.warmup, args.steps)
-  j = result["jax"] = {"step_ms": _ms(times), "sentences_per_s": args.batch_size / statistics.median(times)}
-  j["mfu"] = hardware.mfu(result["step_flops"], statistics.median(times), args.dtype)
-  j["peak_device_bytes"] = hardware.peak_device_bytes()
-  j["peak_host_rss_bytes"] = hardware.peak_host_rss_bytes()
+  seconds = statistics.median(times)
+  rows.add("jax", jax_lines, jax={
+      "step_ms": 1e3 * seconds, "sentences_per_s": args.batch_size / seconds,
+      "mfu": hardware.mfu(flops, seconds, args.dtype), "peak_device_bytes": hardware.peak_device_bytes(),
+      "peak_host_rss_bytes": hardware.peak_host_rss_bytes()})
   if args.profile:
-    result["profile"] = profile(step, args.profile)
-    result["profile_dir"] = args.profile
+    rows.add("profile", profile_lines, profile=profile(step, args.profile), profile_dir=args.profile)
   del step
   if not args.no_torch:
     from micse_jax.bench.torch_step import torch_benchmark  # pylint: disable=import-outside-toplevel
     t_times, t_peak = torch_benchmark(model_dir, batch, args.dtype, args.warmup, args.steps)
-    result["torch"] = {"step_ms": _ms(t_times), "sentences_per_s": args.batch_size / statistics.median(t_times),
-                       "peak_device_bytes": t_peak}
-    result["speedup_vs_torch"] = result["torch"]["step_ms"] / result["jax"]["step_ms"]
+    t = {"step_ms": _ms(t_times), "sentences_per_s": args.batch_size / statistics.median(t_times),
+         "peak_device_bytes": t_peak}
+    rows.add("torch", torch_lines, torch=t, speedup_vs_torch=t["step_ms"] / rows.result["jax"]["step_ms"])
   if args.encode:
     from micse_jax.bench import encode  # pylint: disable=import-outside-toplevel
     corpus = args.encode_corpus or _default_corpus()
     sentences, source = encode.sentences_for_benchmark(args.encode_sentences, corpus)
-    result["encode"] = dict(encode.encode_benchmark(model_dir, sentences, args.encode_batch_size, 128),
-                            source=source)
-  return result
+    rows.add("encode", encode_lines, encode=dict(
+        encode.encode_benchmark(model_dir, sentences, args.encode_batch_size, 128), source=source))
+  return rows.result
 
 
 def _default_corpus() -> str:
@@ -121,52 +132,83 @@ def _default_corpus() -> str:
   return corpus_path("wiki1m_head.txt")
 
 
-def report(result: dict) -> str:
-  """The human-readable summary of `result`."""
-  gib = lambda b: "n/a" if b is None else f"{b / 2 ** 30:.2f} GiB"
-  r, j = result, result["jax"]
-  lines = [f"micse_jax.bench: {r['model']}, {r['batch_size']} sentences x 2 views x {r['max_length']} tokens, "
-           f"{r['dtype']}, {r['num_devices']} x {r['device']} (jax {r['jax_version']})",
-           f"  train step compile time      {r['compile_s']:.1f} s   (XLA FLOPs/step {r['step_flops'] or float('nan'):.3g})",
-           f"  micse_jax step               {j['step_ms']:.1f} ms   ({j['sentences_per_s']:.1f} sentences/s)"]
-  if "torch" in r:
-    lines += [f"  PyTorch step                 {r['torch']['step_ms']:.1f} ms   "
-              f"({r['torch']['sentences_per_s']:.1f} sentences/s)",
-              f"  ratio PyTorch / micse_jax    {r['speedup_vs_torch']:.2f}x"]
-  if "breakdown_ms" in r:
-    total = sum(r["breakdown_ms"].values())
-    lines.append("  breakdown (each piece separately jitted and timed; pieces cannot fuse across "
-                 "their borders, so they sum to more than the step):")
-    for name in PIECES:
-      ms = r["breakdown_ms"][name]
-      lines.append(f"    {PIECE_TITLES[name]:<44} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
-    lines.append(f"    {'sum of pieces':<44} {total:9.1f} ms")
-  lines.append(f"  peak memory: device {gib(j['peak_device_bytes'])}, host RSS {gib(j['peak_host_rss_bytes'])}"
-               + (f"; PyTorch device {gib(r['torch']['peak_device_bytes'])}" if "torch" in r else ""))
+def _gib(b) -> str:
+  return "n/a" if b is None else f"{b / 2 ** 30:.2f} GiB"
+
+
+def header_lines(r: dict) -> list[str]:
+  """The first line: model, shape, dtype, devices, jax version."""
+  return [f"micse_jax.bench: {r['model']}, {r['batch_size']} sentences x 2 views x {r['max_length']} tokens, "
+          f"{r['dtype']}, {r['num_devices']} x {r['device']} (jax {r['jax_version']})"]
+
+
+def compile_lines(r: dict) -> list[str]:
+  """Compile time and XLA's FLOP count of the train step."""
+  return [f"  train step compile time      {r['compile_s']:.1f} s   "
+          f"(XLA FLOPs/step {r['step_flops'] or float('nan'):.3g})"]
+
+
+def jax_lines(r: dict) -> list[str]:
+  """The micse_jax step: time, throughput, peak memory, MFU."""
+  j = r["jax"]
   mfu = "n/a (CPU, or no known peak for this device)" if j["mfu"] is None else f"{100 * j['mfu']:.1f}%"
-  lines.append(f"  MFU (XLA FLOPs / step time / device peak)  {mfu}")
-  if "encode" in r:
-    e = r["encode"]
-    lines += [f"  encode ({e['sentences']} sentences from {e['source']}, batch {e['batch_size']}, mean pooling):",
-              f"    micse_jax SentenceEncoder.encode        {e['micse_jax_sentences_per_s']:.1f} sentences/s",
-              f"    sentence-transformers encode            {e['sentence_transformers_sentences_per_s']:.1f} sentences/s",
-              f"    ratio                                   {e['speedup_vs_sentence_transformers']:.2f}x "
-              f"(mean cosine between the two embeddings {e['mean_cosine_between_the_two']:.4f})"]
-  if "profile_dir" in r:
-    lines += trace_summary.report_lines(r["profile"])
-    lines.append(f"  profiler trace written to {r['profile_dir']}")
+  return [f"  micse_jax step               {j['step_ms']:.1f} ms   ({j['sentences_per_s']:.1f} sentences/s)",
+          f"  peak memory: device {_gib(j['peak_device_bytes'])}, host RSS {_gib(j['peak_host_rss_bytes'])}",
+          f"  MFU (XLA FLOPs / step time / device peak)  {mfu}"]
+
+
+def torch_lines(r: dict) -> list[str]:
+  """The PyTorch baseline's step and its ratio to micse_jax's."""
+  t = r["torch"]
+  return [f"  PyTorch step                 {t['step_ms']:.1f} ms   ({t['sentences_per_s']:.1f} sentences/s), "
+          f"peak device memory {_gib(t['peak_device_bytes'])}",
+          f"  ratio PyTorch / micse_jax    {r['speedup_vs_torch']:.2f}x"]
+
+
+def breakdown_lines(r: dict) -> list[str]:
+  """The separately jitted pieces of the step and their shares."""
+  total = sum(r["breakdown_ms"].values())
+  lines = ["  breakdown (each piece separately jitted and timed; pieces cannot fuse across "
+           "their borders, so they sum to more than the step):"]
+  for name in PIECES:
+    ms = r["breakdown_ms"][name]
+    lines.append(f"    {PIECE_TITLES[name]:<44} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+  return lines + [f"    {'sum of pieces':<44} {total:9.1f} ms"]
+
+
+def encode_lines(r: dict) -> list[str]:
+  """Encode throughput against sentence-transformers'."""
+  e = r["encode"]
+  return [f"  encode ({e['sentences']} sentences from {e['source']}, batch {e['batch_size']}, mean pooling):",
+          f"    micse_jax SentenceEncoder.encode        {e['micse_jax_sentences_per_s']:.1f} sentences/s",
+          f"    sentence-transformers encode            {e['sentence_transformers_sentences_per_s']:.1f} sentences/s",
+          f"    ratio                                   {e['speedup_vs_sentence_transformers']:.2f}x "
+          f"(mean cosine between the two embeddings {e['mean_cosine_between_the_two']:.4f})"]
+
+
+def profile_lines(r: dict) -> list[str]:
+  """The profile's time by op / kernel kind and where the trace is."""
+  return trace_summary.report_lines(r["profile"]) + [f"  profiler trace written to {r['profile_dir']}"]
+
+
+SECTIONS = (("compile_s", compile_lines), ("jax", jax_lines), ("torch", torch_lines),
+            ("breakdown_ms", breakdown_lines), ("encode", encode_lines), ("profile_dir", profile_lines))
+
+
+def report(result: dict) -> str:
+  """The human-readable summary of `result` (every section it has, in reading order)."""
+  lines = header_lines(result)
+  for key, section in SECTIONS:
+    if key in result:
+      lines += section(result)
   return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
+  """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
-  result = run(args)
-  print(report(result))
-  line = json.dumps(result)
-  print(line)
-  if args.output:
-    with open(args.output, "w", encoding="utf-8") as f:
-      f.write(line + "\n")
+  result = run(args, Rows({}, rows_path=args.rows, output_path=args.output))
+  print(json.dumps(result))
   sys.stdout.flush()
   return result
 

