@@ -21,7 +21,7 @@ import sys
 
 import jax
 
-from micse_jax.bench import hardware, jax_step, trace_summary
+from micse_jax.bench import hardware, host, jax_step, trace_summary
 from micse_jax.bench.torch_step import time_steps
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,6 +54,7 @@ def parse_args(argv):
                       "else random words")
   p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 full steps here")
   p.add_argument("--output", help="also write the JSON result line to this file")
+  host.add_arguments(p)
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
     p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
@@ -160,6 +161,8 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  if args.host:
+    return host.run(args)
   result = run(args)
   print(report(result))
   line = json.dumps(result)

@@ -3,6 +3,10 @@
 SimCSE/miCSE protocol: every `eval_every` steps the online encoder's [CLS] before the MLP head
 is scored on STS-B dev (Spearman x100); the best params are kept in `workdir/best/`, and at
 the end they are evaluated on `eval.final_tasks` into `workdir/results.json`.
+
+The dev splits are read and tokenized once per run (`PlannedPairs`); each evaluation only runs
+the encoder's jitted programs (compiled at the first evaluation) and scores. A new best is saved
+asynchronously; the trainer waits for it before the final evaluation reads it back.
 """
 from __future__ import annotations
 
@@ -26,6 +30,25 @@ if TYPE_CHECKING:
 EVAL_POOLER = "cls_before_pooler"
 
 
+class PlannedPairs:
+  """One dev split's pairs with their distinct sentences tokenized and batched once per run."""
+
+  def __init__(self, encoder: SentenceEncoder, pairs, batch_size: int):
+    self.pairs = pairs
+    self.sentences = list(dict.fromkeys(pairs.sentences1 + pairs.sentences2))  # as sts.encode_unique
+    self.plan = encoder.plan(self.sentences, batch_size)
+    self.encoder = encoder
+
+  def spearman(self, params: dict) -> float:
+    """`sts.split_spearman` of the split with `params`, embedding the stored plan."""
+    def encode(sentences):
+      if sentences != self.sentences:
+        raise ValueError("a planned dev split was asked to encode other sentences")
+      return self.encoder.encode_plan(self.plan, EVAL_POOLER, params=params["encoder"],
+                                      head_params=params["head"])
+    return sts.split_spearman(encode, self.pairs)
+
+
 def params_encode_fn(encoder: SentenceEncoder, params: dict, batch_size: int):
   """An encode function (list[str] → float32 [n, dim]) for explicit training params."""
   return lambda sentences: encoder.encode(sentences, EVAL_POOLER, batch_size=batch_size,
@@ -47,6 +70,15 @@ class DevSelector:
                                    run.tokenizer, model_dir=run.model_dir)
     self.manager = checkpoint.best_manager(workdir)
     self.best = self._stored_best()
+    self.splits = self._plan_dev_splits() if self.enabled else {}
+
+  def _plan_dev_splits(self) -> dict[str, PlannedPairs]:
+    """STS-B dev (and SICK-R dev): read and tokenized once per run."""
+    size = self.run.config.eval.batch_size
+    splits = {"stsb_dev": PlannedPairs(self.encoder, senteval_data.load_stsb(self.dir)["dev"], size)}
+    if self.run.config.eval.sickr_dev:
+      splits["sickr_dev"] = PlannedPairs(self.encoder, senteval_data.load_sickr(self.dir)["dev"], size)
+    return splits
 
   def _stored_best(self) -> float:
     step = self.manager.best_step()
@@ -56,13 +88,11 @@ class DevSelector:
     return params_encode_fn(self.encoder, params, self.run.config.eval.batch_size)
 
   def __call__(self, state) -> dict:
-    encode = self.encode_fn(state.params)
-    scores = {"stsb_dev": sts.stsb_dev_spearman(encode, self.dir)}
-    if self.run.config.eval.sickr_dev:
-      scores["sickr_dev"] = sts.sickr_dev_spearman(encode, self.dir)
+    """Dev scores of `state.params`; a new best is saved asynchronously (waited for at the end)."""
+    scores = {name: split.spearman(state.params) for name, split in self.splits.items()}
     if scores["stsb_dev"] > self.best:
       self.best = scores["stsb_dev"]
-      checkpoint.save_best(self.manager, int(state.step), state.params, self.best)
+      checkpoint.save_best(self.manager, int(state.step), state.params, self.best, wait=False)
     return scores
 
 

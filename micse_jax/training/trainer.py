@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 
@@ -15,13 +14,15 @@ from tqdm import tqdm
 
 from micse_jax import config_checks, workdir as workdir_lib
 from micse_jax.data.pipeline import TrainBatches, build_train_batches
-from micse_jax.errors import NonFiniteLossError
+from micse_jax.data.prefetch import Prefetcher
+from micse_jax.errors import NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
 from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
 from micse_jax.training.analysis import Analysis
+from micse_jax.training.finite import FiniteWatch
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
 from micse_jax.training.method_checks import check_method_config, check_mlm_head, needs_mlm_head
 from micse_jax.training.method_params import method_params
@@ -85,14 +86,6 @@ def jit_train_step(run: Run, tx, mesh, state_sharding):
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
 
 
-def _check_finite(metrics: dict, step: int) -> dict:
-  host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  if not math.isfinite(host["loss"]) and not host.get("step_skipped"):  # fp16 overflow: skipped
-    raise NonFiniteLossError(f"non-finite loss {host['loss']} at step {step}; stopped, "
-                             "the last saved checkpoint is intact (lower optim.learning_rate?)")
-  return host
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (resuming from `workdir` when it holds checkpoints); returns the final results."""
   config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
@@ -127,38 +120,56 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return final_evaluation(run, workdir, state, selector)
 
 
+def _prefetched_batches(run: Run, mesh, start: int) -> Prefetcher:
+  """Device-placed global batches of steps `start`.. made `data.prefetch` ahead on a background thread."""
+  place = lambda step: mesh_lib.global_batch(run.batches.batch(step), mesh)
+  return Prefetcher(place, range(start, run.config.num_train_steps), run.config.data.get("prefetch", 2))
+
+
+def _due(c: ml_collections.ConfigDict, selector, done: int) -> tuple[bool, bool, bool]:
+  """(log, evaluate, save) after `done` steps; the last step does all three that are enabled."""
+  last = done == c.num_train_steps
+  return (done % c.log_every == 0 or last, selector.enabled and (done % c.eval_every == 0 or last),
+          done % c.checkpoint_every == 0 or last)
+
+
+def _log(bar, writer, metrics, done: int, every: int, tick: float) -> float:
+  """Reads the step's metrics (a sync), shows and writes them; returns the new time mark."""
+  host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  now = time.perf_counter()
+  host["steps_per_sec"] = every / max(now - tick, 1e-9)
+  bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi") if k in host})
+  _write_scalars(writer, done, host)
+  return now
+
+
 def _loop(run: Run, state, train_step, mesh, rolling, selector, writer, analysis=None):
+  """Steps without a per-step sync: finiteness is read only before logging, selecting or saving."""
   c = run.config
   start = int(state.step)
   bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
              disable=jax.process_index() != 0, desc="train")
-  pending, tick = None, time.perf_counter()
-  for step in bar:
-    state, metrics = train_step(state, mesh_lib.global_batch(run.batches.batch(step), mesh))
-    if pending is not None:
-      _check_finite(pending, step - 1)  # one step behind: the device keeps working meanwhile
-    pending, done = metrics, step + 1
-    last = done == c.num_train_steps
-    log, evaluate = done % c.log_every == 0 or last, selector.enabled and (done % c.eval_every == 0 or last)
-    save = done % c.checkpoint_every == 0 or last
-    if log or evaluate or save:  # never log, select or save a non-finite state
-      host, pending = _check_finite(metrics, done), None
-    if log:
-      now = time.perf_counter()
-      host["steps_per_sec"] = c.log_every / max(now - tick, 1e-9)
-      tick = now
-      bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi") if k in host})
-      _write_scalars(writer, done, host)
-    if evaluate:
-      scores = selector(state)
-      _write_scalars(writer, done, scores)
-      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
-    if analysis is not None and c.eval_every > 0 and (done % c.eval_every == 0 or last):
-      stats = analysis(state)  # alignment, uniformity, attention MI on the held-out slice
-      _write_scalars(writer, done, stats)
-      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
-    if save:
-      checkpoint.save_state(rolling, state)
+  watch, tick = FiniteWatch(), time.perf_counter()
+  with _prefetched_batches(run, mesh, start) as batches:
+    for step, batch in zip(bar, batches):
+      state, metrics = train_step(state, batch)
+      watch.update(metrics, state.step)
+      done = step + 1
+      log, evaluate, save = _due(c, selector, done)
+      if log or evaluate or save:  # never log, select or save a non-finite state
+        watch.check()
+      if log:
+        tick = _log(bar, writer, metrics, done, c.log_every, tick)
+      if evaluate:
+        scores = selector(state)
+        _write_scalars(writer, done, scores)
+        bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
+      if analysis is not None and c.eval_every > 0 and (done % c.eval_every == 0 or done == c.num_train_steps):
+        stats = analysis(state)  # alignment, uniformity, attention MI on the held-out slice
+        _write_scalars(writer, done, stats)
+        bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+      if save:
+        checkpoint.save_state(rolling, state)
   return state
 
 
