@@ -83,8 +83,8 @@ def measure_host(model_dir: str, corpus: str, sentences: int, steps: int,
                                       process_index=0, process_count=1, show_progress=False)
         _time_steps(batches, mesh, 2)  # warm-up: first permutation, reader caches
         times = _time_steps(batches, mesh, steps)
-        result[source][str(size)] = {part: {"median_ms": 1e3 * statistics.median(t), "mean_ms": 1e3 * statistics.mean(t)}
-                                     for part, t in times.items()}
+        result[source][str(size)] = {part: {"median_ms": 1e3 * statistics.median(t),
+                                            "mean_ms": 1e3 * statistics.mean(t)} for part, t in times.items()}
     return result
   finally:
     shutil.rmtree(directory, ignore_errors=True)
