@@ -1,4 +1,4 @@
-"""Saving and restoring train states in a workdir (layout and read-only access: `micse_jax/workdir.py`).
+"""Saving, resuming and setting aside train states (layout, managers, read-only access: `micse_jax/workdir.py`).
 
     workdir/checkpoints/<step>/   full TrainState, the last `keep` kept (atomic saves)
     workdir/best/<step>/          {'params': ...} of the best dev score so far (keep 1)
@@ -18,17 +18,14 @@ import jax
 import orbax.checkpoint as ocp
 
 from micse_jax.errors import CheckpointError
-from micse_jax.workdir import (best_manager, current_device_sharding, newest_readable, rolling_manager,
-                               unreadable_reason)
-
-__all__ = ["best_manager", "rolling_manager", "save_state", "restore_state", "resume", "save_best"]
+from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, unreadable_reason
 
 UNREADABLE_DIR = "unreadable_checkpoints"
 
 
 def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
-  """Asynchronous save of the full train state (returns once the arrays are on the host; Orbax
-  writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one)."""
+  """Asynchronous save of the full train state at its step (returns once the arrays are on the host;
+  Orbax writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one)."""
   manager.save(int(state.step), args=ocp.args.StandardSave(state), metrics=metrics)
 
 
@@ -89,10 +86,10 @@ def _set_aside(manager: ocp.CheckpointManager, steps) -> None:
 
 
 def save_best(manager: ocp.CheckpointManager, step: int, params, score: float, wait: bool = True) -> None:
-  """Saves `{'params': params}` as the best step; `wait=False` returns once the arrays are copied
-  to the host (Orbax's asynchronous save: the file writes go on in the background, a later save or
-  `manager.wait_until_finished()` waits for them)."""
-  manager.save(step, args=ocp.args.StandardSave({"params": params}), metrics={"stsb_dev": score},
+  """Saves `params` as the new best checkpoint (`score` = its `workdir.BEST_METRIC`); `wait=False`
+  returns once the arrays are copied to the host (Orbax's asynchronous save: the file writes go on
+  in the background; a later save or `manager.wait_until_finished()` waits for them)."""
+  manager.save(step, args=ocp.args.StandardSave({"params": params}), metrics={BEST_METRIC: score},
                force=True)
   if wait:
     manager.wait_until_finished()
