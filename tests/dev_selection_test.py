@@ -5,7 +5,7 @@ import pytest
 
 from micse_jax import SentenceEncoder
 from micse_jax.evaluation import senteval_data, sts
-from micse_jax.training.dev_selection import PlannedPairs, params_encode_fn
+from micse_jax.evaluators.dev_selection import PlannedPairs, params_encode_fn
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ BERT-base miCSE runs use), at batch 50 and 512:
 Medians over `--host_steps` consecutive steps (epoch boundaries included: a new epoch's
 permutation is drawn inside the step that starts it, so the mean is printed too).
 
-Dev selection: one STS-B dev evaluation (`training.dev_selection.PlannedPairs`, tokenized once,
+Dev selection: one STS-B dev evaluation (`evaluators.dev_selection.PlannedPairs`, tokenized once,
 compiled on a first untimed call) with the `--model` weights, against `eval_every` steps of the
 full miCSE train step at `--batch_size`, i.e. the fraction of training time selection adds.
 
@@ -101,7 +101,7 @@ def measure_dev_selection(model_dir: str, batch_size: int, dtype: str, eval_ever
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
   from micse_jax.models.bert import BertModel  # pylint: disable=import-outside-toplevel
   from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
-  from micse_jax.training.dev_selection import PlannedPairs  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluators.dev_selection import PlannedPairs  # pylint: disable=import-outside-toplevel
   if not os.path.isdir(senteval_dir):
     return None
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
