@@ -46,16 +46,17 @@ def _report(runs, sweep_dir, name) -> None:
 
 
 def _print_cost(sweep, todo) -> None:
-  """Dry run: total training steps and GPU-hours of the runs still to do, with the step time's source."""
+  """Dry run: training steps left and GPU-hours of the runs still to do, with the step time's source."""
+  from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
   step_ms = FLAGS.step_ms if FLAGS.step_ms is not None else sweep.get("step_ms")
   if step_ms is None:
     print("[sweep] GPU-hours: unknown (no step time: pass --step_ms or set step_ms in the sweep config)")
     return
-  from micse_jax.studies import spec  # pylint: disable=import-outside-toplevel
   gpus = FLAGS.gpus_per_run if FLAGS.executor == "slurm" else 1
+  done = {run.name: (runner.checkpoint_steps(run.workdir) or [0])[-1] for run in todo}
   try:
-    steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus)
-  except spec.SweepError as e:
+    steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus, done)
+  except spec.SweepError as e:  # a step_ms <= 0 in the sweep config
     cli.fail(str(e), cli.USAGE_EXIT)
   source = "--step_ms" if FLAGS.step_ms is not None else sweep.get("step_ms_note") or "the sweep config"
   print(f"[sweep] expected cost: {len(todo)} runs, {steps:,} training steps × {step_ms:g} ms/step × {gpus} GPU/run "

@@ -122,6 +122,14 @@ def test_dry_run_prints_run_count_gpu_hours_and_sbatch(tmp_path):
     assert f.read().strip() in out  # the script printed is the script written
 
 
+def test_dry_run_counts_only_the_steps_left_of_a_resumed_run(tmp_path):
+  os.makedirs(tmp_path / "sw" / "method=micse__data.num_sentences=1000__seed=48" / "checkpoints" / "5000")
+  out = _dry_run(tmp_path, "--step_ms=72")
+  assert "resume from step 5000" in out
+  # (100 × 20,000 - 5,000) steps × 72 ms = 39.9 GPU-hours.
+  assert "100 runs, 1,995,000 training steps × 72 ms/step × 1 GPU/run = 39.9 GPU-hours" in out
+
+
 def test_dry_run_default_step_time_is_the_stated_estimate(tmp_path):
   from configs.sweeps import micse_paper  # pylint: disable=import-outside-toplevel
   out = _dry_run(tmp_path)

@@ -105,6 +105,9 @@ def test_gpu_hours_estimate_is_steps_times_step_time(tmp_path):
   steps, hours = spec.estimated_gpu_hours(runs, step_ms=90.0, gpus_per_run=2)
   assert steps == 2 * (1000 + 3000)
   assert hours == pytest.approx(8000 * 0.090 / 3600 * 2)  # 0.4 GPU-hours
+  # Resumed runs count only the steps after their checkpoint.
+  steps, hours = spec.estimated_gpu_hours(runs, 90.0, 1, {runs[1].name: 2500, runs[0].name: 0})
+  assert steps == 1000 + 500 + 1000 + 3000 and hours == pytest.approx(5500 * 0.090 / 3600)
   with pytest.raises(spec.SweepError, match="step time must be > 0"):
     spec.estimated_gpu_hours(runs, step_ms=0.0)
 

@@ -252,13 +252,16 @@ def main_command(run: RunSpec, python: str = sys.executable) -> list[str]:
           *(f"--config.{k}={_format(v)}" for k, v in run.overrides)]
 
 
-def estimated_gpu_hours(runs: list[RunSpec], step_ms: float, gpus_per_run: int = 1) -> tuple[int, float]:
-  """(total training steps, GPU-hours) of `runs` at `step_ms` milliseconds per step.
+def estimated_gpu_hours(runs: list[RunSpec], step_ms: float, gpus_per_run: int = 1,
+                        done_steps: dict | None = None) -> tuple[int, float]:
+  """(training steps left, GPU-hours) of `runs` at `step_ms` milliseconds per step.
 
-  GPU-hours = Σ_runs num_train_steps × step_ms / 3.6e6 × gpus_per_run: training steps only (the
-  STS-B dev evaluations every `eval_every` steps and the final STS suite are not counted).
+  GPU-hours = Σ_runs (num_train_steps - steps already checkpointed, from `done_steps` by run
+  name) × step_ms / 3.6e6 × gpus_per_run: training steps only (the STS-B dev evaluations every
+  `eval_every` steps and the final STS suite are not counted).
   """
   if step_ms <= 0:
     raise SweepError(f"step time must be > 0 ms, got {step_ms}")
-  steps = sum(int(run.override("num_train_steps")) for run in runs)
+  done_steps = done_steps or {}
+  steps = sum(max(int(run.override("num_train_steps")) - done_steps.get(run.name, 0), 0) for run in runs)
   return steps, steps * step_ms / 3.6e6 * gpus_per_run
