@@ -11,7 +11,7 @@ import pytest
 from micse_jax.data import build_train_batches, first_occurrence_ids, subset_indices
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import trainer
-from micse_jax.training.queue import self_collision_warning
+from micse_jax.training.momentum import self_collision_warning
 from tests.train_utils import tiny_training_config
 
 

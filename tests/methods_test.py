@@ -13,7 +13,7 @@ import pytest
 from micse_jax.models.bert import BertModel
 from micse_jax.models.infocse import lower_half_layers
 from micse_jax.training import terms, trainer
-from micse_jax.training.method_checks import MethodConfigError, check_method_config
+from micse_jax.config_checks import MethodConfigError, check_methods
 from micse_jax.training.networks import build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_loss_fn, make_train_step, step_keys
@@ -218,7 +218,7 @@ def test_bad_combinations_raise_one_clear_error(change, message):
     group, field = key.split(".")
     c[group][field] = value
   with pytest.raises(MethodConfigError, match=message):
-    check_method_config(c)
+    check_methods(c)
 
 
 def test_infocse_without_mlm_head_is_one_error_line_before_compiling(tmp_path, minilm_dir):

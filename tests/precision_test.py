@@ -133,8 +133,9 @@ def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
 @pytest.mark.parametrize("field,value", [("dtype", "float8"), ("loss_scale_init", 0.0),
                                          ("loss_scale_period", 0), ("dropout_random_bits", 8)])
 def test_bad_precision_config_is_a_config_error(tmp_path, minilm_dir, field, value):
+  from micse_jax import config_checks  # pylint: disable=import-outside-toplevel
   from micse_jax.errors import ConfigError
   config = tiny_training_config(tmp_path, minilm_dir)
   config.model[field] = value
   with pytest.raises(ConfigError, match=f"model.{field}"):
-    trainer.prepare(config)
+    config_checks.check_config(config)

@@ -30,8 +30,7 @@ from micse_jax.data.pipeline import SENTENCE_IDS_KEY, TOKEN_KEYS
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import collect_attentions
-from micse_jax.training.ema import ema_update
-from micse_jax.training.queue import enqueue
+from micse_jax.training.momentum import ema_update, enqueue
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
@@ -87,7 +86,8 @@ class JaxStep:
     from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
     from micse_jax.training.precision import initial_loss_scale_state  # pylint: disable=import-outside-toplevel
     from micse_jax.training.state import create_train_state  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.step import build_networks, make_train_step  # pylint: disable=import-outside-toplevel
+    from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
+    from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)

@@ -317,3 +317,16 @@ def collect_attentions(intermediates: dict, layers: Sequence[int]) -> Array:
   """Stacks sown attention probabilities into `[len(layers), B, heads, T, T]`."""
   encoder = intermediates["encoder"]
   return jnp.stack([encoder[f"layer_{i}"]["attention"]["self"]["attention_probs"][0] for i in layers])
+
+
+def resolve_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+  """0-based layer indices; negative ones count from the top (-1 = last layer).
+
+  Raises ValueError for an empty list, an index outside the encoder, or a layer named twice.
+  """
+  if not layers or any(not -num_layers <= i < num_layers for i in layers):
+    raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
+  resolved = sorted({i % num_layers for i in layers})
+  if len(resolved) != len(layers):
+    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
+  return tuple(resolved)

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from micse_jax.losses.alignment import alignment, uniformity
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import l2_normalize
-from micse_jax.models.bert import BertModel, collect_attentions
-from micse_jax.training.networks import compute_dtype, resolve_layers
+from micse_jax.models.bert import BertModel, collect_attentions, resolve_layers
+from micse_jax.training.networks import compute_dtype
 
 
 def read_heldout(path: str, first_line: int, num_sentences: int) -> list[str]:

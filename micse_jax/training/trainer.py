@@ -23,14 +23,12 @@ from micse_jax.tokenization import Tokenizer
 from micse_jax.training import checkpoint, mesh as mesh_lib
 from micse_jax.training.analysis import Analysis
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
-from micse_jax.training.method_checks import check_method_config, check_mlm_head, needs_mlm_head
-from micse_jax.training.method_params import method_params
-from micse_jax.training.networks import SpecialTokens
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.precision import initial_loss_scale_state
-from micse_jax.training.queue import self_collision_warning
+from micse_jax.training.momentum import self_collision_warning
 from micse_jax.training.state import TrainState, create_train_state
-from micse_jax.training.step import Networks, build_networks, make_train_step
+from micse_jax.training.networks import Networks, SpecialTokens, build_networks, method_params
+from micse_jax.training.step import make_train_step
 
 
 @dataclasses.dataclass
@@ -47,15 +45,16 @@ class Run:
 
 
 def prepare(config: ml_collections.ConfigDict) -> Run:
-  """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input."""
-  config_checks.check_fields(config)
-  config_checks.check_combinations(config)
-  check_method_config(config)  # the relatives' views/terms and their combinations
+  """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input.
+
+  Expects a config that passed `config_checks.check_config`; runs only the checks that need the model.
+  """
   model_dir = resolve_model_dir(config.model.name_or_path)
   config_checks.check_against_model(config, load_config(model_dir))
-  if needs_mlm_head(config):
-    check_mlm_head(config, model_dir, has_mlm_head(model_dir))
-  _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_mlm_head(config))
+  needs_head = config_checks.needs_mlm_head(config)
+  if needs_head:
+    config_checks.check_mlm_head(config, model_dir, has_mlm_head(model_dir))
+  _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)
   tokenizer = Tokenizer.from_pretrained(model_dir)
   batches = build_train_batches(
       config.data.corpus, tokenizer, max_length=config.model.max_length,
