@@ -20,7 +20,6 @@ import ml_collections
 
 from micse_jax import paths, workdir as workdir_lib
 from micse_jax.errors import ConfigError
-from micse_jax.models.bert import resolve_layers
 from micse_jax.optional import require
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
@@ -244,7 +243,7 @@ def check_mlm_head(config, model_dir: str, has_head: bool) -> None:
 def check_senteval(config: ml_collections.ConfigDict) -> None:
   """With dev selection on, a SentEval dir that exists must hold STS-B dev (and the final tasks).
 
-  A missing default dir only disables selection (with a warning, see `DevSelector`); a missing
+  A missing default dir only disables selection (with a warning, see `evaluators.dev_selection.DevSelection`); a missing
   dir that the config names explicitly is an error.
   """
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
@@ -289,11 +288,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
   return flat
 
 
-def has_checkpoints(workdir: str) -> bool:
-  rolling = os.path.join(workdir, workdir_lib.ROLLING_DIR)
-  return os.path.isdir(rolling) and any(name.isdigit() for name in os.listdir(rolling))
-
-
 def config_differences(saved: dict, config_dict: dict) -> list[str]:
   """`field (saved → new)` for every run-defining field that differs (JSON-normalised)."""
   new = _flatten(json.loads(json.dumps(config_dict)))
@@ -308,7 +302,7 @@ def config_differences(saved: dict, config_dict: dict) -> list[str]:
 
 def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
   """A workdir with checkpoints resumes only a run with the same model, data and objective."""
-  if not has_checkpoints(workdir):
+  if not workdir_lib.has_steps(os.path.join(workdir, workdir_lib.ROLLING_DIR)):
     return
   saved = workdir_lib.read_run_config(workdir)
   differences = config_differences(saved, config.to_dict())
@@ -342,6 +336,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
   """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
+  from micse_jax.models.bert import resolve_layers  # pylint: disable=import-outside-toplevel (JAX)
   if config.ami.enabled:
     try:
       resolve_layers(config.ami.layers, bert_config.num_hidden_layers)

@@ -80,12 +80,9 @@ class JaxStep:
   """The train state, the compiled full step and the jitted pieces for one model and batch."""
 
   def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None):
-    from micse_jax.models.heads import MLPHead  # pylint: disable=import-outside-toplevel
     from micse_jax.models.loading import load_pretrained  # pylint: disable=import-outside-toplevel
-    from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+    from micse_jax.training import mesh as mesh_lib, setup  # pylint: disable=import-outside-toplevel
     from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.precision import initial_loss_scale_state  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.state import create_train_state  # pylint: disable=import-outside-toplevel
     from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
     from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
     _, enc, bert_config, _ = load_pretrained(model_dir)
@@ -94,11 +91,9 @@ class JaxStep:
     if config_overrides:
       config_overrides(c)
     self.nets = build_networks(c, bert_config)
-    head = MLPHead(bert_config.hidden_size).init(jax.random.PRNGKey(0), jnp.zeros((1, bert_config.hidden_size)))
     self.tx = make_optimizer(c)
-    state = create_train_state({"encoder": enc, "head": head["params"]}, self.tx, seed=0, momentum=True,
-                               queue_size=c.momentum.queue_size, dim=bert_config.hidden_size,
-                               loss_scale=initial_loss_scale_state(c))
+    params, frozen = setup.initial_params(c, self.nets, enc)  # the trainer's set-up
+    state = setup.new_train_state(c, bert_config.hidden_size, self.tx, params, frozen)
     mesh = mesh_lib.data_mesh()
     sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), state)
     self.state = jax.device_put(state, sharding)

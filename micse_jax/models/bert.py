@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.models.dropout import Dropout
+from micse_jax.tokenization import TOKEN_KEYS
 
 Array = jax.Array
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
@@ -59,18 +60,22 @@ class BertConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
+    """A config from a HF config dict (unknown keys and None values ignored)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 
   @classmethod
   def from_json_file(cls, path: str) -> "BertConfig":
+    """A config from a HF `config.json`."""
     with open(path, encoding="utf-8") as f:
       return cls.from_dict(json.load(f))
 
   def to_dict(self) -> dict[str, Any]:
+    """All fields as a plain dict (JSON-serialisable)."""
     return dataclasses.asdict(self)
 
   def replace(self, **changes) -> "BertConfig":
+    """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
 
 
@@ -330,3 +335,15 @@ def resolve_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
   if len(resolved) != len(layers):
     raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
   return tuple(resolved)
+
+
+def two_dropout_views(model: BertModel, params, view1: dict, view2: dict, key: Array):
+  """One train-mode forward of `[view1; view2]` (token batches, `TOKEN_KEYS`): each row gets its
+  own dropout mask. Returns (hidden1, hidden2 `[B, T, H]`, att1, att2 `[L, B, heads, T, T]`),
+  the attention of `model.sow_attention_layers`."""
+  both = {k: jnp.concatenate([view1[k], view2[k]], axis=0) for k in TOKEN_KEYS}
+  out, state = model.apply({"params": params}, *(both[k] for k in TOKEN_KEYS), deterministic=False,
+                           rngs={"dropout": key}, mutable=["intermediates"])
+  hidden1, hidden2 = jnp.split(out.last_hidden_state, 2)
+  att1, att2 = jnp.split(collect_attentions(state["intermediates"], model.sow_attention_layers), 2, axis=1)
+  return hidden1, hidden2, att1, att2

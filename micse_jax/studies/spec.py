@@ -56,9 +56,11 @@ class RunSpec:
   workdir: str
 
   def label(self, key: str, default=None):
+    """The value this run's axis `key` took (as written in the sweep), or `default`."""
     return dict(self.labels).get(key, default)
 
   def override(self, key: str, default=None):
+    """The value this run passes for config field `key`, or `default`."""
     return dict(self.overrides).get(key, default)
 
 

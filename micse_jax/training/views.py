@@ -5,7 +5,7 @@ dropout mask), the ADD view (Attention-Driven Dropout: the k least-attended toke
 the Mirror-BERT span-mask view. Encodings (`encode_views`): both views through the online
 encoder in one stacked forward pass, or, for Contrastive Tension, view 1 through the online
 encoder and view 2 through the second, independent encoder (positives across encoders).
-The pure token functions live in `micse_jax/views/`; this file wires them to the networks.
+The pure token functions live in `micse_jax/augmentation/`; this file wires them to the networks.
 """
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from micse_jax import views as view_fns
+from micse_jax import augmentation
 from micse_jax.models.bert import collect_attentions
+from micse_jax.tokenization import TOKEN_KEYS
 
-TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def tokens_of(batch: dict) -> dict:
+  """The `TOKEN_KEYS` entries of a batch (drops `sentence_ids` and the like)."""
   return {k: batch[k] for k in TOKEN_KEYS}
 
 
@@ -30,8 +31,9 @@ def token_args(batch: dict) -> tuple:
 
 
 def special_mask(batch: dict, nets) -> jax.Array:
+  """True at [CLS], [SEP] and padding: the tokens no view may drop or mask."""
   t = nets.tokens
-  return view_fns.special_token_mask(batch["input_ids"], batch["attention_mask"], t.cls_id, t.sep_id)
+  return augmentation.special_token_mask(batch["input_ids"], batch["attention_mask"], t.cls_id, t.sep_id)
 
 
 def dropout_view(params, batch, key, nets, config) -> dict:
@@ -43,7 +45,7 @@ def dropout_view(params, batch, key, nets, config) -> dict:
 def span_mask_view(params, batch, key, nets, config) -> dict:
   """Mirror-BERT (Liu et al., EMNLP 2021, §2): one random span replaced by [MASK] in view 2."""
   del params
-  ids = view_fns.span_mask(key, batch["input_ids"], batch["attention_mask"], special_mask(batch, nets),
+  ids = augmentation.span_mask(key, batch["input_ids"], batch["attention_mask"], special_mask(batch, nets),
                            span_length=config.view.span_length, mask_token_id=nets.tokens.mask_id)
   return dict(tokens_of(batch), input_ids=ids)
 
@@ -52,7 +54,7 @@ def add_view(params, batch, key, nets, config) -> dict:
   """Attention-Driven Dropout: view 2 drops the k least-attended droppable tokens.
 
   Importance comes from the current encoder's attention in a forward pass without dropout and
-  without gradient (naive: attention received; rollout: Abnar & Zuidema), see `views/add.py`.
+  without gradient (naive: attention received; rollout: Abnar & Zuidema), see `augmentation/add.py`.
   """
   del key
   v = config.view
@@ -61,12 +63,12 @@ def add_view(params, batch, key, nets, config) -> dict:
                                    mutable=["intermediates"])
   layers = tuple(range(nets.importance.config.num_hidden_layers))
   att = jax.lax.stop_gradient(collect_attentions(state["intermediates"], layers).astype(jnp.float32))
-  importance_fn = {"naive": view_fns.token_importance_naive,
-                   "rollout": view_fns.token_importance_rollout}[v.add_importance]
+  importance_fn = {"naive": augmentation.token_importance_naive,
+                   "rollout": augmentation.token_importance_rollout}[v.add_importance]
   importance = importance_fn(att, batch["attention_mask"])
-  num_drop = view_fns.num_tokens_to_drop(batch["attention_mask"].sum(axis=1), mode=v.add_mode,
+  num_drop = augmentation.num_tokens_to_drop(batch["attention_mask"].sum(axis=1), mode=v.add_mode,
                                          k=v.add_k, threshold=v.add_threshold)
-  return view_fns.drop_least_attended(tokens, importance, num_drop, special_mask(batch, nets))
+  return augmentation.drop_least_attended(tokens, importance, num_drop, special_mask(batch, nets))
 
 
 SECOND_VIEWS: dict[str, Callable] = {"dropout": dropout_view, "add": add_view, "span_mask": span_mask_view}
@@ -107,4 +109,5 @@ def encode_cross(params, view1, view2, key, nets) -> Encoded:
 
 
 def encode_views(config) -> Callable:
+  """The encoding of the config's method: CT's two encoders, else one stacked forward."""
   return encode_cross if config.ct.enabled else encode_stacked
