@@ -146,7 +146,7 @@ def _float_leaves_close(a, b, atol):
 
 
 def _restore_on_one_device(workdir, config):
-  from micse_jax.training import setup, trainer
+  from micse_jax.training import setup
   from micse_jax.training.optim import make_optimizer
   run = setup.prepare(config)
   abstract = jax.eval_shape(lambda: setup.initial_state(run, make_optimizer(config)))
@@ -166,7 +166,7 @@ def _assert_exports_equal(a, b, atol):
 def four_device_runs(tmp_path_factory, minilm_dir):
   """One 1-device run (6 steps) here, then in a 4-device subprocess: a 4-device run (6 steps)
   with a best checkpoint and its export, and the 1-device run resumed from step 3 on 4 devices."""
-  from micse_jax.training import setup, trainer
+  from micse_jax.training import trainer
   tmp = tmp_path_factory.mktemp("topology")
   config = steps_config(tmp, minilm_dir)
   w1 = str(tmp / "w1")
@@ -220,7 +220,7 @@ def test_four_device_workdir_evaluates_on_one_device(four_device_runs, tmp_path,
 
 @pytest.mark.slow
 def test_resume_across_device_counts(four_device_runs, tmp_path):
-  from micse_jax.training import setup, trainer
+  from micse_jax.training import trainer
   tmp, config = four_device_runs
   w1, w4 = _restore_on_one_device(str(tmp / "w1"), config), _restore_on_one_device(str(tmp / "w4"), config)
   # 1 → 4 (resumed in the subprocess) matches the run that stayed on 1 device

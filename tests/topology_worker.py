@@ -13,7 +13,7 @@ import numpy as np
 def state_on_this_topology(run, tx, workdir):
   """The latest TrainState, replicated over this process's 4-device mesh (the trainer's target)."""
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint, mesh as mesh_lib, setup, trainer
+  from micse_jax.training import checkpoint, mesh as mesh_lib, setup
   mesh = mesh_lib.data_mesh()
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=mesh_lib.replicated(mesh)),
                           jax.eval_shape(lambda: setup.initial_state(run, tx)))
