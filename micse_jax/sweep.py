@@ -29,6 +29,8 @@ flags.DEFINE_integer("timeout_min", 24 * 60, "Per-run time limit in minutes.")
 flags.DEFINE_multi_string("setup", [], "SLURM: extra shell lines before the run (module load, venv).")
 flags.DEFINE_bool("report", False, "Only aggregate finished runs into tables and figures.")
 flags.DEFINE_bool("dry_run", False, "Print the plan (write the sbatch script for SLURM); run nothing.")
+flags.DEFINE_float("step_ms", None, "Dry run: milliseconds per training step for the GPU-hours estimate "
+                   "(default: the sweep config's step_ms, an assumption stated there).")
 flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
@@ -43,12 +45,32 @@ def _report(runs, sweep_dir, name) -> None:
         f"in {sweep_dir}")
 
 
+def _print_cost(sweep, todo) -> None:
+  """Dry run: training steps left and GPU-hours of the runs still to do, with the step time's source."""
+  from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
+  step_ms = FLAGS.step_ms if FLAGS.step_ms is not None else sweep.get("step_ms")
+  if step_ms is None:
+    print("[sweep] GPU-hours: unknown (no step time: pass --step_ms or set step_ms in the sweep config)")
+    return
+  gpus = FLAGS.gpus_per_run if FLAGS.executor == "slurm" else 1
+  done = {run.name: (runner.checkpoint_steps(run.workdir) or [0])[-1] for run in todo}
+  try:
+    steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus, done)
+  except spec.SweepError as e:  # a step_ms <= 0 in the sweep config
+    cli.fail(str(e), cli.USAGE_EXIT)
+  source = "--step_ms" if FLAGS.step_ms is not None else sweep.get("step_ms_note") or "the sweep config"
+  print(f"[sweep] expected cost: {len(todo)} runs, {steps:,} training steps × {step_ms:g} ms/step × {gpus} GPU/run "
+        f"= {hours:,.1f} GPU-hours (training steps only; evaluations not counted). Step time: {source}")
+
+
 def main(argv):
   """Expands the sweep config and submits, reports or plots its runs (absl main)."""
   cli.reject_extra_args(argv)
   from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   sweep = FLAGS.config
+  if FLAGS.step_ms is not None and FLAGS.step_ms <= 0:
+    cli.fail(f"--step_ms must be > 0, got {FLAGS.step_ms:g}", cli.USAGE_EXIT)
   sweep_dir = os.path.abspath(FLAGS.sweep_dir or os.path.join("runs", "sweeps", sweep.name))
   try:
     runs = spec.expand(sweep, sweep_dir)
@@ -73,12 +95,14 @@ def main(argv):
   if FLAGS.dry_run:
     for run in todo:
       print(shlex.join(spec.main_command(run)))
+    _print_cost(sweep, todo)
     if FLAGS.executor == "slurm" and todo:
       os.makedirs(sweep_dir, exist_ok=True)
       path = os.path.join(sweep_dir, "sweep.sbatch")
+      script = runner.slurm_script(folder, params, len(todo))
       with open(path, "w", encoding="utf-8") as f:
-        f.write(runner.slurm_script(folder, params, len(todo)))
-      print(f"[sweep] sbatch script (not submitted): {path}")
+        f.write(script)
+      print(f"[sweep] sbatch script (not submitted): {path}\n{script}")
     return
   if not todo:
     _report(runs, sweep_dir, sweep.name)

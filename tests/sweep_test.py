@@ -67,6 +67,51 @@ def test_bad_sweeps_raise_one_line(tmp_path, fields, message):
   assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_zipped_axis_moves_fields_together(tmp_path):
+  """A zipped axis: one point per tuple (not a product); the first key names the run, the others follow."""
+  sweep = _sweep(axes=(("method", ("simcse",)),
+                       (("data.num_sentences", "ami.weight", "num_train_steps"), ((8, 1e-3, 30), (16, 5e-4, 60))),
+                       ("seed", (0, 1))))
+  runs = spec.expand(sweep, str(tmp_path / "sw"))
+  assert [r.name for r in runs] == [
+      "method=simcse__data.num_sentences=8__seed=0", "method=simcse__data.num_sentences=8__seed=1",
+      "method=simcse__data.num_sentences=16__seed=0", "method=simcse__data.num_sentences=16__seed=1"]
+  assert [(o["data.num_sentences"], o["ami.weight"], o["num_train_steps"])
+          for o in (dict(r.overrides) for r in runs)] == [(8, 1e-3, 30), (8, 1e-3, 30), (16, 5e-4, 60), (16, 5e-4, 60)]
+  assert runs[2].labels == (("method", "simcse"), ("data.num_sentences", 16), ("seed", 0))
+  # The axis' num_train_steps wins over the sweep-wide one (7).
+  assert spec.main_command(runs[3], python="py").count("--config.num_train_steps=60") == 1
+
+
+@pytest.mark.parametrize("axes,message", [
+    (((("ami.weight", "num_train_steps"), ((1e-3, 5), (1e-4,))),), "needs 2 values per point, got (0.0001,)"),
+    (((("method", "ami.weight"), (("simcse", 1e-3),)),), "axis 'method' cannot be zipped"),
+    (((("seed", "ami.weight"), ((0, 1e-3),)),), "axis 'seed' cannot be zipped"),
+    (((("ami.weight",), ((1e-3,),)),), "a zipped axis needs at least two keys"),
+    ((("ami.weight", (1e-3,)), (("batch_size", "ami.weight"), ((4, 1e-3),))), "axis 'ami.weight' appears twice"),
+    (((("batch_size", "ami.weight"), ((4, 1e-3), (4, 1e-4))),), "axis ('batch_size', 'ami.weight') repeats a value"),
+    (((("batch_size", "ami.wieght"), ((4, 1e-3),)),), "unknown axis/override key 'ami.wieght'"),
+])
+def test_bad_zipped_axes_raise_one_line(tmp_path, axes, message):
+  with pytest.raises(spec.SweepError) as e:
+    spec.expand(_sweep(axes=axes), str(tmp_path))
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gpu_hours_estimate_is_steps_times_step_time(tmp_path):
+  sweep = _sweep(axes=(("method", ("simcse", "micse")),
+                       (("data.num_sentences", "num_train_steps"), ((8, 1000), (16, 3000)))))
+  runs = spec.expand(sweep, str(tmp_path))
+  steps, hours = spec.estimated_gpu_hours(runs, step_ms=90.0, gpus_per_run=2)
+  assert steps == 2 * (1000 + 3000)
+  assert hours == pytest.approx(8000 * 0.090 / 3600 * 2)  # 0.4 GPU-hours
+  # Resumed runs count only the steps after their checkpoint.
+  steps, hours = spec.estimated_gpu_hours(runs, 90.0, 1, {runs[1].name: 2500, runs[0].name: 0})
+  assert steps == 1000 + 500 + 1000 + 3000 and hours == pytest.approx(5500 * 0.090 / 3600)
+  with pytest.raises(spec.SweepError, match="step time must be > 0"):
+    spec.estimated_gpu_hours(runs, step_ms=0.0)
+
+
 def _fake_run(sweep_dir, method, size, seed, sts, status="done"):
   run = spec.RunSpec(name=f"{method}-{size}-{seed}", config_file=f"configs/{method}.py",
                      overrides=(("data.num_sentences", size), ("seed", seed)),

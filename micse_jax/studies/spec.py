@@ -6,13 +6,21 @@ A sweep config (`configs/sweeps/*.py`, `get_config(arg)`) is an ml_collections C
     base_config      training config used when there is no `method` axis ("configs/micse.py")
     overrides        ((field, value), ...) applied to every run
     axes             ((key, (value, ...)), ...), expanded as a Cartesian product in this order
-    num_train_steps  held constant across sizes (the paper's protocol)
+    num_train_steps  held constant across sizes (the paper's protocol); an axis may override it
     eval_tasks       `eval.final_tasks` of every run ("sts", "all", "STSBenchmark,...")
+    step_ms          optional: assumed milliseconds per training step, for `--dry_run`'s GPU-hours
+    step_ms_note     optional: where that figure comes from (printed with the estimate)
 
 Axis keys: `method` (a config name in configs/, or `path.py[:variant]`), `seed` (sets `seed`
 and `data.subset_seed` together), or any training-config field such as `data.num_sentences`
 (absolute sizes; a float in (0, 1] is a fraction of the corpus, 0 means all of it),
 `ami.weight`, `batch_size`, `model.name_or_path`.
+
+A *zipped* axis moves several fields together, one tuple of values per point:
+`(("data.num_sentences", "ami.weight", "num_train_steps"), ((1000, 1e-3, 8000), (10000, 1e-4, 7850)))`
+is two points of one axis, not a 2 × 2 × 2 product (per-size hyper-parameters, e.g. the official
+miCSE recipe's λ and epochs per split). The first key names the run (workdir, tables); the others
+are overrides that follow it. `method` and `seed` cannot be zipped.
 
 Each run gets a workdir named by its axis values, e.g. `method=simcse__data.num_sentences=64__seed=0`,
 and is an ordinary `python -m micse_jax.main --config FILE --workdir DIR --config.<field>=<value> ...`.
@@ -108,18 +116,50 @@ def _safe(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9._=+,()-]", "-", text)
 
 
-def validate_sweep(sweep: ml_collections.ConfigDict) -> list[tuple[str, tuple]]:
-  """Checks the axes' shape (non-empty, no duplicates); returns them as a list of (key, values)."""
-  axes = [(str(k), tuple(v) if isinstance(v, (list, tuple)) else (v,)) for k, v in sweep.axes]
-  keys = [k for k, _ in axes]
-  for key, values in axes:
-    if not values:
-      raise SweepError(f"sweep {sweep.name!r}: axis {key!r} is empty")
-    if keys.count(key) > 1:
-      raise SweepError(f"sweep {sweep.name!r}: axis {key!r} appears twice")
-    if len(set(map(_format, values))) != len(values):
-      raise SweepError(f"sweep {sweep.name!r}: axis {key!r} repeats a value: {values}")
-  if "seed" in keys and any(k in ("data.subset_seed",) for k in keys):
+def _axis_keys(key) -> tuple[str, ...]:
+  """An axis key as a tuple of field names: one for a plain axis, several for a zipped one."""
+  return tuple(str(k) for k in key) if isinstance(key, (list, tuple)) else (str(key),)
+
+
+def _check_zipped(sweep_name: str, keys: tuple[str, ...], values: tuple) -> None:
+  """A zipped axis: ≥ 2 keys, neither `method` nor `seed`, every point a tuple of len(keys) values."""
+  if len(keys) < 2:
+    raise SweepError(f"sweep {sweep_name!r}: a zipped axis needs at least two keys, got {keys}")
+  special = [k for k in keys if k in SPECIAL_AXES]
+  if special:
+    raise SweepError(f"sweep {sweep_name!r}: axis {special[0]!r} cannot be zipped with other fields")
+  for point in values:
+    if not isinstance(point, (list, tuple)) or len(point) != len(keys):
+      raise SweepError(f"sweep {sweep_name!r}: zipped axis {keys} needs {len(keys)} values per point, "
+                       f"got {point!r}")
+
+
+def validate_sweep(sweep: ml_collections.ConfigDict) -> list[tuple[tuple[str, ...], tuple]]:
+  """Checks the axes' shape (non-empty, no duplicates, zipped points complete).
+
+  Returns a list of (keys, points): keys is a tuple of field names (one for a plain axis), and
+  each point is a tuple of len(keys) values.
+  """
+  axes = []
+  for key, values in sweep.axes:
+    keys = _axis_keys(key)
+    values = tuple(values) if isinstance(values, (list, tuple)) else (values,)
+    if isinstance(key, (list, tuple)):  # zipped
+      _check_zipped(sweep.name, keys, values)
+      axes.append((keys, tuple(tuple(point) for point in values)))
+    else:
+      axes.append((keys, tuple((value,) for value in values)))
+  all_keys = [k for keys, _ in axes for k in keys]
+  for keys, points in axes:
+    name = keys[0] if len(keys) == 1 else keys
+    if not points:
+      raise SweepError(f"sweep {sweep.name!r}: axis {name!r} is empty")
+    for k in keys:
+      if all_keys.count(k) > 1:
+        raise SweepError(f"sweep {sweep.name!r}: axis {k!r} appears twice")
+    if len(set(_format(p[0]) for p in points)) != len(points):
+      raise SweepError(f"sweep {sweep.name!r}: axis {name!r} repeats a value: {[p[0] for p in points]}")
+  if "seed" in all_keys and "data.subset_seed" in all_keys:
     raise SweepError("axis 'seed' already sets data.subset_seed; drop the 'data.subset_seed' axis")
   return axes
 
@@ -144,11 +184,11 @@ def _resolve_size(value, corpus: str, sizes_cache: dict) -> int:
 def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
   """All runs of the sweep, in axis order; every override checked against its config first."""
   axes = validate_sweep(sweep)
-  keys = [k for k, _ in axes]
   sizes_cache: dict = {}
   runs, loaded = [], {}
-  for combo in itertools.product(*(values for _, values in axes)):
-    labels = tuple(zip(keys, combo))
+  for combo in itertools.product(*(points for _, points in axes)):
+    labels = tuple((keys[0], point[0]) for (keys, _), point in zip(axes, combo))
+    followers = [(k, v) for (keys, _), point in zip(axes, combo) for k, v in zip(keys[1:], point[1:])]
     values = dict(labels)
     config_file = method_config_file(str(values["method"])) if "method" in values else sweep.base_config
     if config_file not in loaded:
@@ -161,6 +201,7 @@ def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
         overrides += [("seed", int(value)), ("data.subset_seed", int(value))]
       elif key != "method":
         overrides.append((key, value))
+    overrides += followers
     overrides = list(dict(overrides).items())  # a later setting of a field wins
     for key, value in overrides:
       if key != "data.num_sentences":
@@ -210,3 +251,18 @@ def main_command(run: RunSpec, python: str = sys.executable) -> list[str]:
   """The `micse_jax.main` command line of a run."""
   return [python, "-m", "micse_jax.main", f"--config={run.config_file}", f"--workdir={run.workdir}",
           *(f"--config.{k}={_format(v)}" for k, v in run.overrides)]
+
+
+def estimated_gpu_hours(runs: list[RunSpec], step_ms: float, gpus_per_run: int = 1,
+                        done_steps: dict | None = None) -> tuple[int, float]:
+  """(training steps left, GPU-hours) of `runs` at `step_ms` milliseconds per step.
+
+  GPU-hours = Σ_runs (num_train_steps - steps already checkpointed, from `done_steps` by run
+  name) × step_ms / 3.6e6 × gpus_per_run: training steps only (the STS-B dev evaluations every
+  `eval_every` steps and the final STS suite are not counted).
+  """
+  if step_ms <= 0:
+    raise SweepError(f"step time must be > 0 ms, got {step_ms}")
+  done_steps = done_steps or {}
+  steps = sum(max(int(run.override("num_train_steps")) - done_steps.get(run.name, 0), 0) for run in runs)
+  return steps, steps * step_ms / 3.6e6 * gpus_per_run
