@@ -4,7 +4,14 @@ Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings
 `encoder/layer_3/attention/self/query`, ...), so `weights.py` can map checkpoints with one
 table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
 the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
-to use a fused attention kernel.
+to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`).
+
+Rematerialisation (`remat`): "none" keeps every activation for the backward pass; "layer"
+wraps each `BertLayer` in `nn.remat` saving the outputs of the dense matmuls (dot products
+without batch dimensions: Q/K/V, attention output, FFN in/out) and recomputing the rest
+(attention scores/softmax, GELU, LayerNorm, dropout masks); "full" saves nothing inside a
+layer but its input, recomputing the whole layer in the backward pass (least memory, one
+extra forward). Sown attention maps are outputs of the remat'd layer, so AMI still reads them.
 """
 from __future__ import annotations
 
@@ -22,6 +29,12 @@ from micse_jax.models.dropout import Dropout
 
 Array = jax.Array
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
+ATTENTION_KERNELS = ("explicit", "fused")
+REMAT_POLICIES = {
+    "none": None,
+    "layer": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +147,18 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-  """Scaled dot-product self-attention; per-element dropout on the probabilities (HF)."""
+  """Scaled dot-product self-attention softmax(QKᵀ/√d)V; per-element dropout on the probabilities (HF).
+
+  With `attention="fused"`, a layer whose probabilities nothing reads (not sown, and no
+  attention-probability dropout in this call) uses `jax.nn.dot_product_attention` (cuDNN flash
+  attention on GPU where it applies, XLA elsewhere): the same function, never materialising
+  [B, heads, T, T]. A fused kernel cannot drop individual probabilities, so training with
+  attention dropout > 0 keeps the explicit path; "explicit" forces it everywhere.
+  """
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
 
   @nn.compact
   def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
@@ -148,7 +169,8 @@ class BertSelfAttention(nn.Module):
     q = split(_dense(c.hidden_size, c, self.dtype, "query")(x))
     k = split(_dense(c.hidden_size, c, self.dtype, "key")(x))
     v = split(_dense(c.hidden_size, c, self.dtype, "value")(x))
-    needs_probs = self.sow_probs or (not deterministic and c.attention_probs_dropout_prob > 0)
+    needs_probs = (self.attention == "explicit" or self.sow_probs
+                   or (not deterministic and c.attention_probs_dropout_prob > 0))
     if not needs_probs:  # nothing needs the probabilities: let XLA/cuDNN fuse the kernel.
       ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask)
       return ctx.reshape(x.shape[:2] + (c.hidden_size,))
@@ -181,10 +203,12 @@ class BertAttention(nn.Module):
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
-    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, name="self")(x, key_mask, deterministic)
+    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.attention, name="self")(
+        x, key_mask, deterministic)
     return BertResidualOutput(self.config, self.dtype, name="output")(ctx, x, deterministic)
 
 
@@ -192,11 +216,13 @@ class BertLayer(nn.Module):
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
     c = self.config
-    attn = BertAttention(c, self.sow_probs, self.dtype, name="attention")(x, key_mask, deterministic)
+    attn = BertAttention(c, self.sow_probs, self.dtype, self.attention, name="attention")(
+        x, key_mask, deterministic)
     inner = BertIntermediate(c, self.dtype, name="intermediate")(attn)
     return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic)
 
@@ -211,16 +237,29 @@ class BertIntermediate(nn.Module):
     return ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, c, self.dtype, "dense")(x))
 
 
+def layer_class(remat: str) -> type[nn.Module]:
+  """`BertLayer`, or it wrapped in `nn.remat` with the policy named by `remat` (module docstring)."""
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"unsupported remat {remat!r}; expected one of {sorted(REMAT_POLICIES)}")
+  if remat == "none":
+    return BertLayer
+  # static_argnums counts `self` as 0: `deterministic` (argument 3) is a Python bool.
+  return nn.remat(BertLayer, policy=REMAT_POLICIES[remat], static_argnums=(3,))
+
+
 class BertEncoder(nn.Module):
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
   dtype: Any = jnp.float32
+  attention: str = "fused"
+  remat: str = "none"
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool, output_hidden_states: bool = False):
     hidden_states = [x]
+    layer = layer_class(self.remat)
     for i in range(self.config.num_hidden_layers):
-      x = BertLayer(self.config, i in self.sow_attention_layers, self.dtype, name=f"layer_{i}")(
+      x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.attention, name=f"layer_{i}")(
           x, key_mask, deterministic)
       hidden_states.append(x)
     return x, (tuple(hidden_states) if output_hidden_states else None)
@@ -270,19 +309,26 @@ class BertModel(nn.Module):
       are sown into `intermediates` (see `collect_attentions`).
     add_pooler / add_mlm_head: which heads exist in the parameter tree.
     dtype: computation dtype (parameters stay float32).
+    attention: "fused" | "explicit" (`BertSelfAttention`); remat: "none" | "layer" | "full"
+      (module docstring). Neither changes the parameter tree or the function computed.
   """
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
   add_pooler: bool = True
   add_mlm_head: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
+  remat: str = "none"
 
   def setup(self):
     for i in self.sow_attention_layers:
       if not 0 <= i < self.config.num_hidden_layers:
         raise ValueError(f"attention layer {i} out of range for {self.config.num_hidden_layers} layers")
+    if self.attention not in ATTENTION_KERNELS:
+      raise ValueError(f"unsupported attention {self.attention!r}; expected one of {ATTENTION_KERNELS}")
     self.embeddings = BertEmbeddings(self.config, self.dtype)
-    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype)
+    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.attention,
+                               self.remat)
     if self.add_pooler:
       self.pooler = BertPooler(self.config, self.dtype)
     if self.add_mlm_head:

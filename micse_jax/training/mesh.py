@@ -1,4 +1,6 @@
-"""Data parallelism: one `Mesh` axis over every device of every host; batch split, state replicated."""
+"""Data parallelism: one `Mesh` axis over every device of every host; batch split; state replicated,
+or sharded over the same axis (FSDP / ZeRO-3, `mesh.shard_state`, see `state_sharding`)."""
+import math
 import os
 
 import jax
@@ -6,6 +8,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+MIN_SHARDED_ELEMENTS = 2 ** 14  # smaller leaves stay replicated: gathering them costs more than it saves
 
 
 def maybe_initialize_distributed() -> None:
@@ -40,3 +43,32 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
   """Assembles each host's rows into one global, batch-sharded array per key."""
   sharding = batch_sharded(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def leaf_partition(shape: tuple[int, ...], num_devices: int, min_elements: int = MIN_SHARDED_ELEMENTS) -> P:
+  """FSDP placement of one state leaf: split its largest dimension that `num_devices` divides.
+
+  Replicated (`P()`) when the leaf has fewer than `min_elements` elements, when no dimension
+  is divisible, or on one device. Ties between equal dimensions go to the first.
+  """
+  if num_devices <= 1 or math.prod(shape) < min_elements:
+    return P()
+  for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    if shape[dim] % num_devices == 0:
+      return P(*([None] * dim + [DATA_AXIS]))
+  return P()
+
+
+def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS):
+  """The train state's shardings (a tree of `NamedSharding` like `state_shapes`).
+
+  shard_state=False: every leaf replicated (plain data parallelism). True: FSDP / ZeRO-3 —
+  params, EMA params, optimizer moments and the queue split over the data axis leaf by leaf
+  (`leaf_partition`); under `jax.jit` GSPMD all-gathers each parameter where the step uses it
+  and reduce-scatters its gradient, so every device holds 1/N of the state. Checkpoints store
+  the global arrays, so they restore onto any other mesh (`training/checkpoint.py`).
+  """
+  def sharding(leaf):
+    spec = leaf_partition(tuple(leaf.shape), mesh.size, min_elements) if shard_state else P()
+    return NamedSharding(mesh, spec)
+  return jax.tree.map(sharding, state_shapes)

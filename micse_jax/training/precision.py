@@ -12,6 +12,12 @@ multiplies the loss by a scale S before differentiation, divides the gradients b
 The rule is `jmp.DynamicLossScale`; its state (scale, counter) plus a running count of the
 skipped steps lives in `TrainState.loss_scale` as a plain dict, so it is checkpointed and
 resumed with the rest of the state. Without float16 that field is `{}` and nothing changes.
+
+`model.dtype="auto"` (the default) picks the dtype for the accelerator (`auto_dtype`): float32
+on CPU, float16 + loss scaling on GPUs of compute capability < 8.0 (V100, T4: no bfloat16),
+bfloat16 on Ampere and later GPUs and on TPU. The trainer resolves it once at start
+(`with_resolved_dtype`), prints it, and writes the resolved name to config.json, so a resumed
+run compares concrete dtypes (a float32 CPU workdir does not silently continue in bfloat16).
 """
 from __future__ import annotations
 
@@ -24,17 +30,62 @@ from micse_jax.errors import ConfigError
 from micse_jax.optional import require
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+AUTO = "auto"
+
+
+def auto_dtype(platform: str, compute_capability: str | None = None) -> str:
+  """The compute dtype `model.dtype=auto` picks for a device (pure: testable without one).
+
+  platform: `jax.Device.platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu"); compute_capability:
+  CUDA's "major.minor" (`jax.Device.compute_capability`), None where the device has none.
+  CPU → float32; CUDA < 8.0 → float16 (no bfloat16 units); CUDA ≥ 8.0, GPUs without a
+  compute capability (ROCm) and TPU → bfloat16.
+  """
+  platform = platform.lower()
+  if platform == "cpu":
+    return "float32"
+  if platform in ("gpu", "cuda") and compute_capability:
+    major = int(str(compute_capability).split(".")[0])
+    return "float16" if major < 8 else "bfloat16"
+  if platform in ("gpu", "cuda", "rocm", "tpu"):
+    return "bfloat16"
+  return "float32"  # an unknown backend: the safe choice
+
+
+def device_dtype(device=None) -> str:
+  """`auto_dtype` for `device` (default: this process's first device)."""
+  device = device or jax.local_devices()[0]
+  return auto_dtype(device.platform, getattr(device, "compute_capability", None))
+
+
+def dtype_name(config) -> str:
+  """`config.model.dtype`, with "auto" resolved for this process's devices."""
+  name = config.model.dtype
+  return device_dtype() if name == AUTO else name
+
+
+def with_resolved_dtype(config, announce: bool = True):
+  """A copy of `config` whose `model.dtype` is concrete ("auto" resolved); prints it once."""
+  resolved = config.copy_and_resolve_references()
+  with resolved.unlocked():
+    resolved.model.dtype = dtype_name(config)
+  if announce and jax.process_index() == 0:
+    device = jax.local_devices()[0]
+    origin = f"auto on {device.platform} {device.device_kind}" if config.model.dtype == AUTO else "set"
+    print(f"compute dtype: {resolved.model.dtype} ({origin})", flush=True)
+  return resolved
 
 
 def compute_dtype(name: str):
-  """`config.model.dtype` → the jnp dtype of activations and matmuls."""
+  """`config.model.dtype` → the jnp dtype of activations and matmuls ("auto": `device_dtype`)."""
+  name = device_dtype() if name == AUTO else name
   if name not in COMPUTE_DTYPES:
     raise ConfigError(f"model.dtype {name!r} not supported; expected one of {sorted(COMPUTE_DTYPES)}")
   return COMPUTE_DTYPES[name]
 
 
 def uses_loss_scaling(config) -> bool:
-  return config.model.dtype == "float16"
+  return dtype_name(config) == "float16"
 
 
 def initial_loss_scale_state(config) -> dict:

@@ -20,7 +20,7 @@ from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
 from micse_jax.tokenization import Tokenizer
-from micse_jax.training import checkpoint, mesh as mesh_lib
+from micse_jax.training import checkpoint, mesh as mesh_lib, precision
 from micse_jax.training.analysis import Analysis
 from micse_jax.training.dev_selection import DevSelector, final_evaluation
 from micse_jax.training.method_checks import check_method_config, check_mlm_head, needs_mlm_head
@@ -95,12 +95,14 @@ def _check_finite(metrics: dict, step: int) -> dict:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (resuming from `workdir` when it holds checkpoints); returns the final results."""
+  config = precision.with_resolved_dtype(config)  # "auto" → this accelerator's dtype, printed once
   config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
   run = prepare(config)  # all input validation happens before the workdir is touched
   mesh = mesh_lib.data_mesh()
   tx = make_optimizer(config)
   abstract_state = jax.eval_shape(lambda: initial_state(run, tx))
-  state_sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), abstract_state)
+  state_sharding = mesh_lib.state_sharding(abstract_state, mesh, config.mesh.shard_state,
+                                           config.mesh.shard_min_elements)
   os.makedirs(workdir, exist_ok=True)
   rolling = checkpoint.rolling_manager(workdir, config.keep_checkpoints)
   if rolling.latest_step() is not None:
