@@ -51,6 +51,7 @@ from micse_jax.tokenization import Tokenizer
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 SENTENCE_IDS_KEY = "sentence_ids"
+ROW_MASK_KEY = "row_mask"
 DEFAULT_MAX_LENGTH = 32
 
 

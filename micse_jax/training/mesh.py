@@ -7,6 +7,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from micse_jax.losses.ami_cells import all_rows_here
+
 DATA_AXIS = "data"
 MIN_SHARDED_ELEMENTS = 2 ** 14  # smaller leaves stay replicated: gathering them costs more than it saves
 
@@ -72,3 +74,28 @@ def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: in
     spec = leaf_partition(tuple(leaf.shape), mesh.size, min_elements) if shard_state else P()
     return NamedSharding(mesh, spec)
   return jax.tree.map(sharding, state_shapes)
+
+
+def padded_batch_size(batch_size: int, device_count: int) -> int:
+  """The smallest multiple of `device_count` that is >= `batch_size`: rows per step on the mesh.
+
+  A global batch the devices do not divide (the paper's 50 on 4 or 8 GPUs) is padded with
+  masked rows (`row_mask` 0) that are no anchor, no negative, never enqueued and in no metric.
+  """
+  if batch_size <= 0 or device_count <= 0:
+    raise ValueError(f"need a positive batch size and device count, got {batch_size}, {device_count}")
+  return -(-batch_size // device_count) * device_count
+
+
+def rows_per_device(mesh: Mesh | None):
+  """A `map_rows(fn, rows, shared)` (losses/ami_cells.py) that runs `fn` under `shard_map` on
+  each device's own block of rows (`rows` split over the data axis, `shared` replicated): no
+  activation crosses devices. None or a one-device mesh: `fn` on the whole batch."""
+  if mesh is None or mesh.size == 1:
+    return all_rows_here
+
+  def map_rows(fn, rows: tuple, shared: tuple):
+    specs = (P(DATA_AXIS),) * len(rows) + (P(),) * len(shared)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS))(*rows, *shared)
+
+  return map_rows

@@ -80,7 +80,7 @@ def initial_state(run: Run, tx) -> TrainState:
 
 
 def jit_train_step(run: Run, tx, mesh, state_sharding):
-  step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config))
+  step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config), mesh)
   return jax.jit(step_fn, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
 

@@ -84,14 +84,31 @@ def _attention(nets, state):
   return collect_attentions(state["intermediates"], nets.ami_layers) if nets.ami_layers else None
 
 
+def interleave_views(view1: dict, view2: dict) -> dict:
+  """Rows `[v1_0, v2_0, v1_1, v2_1, ...]` (`stack(..., 1).reshape(2B, ...)`), not `[view1; view2]`.
+
+  A device that holds sentences i..j of the batch-sharded input holds both views of exactly
+  those sentences, so stacking and splitting the views moves no activation between devices;
+  and row 2i+v is the same whatever the batch's padded size (per-row random draws too).
+  """
+  return {k: jnp.stack([view1[k], view2[k]], axis=1).reshape(-1, *view1[k].shape[1:]) for k in TOKEN_KEYS}
+
+
+def split_views(x: jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Inverse of `interleave_views` along `axis` (size 2B): the two `[..., B, ...]` views."""
+  pairs = x.reshape(*x.shape[:axis], x.shape[axis] // 2, 2, *x.shape[axis + 1:])
+  return jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)
+
+
 def encode_stacked(params, view1, view2, key, nets) -> Encoded:
-  """One forward pass of [view1; view2] through the online encoder (independent dropout)."""
-  both = {k: jnp.concatenate([view1[k], view2[k]], axis=0) for k in TOKEN_KEYS}
+  """One forward pass of both views, interleaved per sentence, through the online encoder
+  (independent dropout per row)."""
+  both = interleave_views(view1, view2)
   out, state = nets.online.apply({"params": params["encoder"]}, *token_args(both), deterministic=False,
                                  rngs={"dropout": key}, mutable=["intermediates"])
-  h1, h2 = jnp.split(out.last_hidden_state, 2)
+  h1, h2 = split_views(out.last_hidden_state)
   att = _attention(nets, state)
-  att1, att2 = jnp.split(att, 2, axis=1) if att is not None else (None, None)
+  att1, att2 = split_views(att, axis=1) if att is not None else (None, None)
   return Encoded(h1, h2, att1, att2)
 
 
