@@ -21,7 +21,7 @@ import sys
 
 import jax
 
-from micse_jax.bench import hardware, jax_step, trace_summary
+from micse_jax.bench import hardware, jax_step, scaling, trace_summary
 from micse_jax.bench.torch_step import time_steps
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,6 +54,11 @@ def parse_args(argv):
                       "else random words")
   p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 full steps here")
   p.add_argument("--output", help="also write the JSON result line to this file")
+  p.add_argument("--collectives", action="store_true",
+                 help="instead: collectives and memory per device of the compiled BERT-base step for the "
+                      "current devices, state replicated vs sharded, with and without remat (bench/scaling.py)")
+  p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
+                 help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
     p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
@@ -160,8 +165,11 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  result = run(args)
-  print(report(result))
+  if args.collectives:
+    result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
+  else:
+    result = run(args)
+    print(report(result))
   line = json.dumps(result)
   print(line)
   if args.output:

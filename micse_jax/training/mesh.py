@@ -76,6 +76,17 @@ def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: in
   return jax.tree.map(sharding, state_shapes)
 
 
+def gathered_for_compute(tree, mesh: Mesh | None, sharded: bool):
+  """FSDP's gather: `tree` (sharded state leaves) constrained to be whole on every device where the
+  step computes with it. Without this, GSPMD propagates a parameter's split (e.g. on a weight's
+  output dimension = the heads) into the activations and reshuffles them between devices
+  (all-to-alls of attention maps); with it, the only collectives FSDP adds are the parameters'
+  all-gathers and the gradients' reduction to the owning shard. No-op unless `sharded`."""
+  if not sharded or mesh is None or mesh.size == 1:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: replicated(mesh), tree))
+
+
 def padded_batch_size(batch_size: int, device_count: int) -> int:
   """The smallest multiple of `device_count` that is >= `batch_size`: rows per step on the mesh.
 

@@ -87,22 +87,24 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
   passes its `mesh`, see `make_loss_fn`)."""
   use_momentum = config.momentum.enabled
   loss_fn = make_loss_fn(config, nets, mesh)
+  sharded = config.get("mesh", {}).get("shard_state", False)
+  whole = lambda tree: mesh_lib.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
 
   def momentum_embeddings(state: TrainState, batch, key):
     """Momentum encoder (dropout p_m) + the online MLP head; no gradient flows here."""
-    out = nets.momentum.apply({"params": state.ema_params}, batch["input_ids"], batch["attention_mask"],
+    out = nets.momentum.apply({"params": whole(state.ema_params)}, batch["input_ids"], batch["attention_mask"],
                               batch["token_type_ids"], deterministic=False, rngs={"dropout": key})
-    z = nets.head.apply({"params": state.params["head"]}, out.last_hidden_state[:, 0])
+    z = nets.head.apply({"params": whole(state.params["head"])}, out.last_hidden_state[:, 0])
     return jax.lax.stop_gradient(l2_normalize(z.astype(jnp.float32)))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     keys = step_keys(state)
-    queue = state.queue if use_momentum else None
+    queue = whole(state.queue) if use_momentum else None
     valid = state.queue_valid if use_momentum else None
     queue_ids = state.queue_ids if use_momentum else None
     grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
-    (loss, metrics), grads = grad_fn(state.params, state.frozen_params, batch, queue, valid, queue_ids, keys,
-                                     state.step)
+    (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, valid,
+                                     queue_ids, keys, state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
