@@ -65,15 +65,15 @@ def abstract_batch(batch_size: int, max_length: int, mesh) -> dict:
           "sentence_ids": jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=sharding)}
 
 
-def compile_step(layout: str, batch_size: int, max_length: int, dtype: str):
-  """The compiled step of one layout ("replicated|sharded" / "none|layer|full")."""
+def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert_config=None):
+  """The compiled step of one layout ("replicated|sharded" / "none|layer|full"); BERT-base by default."""
   from micse_jax.models.bert import BertConfig  # pylint: disable=import-outside-toplevel
   from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
   from micse_jax.training.step import build_networks, make_train_step  # pylint: disable=import-outside-toplevel
   placement, remat = layout.split("/")
   config = bench_config(batch_size, max_length, dtype, placement == "sharded", remat)
-  bert_config = BertConfig()  # bert-base-uncased
+  bert_config = bert_config or BertConfig()  # bert-base-uncased
   nets, tx, mesh = build_networks(config, bert_config), make_optimizer(config), mesh_lib.data_mesh()
   shapes = abstract_state(config, bert_config, nets, tx)
   shardings = mesh_lib.state_sharding(shapes, mesh, config.mesh.shard_state, config.mesh.shard_min_elements)
