@@ -139,10 +139,8 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
 
 
 def check_combinations(config: ml_collections.ConfigDict) -> None:
-  """Constraints between fields: devices, queue vs batch, AMI layers, task names."""
-  import jax  # pylint: disable=import-outside-toplevel
-  if config.batch_size % jax.device_count():
-    raise ConfigError(f"batch_size {config.batch_size} is not divisible by {jax.device_count()} devices")
+  """Constraints between fields: queue vs batch, AMI layers, task names. (Any batch runs on any
+  device count: the trainer pads it with masked rows, `training/mesh.py: padded_batch_size`.)"""
   if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
     raise ConfigError(f"momentum.queue_size {config.momentum.queue_size} must be >= batch_size "
                       f"{config.batch_size}")
