@@ -22,7 +22,8 @@ from micse_jax.optional import require
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
 # and saves); any other difference would silently continue a different run.
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_every", "eval.")
+                     "eval_every", "eval.", "data.prefetch")
+SHUFFLE_SCHEMES = ("numpy-pcg64-epoch-permutation",)  # micse_jax.data.pipeline.SHUFFLE_SCHEME
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -87,6 +88,8 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "data.corpus": _text,
     "data.num_sentences": _int(0),
     "data.subset_seed": _int(0),
+    "data.shuffle": _choice(*SHUFFLE_SCHEMES),
+    "data.prefetch": _int(0),
     "optim.learning_rate": _real(0, lo_open=True),
     "optim.warmup_steps": _int(0),
     "optim.weight_decay": _real(0),
@@ -233,6 +236,11 @@ def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> 
   if not has_checkpoints(workdir):
     return
   saved = workdir_lib.read_run_config(workdir)
+  if "shuffle" not in saved.get("data", {}):
+    raise ConfigError(
+        f"{workdir} holds checkpoints of a run whose batches were ordered by grain's shuffle (written "
+        "before data.shuffle existed); this version orders batches by NumPy epoch permutations and "
+        "cannot continue that run bit for bit. Start a new --workdir, or resume with the version that wrote it")
   differences = config_differences(saved, config.to_dict())
   if differences:
     raise ConfigError(

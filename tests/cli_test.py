@@ -127,3 +127,19 @@ def test_resume_compatibility_names_only_run_defining_fields(tmp_path):
   config_checks.check_resume_compatible(longer, wd)
   with pytest.raises(errors.ConfigError, match=r"ami\.enabled.*model\.name_or_path.*new --workdir"):
     config_checks.check_resume_compatible(other, wd)
+
+
+def test_workdir_from_before_the_numpy_shuffle_is_refused_on_resume(tmp_path):
+  """A workdir written with grain's batch order (no data.shuffle in config.json) cannot be resumed
+  bit for bit; prefetch depth may change on resume."""
+  old = _config()
+  saved = json.loads(json.dumps(old.to_dict()))
+  wd = str(tmp_path)
+  os.makedirs(os.path.join(wd, workdir_lib.ROLLING_DIR, "250"))
+  workdir_lib.write_run_config(wd, {**saved, "model_dir": "/m", "bert_config": {}})
+  config_checks.check_resume_compatible(_config(**{"data.prefetch": 5}), wd)
+  del saved["data"]["shuffle"]
+  workdir_lib.write_run_config(wd, {**saved, "model_dir": "/m", "bert_config": {}})
+  with pytest.raises(errors.ConfigError, match="grain's shuffle.*new --workdir") as e:
+    config_checks.check_resume_compatible(old, wd)
+  assert "\n" not in str(e.value)
