@@ -1,6 +1,6 @@
 """Run with XLA_FLAGS=--xla_force_host_platform_device_count=4: a few steps of the miCSE step
-at global batch 50 on one device (no padding) and on 4 devices (padded to 52 with 2 masked
-rows); prints the largest state and metric differences as one JSON line.
+at global batch 50 on one device (no padding) and on 4 devices (the trainer's batches, padded
+to 52 with 2 masked rows); prints the largest state and metric differences as one JSON line.
 
   python -m tests.padded_batch_worker TMP TOKENIZER_DIR [--steps N] [--set key=value ...]
 """
@@ -14,15 +14,13 @@ import numpy as np
 BATCH = 50
 
 
-def pad_rows(batch: dict, padded: int) -> dict:
-  """The padded global batch of interfaces.md by hand: rows >= B copy row 0's tokens, have
-  sentence id -1 and row_mask 0; every batch carries row_mask."""
-  from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-  rows = len(batch[SENTENCE_IDS_KEY])
-  out = {k: np.concatenate([v, np.repeat(v[:1], padded - rows, axis=0)]) for k, v in batch.items()}
-  out[SENTENCE_IDS_KEY][rows:] = -1
-  out[ROW_MASK_KEY] = (np.arange(padded) < rows).astype(np.int32)
-  return out
+def unpadded(batch: dict) -> dict:
+  """The first BATCH rows of a padded global batch, without `row_mask`: the unpadded run's batch
+  (a batch without `row_mask` means all rows real). Checks the padding rows are last."""
+  from micse_jax.data.pipeline import ROW_MASK_KEY
+  mask = batch[ROW_MASK_KEY]
+  assert mask[:BATCH].all() and not mask[BATCH:].any(), mask
+  return {k: v[:BATCH] for k, v in batch.items() if k != ROW_MASK_KEY}
 
 
 def run_steps(run, tx, devices, steps, padded):
@@ -34,9 +32,9 @@ def run_steps(run, tx, devices, steps, padded):
   step = trainer.jit_train_step(run, tx, mesh, sharding)
   metrics = []
   for i in range(steps):
-    batch = run.batches.batch(i)
-    if padded:
-      batch = pad_rows(batch, mesh_lib.padded_batch_size(BATCH, len(devices)))
+    batch = run.batches.batch(i)  # padded to 52 rows: this process has 4 devices
+    if not padded:
+      batch = unpadded(batch)
     state, m = step(state, mesh_lib.global_batch(batch, mesh))
     metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
   return jax.device_get(state), metrics
@@ -66,10 +64,10 @@ def main():
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
                        if np.size(a) else 0.0, s1, s4)
   metric_diffs = {k: max(abs(a[k] - b[k]) for a, b in zip(m1, m4)) for k in m1[0]}
+  queues = {"queue_ids_1dev": np.asarray(s1.queue_ids).tolist(), "queue_ids_4dev": np.asarray(s4.queue_ids).tolist(),
+            "queue_ptr": [int(s1.queue_ptr), int(s4.queue_ptr)]} if config.momentum.enabled else {}
   print(json.dumps({"max_state_diff": max(jax.tree.leaves(diffs)), "metric_diffs": metric_diffs,
-                    "metrics_1dev": m1, "queue_ids_1dev": np.asarray(s1.queue_ids).tolist(),
-                    "queue_ids_4dev": np.asarray(s4.queue_ids).tolist(),
-                    "queue_ptr": [int(s1.queue_ptr), int(s4.queue_ptr)]}))
+                    "metrics_1dev": m1, **queues}))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
   batches = build_train_batches(
       config.data.corpus, tokenizer, max_length=config.model.max_length,
       global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
-      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0)
+      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
+      padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, jax.device_count()))
   warning = config.momentum.enabled and self_collision_warning(
       batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
   if warning and jax.process_index() == 0:
