@@ -70,18 +70,18 @@ def test_quiet_startup_hides_tpu_probe_and_pytorch_notice(monkeypatch, capfd):
 
 
 def test_run_summary_names_best_score_paths_and_export(tmp_path):
-  from micse_jax.training import checkpoint, summary
+  from micse_jax.training import checkpoint
   wd = str(tmp_path / "run")
   os.makedirs(wd)
-  checkpoint.save_best(checkpoint.best_manager(wd), 30, {"w": np.ones(2, np.float32)}, 71.234)
+  checkpoint.save_best(workdir_lib.best_manager(wd), 30, {"w": np.ones(2, np.float32)}, 71.234)
   with open(os.path.join(wd, "results.json"), "w", encoding="utf-8") as f:
     json.dump({}, f)
-  text = "\n".join(summary.run_summary(wd))
+  text = "\n".join(workdir_lib.run_summary(wd))
   assert "71.23 at step 30" in text
   assert os.path.join(wd, "results.json") in text and os.path.join(wd, "best", "30") in text
   assert f"tensorboard --logdir {os.path.join(wd, 'tensorboard')}" in text
   assert f"python -m micse_jax.convert --workdir {wd} --best --output" in text
-  bare = "\n".join(summary.run_summary(str(tmp_path / "other")))
+  bare = "\n".join(workdir_lib.run_summary(str(tmp_path / "other")))
   assert "none" in bare and "--best" not in bare
 
 

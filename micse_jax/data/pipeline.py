@@ -43,9 +43,8 @@ import numpy as np
 from tqdm import tqdm
 
 from micse_jax.data.corpus import CorpusError, first_occurrence_ids, read_corpus, subset_indices
-from micse_jax.tokenization import Tokenizer
+from micse_jax.tokenization import TOKEN_KEYS, Tokenizer
 
-TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 SENTENCE_IDS_KEY = "sentence_ids"
 ROW_MASK_KEY = "row_mask"
 SHUFFLE_SCHEME = "numpy-pcg64-epoch-permutation"  # config data.shuffle; see module docstring

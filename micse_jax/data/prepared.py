@@ -35,8 +35,8 @@ from micse_jax.data.corpus import subset_indices
 from micse_jax.data.records import RecordDecoder
 from micse_jax.errors import CorpusError
 from micse_jax.optional import require
+from micse_jax.tokenization import TOKEN_KEYS
 
-TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 SENTENCE_IDS_KEY = "sentence_ids"   # the batch key (micse_jax.data.pipeline.SENTENCE_IDS_KEY)
 _ID_FEATURE = "sentence_id"
 _BOM = "\ufeff"
@@ -255,6 +255,7 @@ class SubsetRows:
     return len(self.rows) if self.corpus_rows is None else len(self.corpus_rows)
 
   def gather(self, indices) -> dict[str, np.ndarray]:
+    """Rows `indices` of the subset (positions in it, mapped to corpus rows)."""
     indices = np.asarray(indices, dtype=np.int64)
     return self.rows.gather(indices if self.corpus_rows is None else self.corpus_rows[indices])
 

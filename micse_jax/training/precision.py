@@ -20,10 +20,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from micse_jax.config_checks import DTYPES
 from micse_jax.errors import ConfigError
 from micse_jax.optional import require
 
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES}
 
 
 def compute_dtype(name: str):
@@ -34,6 +35,7 @@ def compute_dtype(name: str):
 
 
 def uses_loss_scaling(config) -> bool:
+  """float16 needs dynamic loss scaling; float32 and bfloat16 do not."""
   return config.model.dtype == "float16"
 
 
