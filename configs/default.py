@@ -45,6 +45,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.corpus = paths.corpus_path("wiki1m_for_simcse.txt")
   c.data.num_sentences = 0            # few-shot: >0 draws a fixed random subset
   c.data.subset_seed = 0
+  c.data.shuffle = "numpy-pcg64-epoch-permutation"  # batch order scheme (data/pipeline.py); recorded for resume
+  c.data.prefetch = 2                 # device-placed batches kept ready by a background thread (0: none)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 3e-5

@@ -3,11 +3,11 @@
 Writes attention_histograms.png (per-slice joint histograms of the log attention of two dropout
 views, with each slice's MI; miCSE App. D), sts_cosine_vs_gold.png (STS-B test; App. C),
 alignment_uniformity.png (Wang & Isola) and analysis.json with the numbers.
-See micse_jax/studies/analysis.py.
+See micse_jax/studies/diagnostics.py.
 """
 import os
 
-from absl import app, flags
+from absl import flags
 
 from micse_jax import cli
 
@@ -23,37 +23,35 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+  """Writes the diagnostic figures and analysis.json of `--model` (absl main)."""
   cli.reject_extra_args(argv)
   # pylint: disable=import-outside-toplevel
   import numpy as np
   from micse_jax.encoder import load_encoder
   from micse_jax.evaluation import report, senteval_data
   from micse_jax.evaluation.sts import cosine_rows, encode_unique
-  from micse_jax.studies import analysis
+  from micse_jax.studies import diagnostics
   from micse_jax import paths
-  from micse_jax.errors import MicseError
   senteval_dir = FLAGS.senteval_dir or paths.senteval_dir()
-  try:
+  with cli.input_errors_as_one_line():  # bad input only (MicseError); anything else keeps its traceback
     stsb = senteval_data.load_stsb(senteval_dir)["test"]
     checkpoint = int(FLAGS.checkpoint) if FLAGS.checkpoint.isdigit() else FLAGS.checkpoint
     encoder = load_encoder(FLAGS.model, checkpoint)
-  except (MicseError, ValueError, FileNotFoundError) as e:
-    cli.fail(str(e))
   os.makedirs(FLAGS.output, exist_ok=True)
   encode = lambda s: encoder.encode(s, FLAGS.pooler)
   sentences = list(dict.fromkeys(stsb.sentences1 + stsb.sentences2))
   embeddings, index = encode_unique(encode, sentences)
   e1 = embeddings[[index[s] for s in stsb.sentences1]]
   e2 = embeddings[[index[s] for s in stsb.sentences2]]
-  _, spearman = analysis.cosine_vs_gold(cosine_rows(e1, e2), stsb.scores,
+  _, spearman = diagnostics.cosine_vs_gold(cosine_rows(e1, e2), stsb.scores,
                                         os.path.join(FLAGS.output, "sts_cosine_vs_gold.png"))
   positive = stsb.scores > 4.0
-  align, uniform = analysis.alignment(e1[positive], e2[positive]), analysis.uniformity(embeddings)
-  analysis.alignment_uniformity_plot(align, uniform, os.path.basename(os.path.normpath(FLAGS.model)),
+  align, uniform = diagnostics.alignment_uniformity(e1[positive], e2[positive], embeddings)
+  diagnostics.alignment_uniformity_plot(align, uniform, os.path.basename(os.path.normpath(FLAGS.model)),
                                      os.path.join(FLAGS.output, "alignment_uniformity.png"))
-  att1, att2, mask = analysis.dropout_attention(encoder, sentences[:FLAGS.num_sentences], FLAGS.seed)
-  mi = analysis.slice_mutual_information(att1, att2, mask, FLAGS.seed)
-  analysis.attention_histograms(att1, att2, mask, mi, os.path.join(FLAGS.output, "attention_histograms.png"))
+  att1, att2, mask = diagnostics.dropout_attention(encoder, sentences[:FLAGS.num_sentences], FLAGS.seed)
+  mi = diagnostics.slice_mutual_information(att1, att2, mask, FLAGS.seed)
+  diagnostics.attention_histograms(att1, att2, mask, mi, os.path.join(FLAGS.output, "attention_histograms.png"))
   document = {"model": os.path.abspath(FLAGS.model) if os.path.exists(FLAGS.model) else FLAGS.model,
               "stsb_test_spearman": spearman, "alignment": align, "uniformity": uniform,
               "num_positive_pairs": int(positive.sum()), "num_sentences_uniformity": len(sentences),
@@ -63,6 +61,10 @@ def main(argv):
         f"mean slice MI {float(np.mean(mi)):.3f}; figures in {FLAGS.output}")
 
 
+def run() -> None:
+  """Entry point: `python -m micse_jax.analyze ...` or `micse-analyze ...`."""
+  cli.run_program(main)
+
+
 if __name__ == "__main__":
-  cli.quiet_startup()
-  app.run(main, flags_parser=cli.flags_parser())
+  run()

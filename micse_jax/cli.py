@@ -1,4 +1,9 @@
-"""What the three command-line programs share: quiet start-up, flag parsing, one-line errors.
+"""What the command-line programs share: one skeleton (`run_program`), quiet start-up, flag
+parsing, one-line errors.
+
+Every program (`micse-train`, `micse-evaluate`, `micse-convert`, `micse-sweep`,
+`micse-prepare-data`, `micse-analyze`) is a module with absl flags, a `main(argv)` and
+`run() = cli.run_program(main, ...)`, the console-script entry point and `__main__`.
 
 The rule: bad input (a `MicseError`, or a flag/override that does not parse) is reported as
 one `error: ...` line on stderr with a non-zero exit; anything else is a bug and keeps its
@@ -87,5 +92,17 @@ def flags_parser(materialize: Callable[[], object] | None = None):
 
 
 def reject_extra_args(argv: Sequence[str]) -> None:
+  """Positional arguments after the flags are a usage error (one line, exit 2)."""
   if len(argv) > 1:
     fail(f"unexpected arguments: {' '.join(argv[1:])}", USAGE_EXIT)
+
+
+def run_program(main: Callable[[list[str]], object], define_flags: Callable[[], None] | None = None,
+                materialize: Callable[[], object] | None = None) -> None:
+  """The one skeleton of every program: quiet start-up, flags defined and parsed (a bad flag or
+  override: one line, exit 2), then `main(argv)` under absl."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  quiet_startup()
+  if define_flags is not None:
+    define_flags()
+  app.run(main, flags_parser=flags_parser(materialize))

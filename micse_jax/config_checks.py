@@ -1,10 +1,13 @@
 """Everything about a training config that can be checked before a model is built or compiled.
 
-`check_run(config, workdir)` runs first in `train_and_evaluate`: numeric ranges and types, the
-task list, the SentEval directory when dev selection is on, a writable workdir, and, for a
-workdir that already holds checkpoints, a `config.json` compatible with the new config.
-`check_against_model(config, bert_config)` runs once the checkpoint's config is read (the AMI
-layers must exist in it). Every failure is a `ConfigError`: one line, nothing written.
+`check_config(config)` needs nothing but the config: types and ranges (the `RULES` table),
+constraints between fields, the methods' parts and how they combine (`check_methods`), the
+optional packages. The sweep runs it for every run before any starts. `check_run(config,
+workdir)` runs it once more with the file-system checks: the SentEval directory when dev
+selection is on, a writable workdir, and, for a workdir that already holds checkpoints, a
+`config.json` compatible with the new config. `check_against_model` and `check_mlm_head` run
+once the checkpoint is found (the AMI layers must exist in it; MLM / InfoCSE need its MLM
+head). Every failure is a `ConfigError`: one line, nothing written.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from micse_jax.optional import require
 # any other difference would silently continue a different run. A missing field of an old
 # config.json is such a difference unless it is listed here.
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_every", "eval.", "model.remat", "model.attention", "mesh.")
+                     "eval_every", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.")
+SHUFFLE_SCHEMES = ("numpy-pcg64-epoch-permutation",)  # micse_jax.data.pipeline.SHUFFLE_SCHEME
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION = ("fused", "explicit")
 REMAT = ("none", "layer", "full")
@@ -95,6 +99,8 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "data.corpus": _text,
     "data.num_sentences": _int(0),
     "data.subset_seed": _int(0),
+    "data.shuffle": _choice(*SHUFFLE_SCHEMES),
+    "data.prefetch": _int(0),
     "optim.learning_rate": _real(0, lo_open=True),
     "optim.warmup_steps": _int(0),
     "optim.weight_decay": _real(0),
@@ -116,6 +122,12 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "momentum.mask_same_sentence": _bool,
     "eval.sickr_dev": _bool,
     "eval.batch_size": _int(1),
+    "mlm.weight": _real(0),
+    "mlm.prob": _real(0, 1, lo_open=True, hi_open=True),
+    "reconstruction.weight": _real(0),
+    "infocse.weight": _real(0),
+    "infocse.mask_prob": _real(0, 1, lo_open=True, hi_open=True),
+    "analysis.num_sentences": _int(2),  # uniformity needs pairs
 }
 
 
@@ -147,10 +159,8 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
 
 
 def check_combinations(config: ml_collections.ConfigDict) -> None:
-  """Constraints between fields: devices, queue vs batch, AMI layers, task names."""
-  import jax  # pylint: disable=import-outside-toplevel
-  if config.batch_size % jax.device_count():
-    raise ConfigError(f"batch_size {config.batch_size} is not divisible by {jax.device_count()} devices")
+  """Constraints between fields: queue vs batch, AMI layers, task names. (Any batch runs on any
+  device count: the trainer pads it with masked rows, `training/mesh.py: padded_batch_size`.)"""
   if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
     raise ConfigError(f"momentum.queue_size {config.momentum.queue_size} must be >= batch_size "
                       f"{config.batch_size}")
@@ -173,10 +183,76 @@ def _final_tasks(config: ml_collections.ConfigDict) -> list[str]:
     raise ConfigError(f"eval.final_tasks: {e}") from e
 
 
+class MethodConfigError(ConfigError):
+  """A config asks for an unknown method part or a combination the trainer cannot run."""
+
+
+def _one_of(name: str, value, allowed) -> None:
+  if value not in allowed:
+    raise MethodConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise MethodConfigError(message)
+
+
+def _check_view(config) -> None:
+  v = config.view
+  if v.kind == "add":
+    _one_of("view.add_importance", v.add_importance, ("naive", "rollout"))
+    _one_of("view.add_mode", v.add_mode, ("static", "dynamic"))
+    _require(v.add_threshold > 2, f"view.add_threshold={v.add_threshold} must be > 2 (ADD uses t in 8, 10, 12): "
+             "with t <= 2 even [CLS] x [SEP] sentences would lose tokens")
+    if v.add_mode == "static":
+      _require(1 <= v.add_k <= 3, f"view.add_k={v.add_k} must be 1, 2 or 3 for static ADD")
+    _require(not config.ami.enabled, "ami.enabled with view.kind='add': AMI compares attention cell by cell, "
+             "but ADD removes tokens from view 2, so the two views' attention maps do not align")
+  if v.kind == "span_mask":
+    _require(v.span_length >= 1, f"view.span_length={v.span_length} must be >= 1")
+
+
+def check_methods(config) -> None:
+  """The method fields of `configs/methods.py` (views, terms) and how they combine."""
+  _one_of("loss.objective", config.loss.objective, ("infonce", "positive_only"))
+  _one_of("view.kind", config.view.kind, ("dropout", "add", "span_mask"))
+  _one_of("ami.variant", config.ami.variant, ("paper", "official"))
+  _check_view(config)
+  if config.ami.enabled and config.ami.variant == "official":
+    _require(len(config.ami.layers) % 2 == 0, f"ami.variant='official' pairs layers by parity; "
+             f"ami.layers={tuple(config.ami.layers)} must name an even number of layers")
+  if config.ct.enabled:
+    _require(not config.momentum.enabled, "ct.enabled with momentum.enabled: Contrastive Tension's second "
+             "encoder is trained, not an EMA; turn momentum off")
+    _require(config.view.kind == "dropout",
+             f"ct.enabled with view.kind={config.view.kind!r}: CT's views are the two encoders")
+  if config.loss.objective == "positive_only":
+    _require(not config.momentum.enabled, "loss.objective='positive_only' has no negatives, "
+             "so a momentum queue of negatives is meaningless; set momentum.enabled=False")
+  if config.infocse.enabled:
+    _require(config.infocse.num_layers >= 1, f"infocse.num_layers={config.infocse.num_layers} must be >= 1")
+    _require(0 <= config.infocse.pretrain_steps < config.num_train_steps,
+             f"infocse.pretrain_steps={config.infocse.pretrain_steps} must be in [0, num_train_steps)")
+
+
+def needs_mlm_head(config) -> bool:
+  """MLM and InfoCSE read BERT's MLM head (`cls.predictions.*`) from the checkpoint."""
+  return bool(config.mlm.enabled or config.infocse.enabled)
+
+
+def check_mlm_head(config, model_dir: str, has_head: bool) -> None:
+  """MLM / InfoCSE need BERT's MLM head: from the checkpoint, or random only when asked for."""
+  if needs_mlm_head(config) and not has_head and not config.model.init_mlm_head:
+    user = "mlm.enabled" if config.mlm.enabled else "infocse.enabled"
+    raise MethodConfigError(
+        f"{user} needs an MLM head, but {model_dir} has none (no cls.predictions.* weights); use a "
+        "BertForMaskedLM checkpoint or set --config.model.init_mlm_head=True for a randomly initialised head")
+
+
 def check_senteval(config: ml_collections.ConfigDict) -> None:
   """With dev selection on, a SentEval dir that exists must hold STS-B dev (and the final tasks).
 
-  A missing default dir only disables selection (with a warning, see `DevSelector`); a missing
+  A missing default dir only disables selection (with a warning, see `evaluators.dev_selection.DevSelection`); a missing
   dir that the config names explicitly is an error.
   """
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
@@ -221,11 +297,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
   return flat
 
 
-def has_checkpoints(workdir: str) -> bool:
-  rolling = os.path.join(workdir, workdir_lib.ROLLING_DIR)
-  return os.path.isdir(rolling) and any(name.isdigit() for name in os.listdir(rolling))
-
-
 def config_differences(saved: dict, config_dict: dict) -> list[str]:
   """`field (saved → new)` for every run-defining field that differs (JSON-normalised)."""
   new = _flatten(json.loads(json.dumps(config_dict)))
@@ -240,9 +311,14 @@ def config_differences(saved: dict, config_dict: dict) -> list[str]:
 
 def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
   """A workdir with checkpoints resumes only a run with the same model, data and objective."""
-  if not has_checkpoints(workdir):
+  if not workdir_lib.has_steps(os.path.join(workdir, workdir_lib.ROLLING_DIR)):
     return
   saved = workdir_lib.read_run_config(workdir)
+  if "shuffle" not in saved.get("data", {}):
+    raise ConfigError(
+        f"{workdir} holds checkpoints of a run whose batches were ordered by grain's shuffle (written "
+        "before data.shuffle existed); this version orders batches by NumPy epoch permutations and "
+        "cannot continue that run bit for bit. Start a new --workdir, or resume with the version that wrote it")
   differences = config_differences(saved, config.to_dict())
   if differences:
     raise ConfigError(
@@ -257,11 +333,17 @@ def check_packages(config: ml_collections.ConfigDict) -> None:
     require("jmp", "float16 training (model.dtype=float16, dynamic loss scaling)")
 
 
-def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """All checks that need no model: call before anything is loaded, built or written."""
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Every check that needs only the config (the sweep's pre-check runs this for each run)."""
   check_fields(config)
   check_combinations(config)
+  check_methods(config)
   check_packages(config)
+
+
+def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """All checks that need no model: call before anything is loaded, built or written."""
+  check_config(config)
   check_workdir_writable(workdir)
   check_resume_compatible(config, workdir)
   check_senteval(config)
@@ -269,7 +351,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
   """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
-  from micse_jax.training.step import resolve_layers  # pylint: disable=import-outside-toplevel
+  from micse_jax.models.bert import resolve_layers  # pylint: disable=import-outside-toplevel (JAX)
   if config.ami.enabled:
     try:
       resolve_layers(config.ami.layers, bert_config.num_hidden_layers)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 
 from micse_jax import cli
@@ -68,18 +68,18 @@ def check_args(*, output: str | None, workdir: str | None, model: str | None, st
 
 
 def restore_workdir(workdir: str, which: str | int) -> dict:
-  """`micse_jax.workdir.restore_for_export`; its input errors (`MicseError`) as one line."""
+  """`micse_jax.workdir.restore_trained_weights`; its input errors (`MicseError`) as one line."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
   workdir_lib = importlib.import_module("micse_jax.workdir")
   try:
-    return workdir_lib.restore_for_export(workdir, which)
+    return workdir_lib.restore_trained_weights(workdir, which)
   except MicseError as e:  # anything else is a bug and keeps its traceback
     raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {one_line(e)}") from e
 
 
 def load_model_dir(path_or_name: str) -> dict:
-  """A plain HF checkpoint in the shape `restore_for_export` returns.
+  """A plain HF checkpoint in the shape `restore_trained_weights` returns.
 
   A checkpoint without pooler weights (e.g. a `BertForMaskedLM`) loads with a random pooler;
   that one is dropped so the export gets the documented all-zero pooler instead.
@@ -121,6 +121,7 @@ def convert(*, output: str, workdir: str | None = None, model: str | None = None
 
 
 def main(argv):
+  """Exports the checkpoint the flags name to a HF / sentence-transformers directory (absl main)."""
   cli.reject_extra_args(argv)
   if not FLAGS["verbosity"].present:  # keep stderr to warnings and the one error line
     absl_logging.set_verbosity(absl_logging.WARNING)
@@ -139,9 +140,7 @@ def convert_and_report(**kwargs) -> str:
 
 def run() -> None:
   """Entry point: `python -m micse_jax.convert ...` or `micse-convert ...`."""
-  cli.quiet_startup()
-  define_flags()
-  app.run(main, flags_parser=cli.flags_parser())
+  cli.run_program(main, define_flags)
 
 
 if __name__ == "__main__":

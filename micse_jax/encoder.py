@@ -37,11 +37,13 @@ class SentenceEncoder:
 
   @classmethod
   def from_pretrained(cls, path_or_name: str, dtype=jnp.float32) -> "SentenceEncoder":
+    """An encoder from a HF directory or hub name (no trained MLP head)."""
     model, params, _, model_dir = load_pretrained(path_or_name, dtype=dtype)
     return cls(model, params, Tokenizer.from_pretrained(model_dir), model_dir=model_dir)
 
   @property
   def hidden_size(self) -> int:
+    """The embedding width."""
     return self.model.config.hidden_size
 
   @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -101,7 +103,7 @@ def load_encoder(path_or_name: str, checkpoint: str | int = "best", dtype=jnp.fl
     return SentenceEncoder.from_pretrained(path_or_name, dtype=dtype)
   if checkpoint == "best" and not workdir.best_manager(path_or_name, read_only=True).all_steps():
     checkpoint = "latest"  # a run without dev evaluation has no best checkpoint
-  restored = workdir.restore_for_export(path_or_name, checkpoint)
+  restored = workdir.restore_trained_weights(path_or_name, checkpoint)
   config: BertConfig = restored["bert_config"]
   as_jax = lambda tree: jax.tree.map(jnp.asarray, tree)
   return SentenceEncoder(BertModel(config, dtype=dtype), as_jax(restored["encoder_params"]),

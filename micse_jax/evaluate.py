@@ -73,6 +73,7 @@ def _encode_fn(flags_values):
 
 
 def main(argv: Sequence[str]) -> None:
+  """Evaluates the model the flags name and reports the scores (absl main)."""
   from absl import flags, logging  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.WARNING)
   cli.reject_extra_args(argv)
@@ -119,10 +120,7 @@ def define_flags() -> None:
 
 def run() -> None:
   """Entry point: `python -m micse_jax.evaluate ...` or `micse-evaluate ...`."""
-  from absl import app  # pylint: disable=import-outside-toplevel
-  cli.quiet_startup()
-  define_flags()
-  app.run(main, flags_parser=cli.flags_parser())
+  cli.run_program(main, define_flags)
 
 
 if __name__ == "__main__":

@@ -192,6 +192,7 @@ def _write_json(path: str, obj) -> None:
 
 
 def write_config(directory: str, config: BertConfig) -> None:
+  """Writes the HF `config.json` of `config` into `directory`."""
   _write_json(os.path.join(directory, "config.json"), hf_config_dict(config))
 
 

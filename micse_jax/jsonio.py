@@ -39,5 +39,6 @@ def write_json(path: str, document: Any, *, sort_keys: bool = False) -> None:
 
 
 def read_json(path: str) -> Any:
+  """The parsed JSON document at `path`."""
   with open(path, encoding="utf-8") as f:
     return json.load(f)

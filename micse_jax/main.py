@@ -9,7 +9,7 @@ A flag or override that does not parse exits 2, bad input (`MicseError`) exits 1
 import logging
 
 import ml_collections
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from micse_jax import cli
@@ -24,15 +24,17 @@ flags.mark_flags_as_required(["config", "workdir"])
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains with bad input reported as one line (exit 1); returns the final results."""
   # Imported here so `--help` and flag errors stay fast.
-  from micse_jax.training import mesh, summary, trainer  # pylint: disable=import-outside-toplevel
+  from micse_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  from micse_jax.training import mesh, trainer  # pylint: disable=import-outside-toplevel
   with cli.input_errors_as_one_line():
     mesh.maybe_initialize_distributed()
     results = trainer.train_and_evaluate(config, workdir)
-  summary.print_run_summary(workdir)
+  workdir_lib.print_run_summary(workdir)
   return results
 
 
 def main(argv) -> None:
+  """Trains `--config` into `--workdir` (absl main)."""
   cli.reject_extra_args(argv)
   logging.getLogger("absl").setLevel(logging.WARNING)
   train(FLAGS.config, FLAGS.workdir)
@@ -41,8 +43,7 @@ def main(argv) -> None:
 def run() -> None:
   """Entry point (`micse-train`): flags and overrides are checked (one line, exit 2) before
   anything else runs."""
-  cli.quiet_startup()
-  app.run(main, flags_parser=cli.flags_parser(lambda: FLAGS.config.to_dict()))
+  cli.run_program(main, materialize=lambda: FLAGS.config.to_dict())
 
 
 if __name__ == "__main__":

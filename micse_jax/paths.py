@@ -21,10 +21,12 @@ def shared_data_dir() -> str:
 
 
 def senteval_dir() -> str:
+  """The SentEval data folder: `<shared data>/senteval`."""
   return os.path.join(shared_data_dir(), "senteval")
 
 
 def corpus_path(name: str) -> str:
+  """A training corpus file in the shared data folder: `<shared data>/corpus/<name>`."""
   return os.path.join(shared_data_dir(), "corpus", name)
 
 

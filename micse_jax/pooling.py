@@ -17,6 +17,7 @@ def masked_mean(last_hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
 
 
 def check_pooler(name: str) -> str:
+  """Returns `name` when it is one of `POOLERS`, else raises ValueError."""
   if name not in POOLERS:
     raise ValueError(f"unknown pooler {name!r}; expected one of {', '.join(POOLERS)}")
   return name

@@ -9,7 +9,7 @@ Train on it with `--config.data.corpus=data/wiki1m_bert32` (the model's tokenize
 import logging
 import time
 
-from absl import app, flags
+from absl import flags
 
 from micse_jax import cli
 
@@ -23,23 +23,25 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+  """Tokenizes `--corpus` into a prepared directory `--output` (absl main)."""
   cli.reject_extra_args(argv)
-  from micse_jax.errors import MicseError  # pylint: disable=import-outside-toplevel
   from micse_jax.data.prepared import prepare_corpus  # pylint: disable=import-outside-toplevel
   from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel
   from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
-  try:
+  with cli.input_errors_as_one_line():  # bad input only (MicseError); anything else keeps its traceback
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(FLAGS.tokenizer))
     meta = prepare_corpus(FLAGS.corpus, tokenizer, FLAGS.tokenizer, FLAGS.max_length, FLAGS.output,
                           chunk_size=FLAGS.chunk_size)
-  except (MicseError, ValueError, FileNotFoundError) as e:
-    cli.fail(str(e))
   print(f"wrote {meta['num_sentences']} rows (max_length {meta['max_length']}, tokenizer "
         f"{meta['tokenizer']}) to {FLAGS.output} in {time.perf_counter() - start:.1f} s")
 
 
+def run() -> None:
+  """Entry point: `python -m micse_jax.prepare_data ...` or `micse-prepare-data ...`."""
+  cli.run_program(main)
+
+
 if __name__ == "__main__":
-  cli.quiet_startup()
-  app.run(main, flags_parser=cli.flags_parser())
+  run()

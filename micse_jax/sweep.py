@@ -11,7 +11,7 @@ import shlex
 import logging
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from micse_jax import cli
@@ -44,6 +44,7 @@ def _report(runs, sweep_dir, name) -> None:
 
 
 def main(argv):
+  """Expands the sweep config and submits, reports or plots its runs (absl main)."""
   cli.reject_extra_args(argv)
   from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
@@ -101,9 +102,8 @@ def main(argv):
 
 
 def run() -> None:
-  """Flags and the sweep config are parsed first (a bad one: one line, exit 2)."""
-  cli.quiet_startup()  # no JAX backend-probing INFO line before our one error line
-  app.run(main, flags_parser=cli.flags_parser(lambda: FLAGS.config.to_dict()))
+  """Entry point (`micse-sweep`): flags and the sweep config are parsed first (a bad one: one line, exit 2)."""
+  cli.run_program(main, materialize=lambda: FLAGS.config.to_dict())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # a token batch: int32 [batch, length] each
 
 
 def bucket_length(longest: int, max_length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
@@ -29,6 +30,7 @@ class Tokenizer:
 
   @classmethod
   def from_pretrained(cls, model_dir: str) -> "Tokenizer":
+    """The fast tokenizer of a model directory (FileNotFoundError when the directory is missing)."""
     from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
     if not os.path.isdir(model_dir):
       raise FileNotFoundError(f"tokenizer directory does not exist: {model_dir}")
@@ -40,6 +42,7 @@ class Tokenizer:
 
   @property
   def pad_token_id(self) -> int:
+    """The [PAD] id (0 when the tokenizer names none)."""
     return int(self.hf.pad_token_id or 0)
 
   def token_ids(self, sentences: Sequence[str], max_length: int) -> list[list[int]]:

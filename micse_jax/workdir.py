@@ -1,9 +1,11 @@
-"""A training workdir, read by inference, evaluation and export without importing the trainer.
+"""A training workdir's on-disk contract, read by inference, evaluation and export without
+importing the trainer: the layout, the Orbax managers, the best-metric key, the run summary.
 
     workdir/config.json           the training config (+ resolved model dir and BERT config)
     workdir/checkpoints/<step>/   rolling Orbax TrainStates (written by `training/checkpoint.py`)
-    workdir/best/<step>/          {'params': ...} of the best STS-B dev score
+    workdir/best/<step>/          {'params': ...} of the best STS-B dev score (`BEST_METRIC`)
     workdir/results.json          final evaluation of the best checkpoint
+    workdir/tensorboard/          training and dev-score scalars
 """
 from __future__ import annotations
 
@@ -20,9 +22,18 @@ from micse_jax.models.bert import BertConfig
 CONFIG_FILE = "config.json"
 ROLLING_DIR = "checkpoints"
 BEST_DIR = "best"
+RESULTS_FILE = "results.json"
+TENSORBOARD_DIR = "tensorboard"
+BEST_METRIC = "stsb_dev"  # the metric the best checkpoint is chosen by (STS-B dev Spearman x100)
+
+
+def has_steps(directory: str) -> bool:
+  """Whether a checkpoint folder (`checkpoints/` or `best/`) holds at least one saved step."""
+  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 
 
 def is_workdir(path: str) -> bool:
+  """A folder with `config.json` and `checkpoints/`: what the trainer writes."""
   return os.path.isfile(os.path.join(path, CONFIG_FILE)) and os.path.isdir(os.path.join(path, ROLLING_DIR))
 
 
@@ -32,6 +43,7 @@ def write_run_config(workdir: str, config_dict: dict) -> None:
 
 
 def read_run_config(workdir: str) -> dict:
+  """The run's config.json (CheckpointError when the folder is not a training workdir)."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.isfile(path):
     raise CheckpointError(f"{workdir} is not a training workdir (no {CONFIG_FILE})")
@@ -39,6 +51,7 @@ def read_run_config(workdir: str) -> dict:
 
 
 def rolling_manager(workdir: str, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
+  """The Orbax manager of `checkpoints/`: full train states, the last `keep` kept."""
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), ROLLING_DIR),
       options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
@@ -46,11 +59,12 @@ def rolling_manager(workdir: str, keep: int, read_only: bool = False) -> ocp.Che
 
 
 def best_manager(workdir: str, read_only: bool = False) -> ocp.CheckpointManager:
+  """The Orbax manager of `best/`: the params of the best `BEST_METRIC` so far (keep 1)."""
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), BEST_DIR),
       options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else 1,
                                            create=not read_only, read_only=read_only,
-                                           best_mode="max", best_fn=lambda metrics: metrics["stsb_dev"]))
+                                           best_mode="max", best_fn=lambda metrics: metrics[BEST_METRIC]))
 
 
 def step_reader(directory: str) -> ocp.CheckpointManager:
@@ -152,7 +166,7 @@ def newest_readable(steps, restore_fn, directory: str):
   raise CheckpointError(f"no checkpoint in {directory} could be restored (newest: {failures[0]})")
 
 
-def restore_for_export(workdir: str, which: str | int = "latest") -> dict:
+def restore_trained_weights(workdir: str, which: str | int = "latest") -> dict:
   """Trained weights of a workdir: which = 'latest', 'best' or a step number.
 
   Works on any device/host count (see `restore_params`). Returns {'bert_config',
@@ -163,3 +177,33 @@ def restore_for_export(workdir: str, which: str | int = "latest") -> dict:
   params = jax.device_get(params)
   return {"bert_config": BertConfig.from_dict(run["bert_config"]), "encoder_params": params["encoder"],
           "head_params": params["head"], "tokenizer_dir": run["model_dir"], "step": step}
+
+
+def run_summary(workdir: str) -> list[str]:
+  """Lines naming the best STS-B dev score and step, results.json, the best checkpoint,
+  the TensorBoard logs and the export command (paths absolute, so they can be pasted)."""
+  wd = os.path.abspath(workdir)
+  lines = [f"run finished: {wd}"]
+  best_dir = os.path.join(wd, BEST_DIR)
+  manager, best_step = None, None
+  if has_steps(best_dir):
+    manager = best_manager(wd, read_only=True)
+    best_step = manager.best_step()
+  if best_step is not None:
+    score = float(manager.metrics(best_step)[BEST_METRIC])
+    lines.append(f"  best STS-B dev:   {score:.2f} at step {best_step}")
+    lines.append(f"  best checkpoint:  {os.path.join(best_dir, str(best_step))}")
+  else:
+    lines.append("  best STS-B dev:   none (no dev selection: eval_every=0 or no SentEval data)")
+  results = os.path.join(wd, RESULTS_FILE)
+  lines.append(f"  results:          {results if os.path.isfile(results) else 'none (eval.final_tasks empty or no SentEval data)'}")
+  lines.append(f"  TensorBoard logs: tensorboard --logdir {os.path.join(wd, TENSORBOARD_DIR)}")
+  which = " --best" if best_step is not None else ""
+  lines.append(f"  export:           python -m micse_jax.convert --workdir {wd}{which} --output EXPORT_DIR")
+  return lines
+
+
+def print_run_summary(workdir: str) -> None:
+  """Prints `run_summary` on the first process."""
+  if jax.process_index() == 0:
+    print("\n".join(run_summary(workdir)), flush=True)

@@ -1,11 +1,11 @@
-"""Tests for micse_jax.views.add (Attention-Driven Dropout) against loop-based NumPy versions."""
+"""Tests for micse_jax.augmentation.add (Attention-Driven Dropout) against loop-based NumPy versions."""
 import functools
 
 import jax
 import numpy as np
 import pytest
 
-from micse_jax.views import add
+from micse_jax.augmentation import add
 
 CLS, SEP, PAD = 101, 102, 0
 

@@ -278,12 +278,11 @@ def test_convert_workdir_without_checkpoint(base, tmp_path, capsys):
 def test_convert_truncated_checkpoint(base, tmp_path, capsys):
   from micse_jax import convert
   from micse_jax.models.loading import load_pretrained
-  from micse_jax.training import checkpoint
   import orbax.checkpoint as ocp
   workdir = _existing_workdir(tmp_path)
   _, params, bert_config, _ = load_pretrained(base["model"])
   workdir_lib.write_run_config(workdir, {"model_dir": base["model"], "bert_config": bert_config.to_dict()})
-  manager = checkpoint.rolling_manager(workdir, keep=2)
+  manager = workdir_lib.rolling_manager(workdir, keep=2)
   manager.save(3, args=ocp.args.StandardSave({"params": {"encoder": params, "head": {}}}))
   manager.wait_until_finished()
   for folder, _, files in os.walk(os.path.join(workdir, workdir_lib.ROLLING_DIR, "3")):

@@ -70,18 +70,18 @@ def test_quiet_startup_hides_tpu_probe_and_pytorch_notice(monkeypatch, capfd):
 
 
 def test_run_summary_names_best_score_paths_and_export(tmp_path):
-  from micse_jax.training import checkpoint, summary
+  from micse_jax.training import checkpoint
   wd = str(tmp_path / "run")
   os.makedirs(wd)
-  checkpoint.save_best(checkpoint.best_manager(wd), 30, {"w": np.ones(2, np.float32)}, 71.234)
+  checkpoint.save_best(workdir_lib.best_manager(wd), 30, {"w": np.ones(2, np.float32)}, 71.234)
   with open(os.path.join(wd, "results.json"), "w", encoding="utf-8") as f:
     json.dump({}, f)
-  text = "\n".join(summary.run_summary(wd))
+  text = "\n".join(workdir_lib.run_summary(wd))
   assert "71.23 at step 30" in text
   assert os.path.join(wd, "results.json") in text and os.path.join(wd, "best", "30") in text
   assert f"tensorboard --logdir {os.path.join(wd, 'tensorboard')}" in text
   assert f"python -m micse_jax.convert --workdir {wd} --best --output" in text
-  bare = "\n".join(summary.run_summary(str(tmp_path / "other")))
+  bare = "\n".join(workdir_lib.run_summary(str(tmp_path / "other")))
   assert "none" in bare and "--best" not in bare
 
 
@@ -127,3 +127,19 @@ def test_resume_compatibility_names_only_run_defining_fields(tmp_path):
   config_checks.check_resume_compatible(longer, wd)
   with pytest.raises(errors.ConfigError, match=r"ami\.enabled.*model\.name_or_path.*new --workdir"):
     config_checks.check_resume_compatible(other, wd)
+
+
+def test_workdir_from_before_the_numpy_shuffle_is_refused_on_resume(tmp_path):
+  """A workdir written with grain's batch order (no data.shuffle in config.json) cannot be resumed
+  bit for bit; prefetch depth may change on resume."""
+  old = _config()
+  saved = json.loads(json.dumps(old.to_dict()))
+  wd = str(tmp_path)
+  os.makedirs(os.path.join(wd, workdir_lib.ROLLING_DIR, "250"))
+  workdir_lib.write_run_config(wd, {**saved, "model_dir": "/m", "bert_config": {}})
+  config_checks.check_resume_compatible(_config(**{"data.prefetch": 5}), wd)
+  del saved["data"]["shuffle"]
+  workdir_lib.write_run_config(wd, {**saved, "model_dir": "/m", "bert_config": {}})
+  with pytest.raises(errors.ConfigError, match="grain's shuffle.*new --workdir") as e:
+    config_checks.check_resume_compatible(old, wd)
+  assert "\n" not in str(e.value)

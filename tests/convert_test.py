@@ -264,7 +264,7 @@ def workdir(tmp_path_factory, tiny, tiny_dir, head):
   path = str(tmp_path_factory.mktemp("run"))
   workdir_lib.write_run_config(path, {"bert_config": config.to_dict(), "model_dir": tiny_dir})
   encoder = {k: v for k, v in params.items() if k != "cls"}
-  checkpoint.save_best(checkpoint.best_manager(path), 3, {"encoder": encoder, "head": head}, 0.5)
+  checkpoint.save_best(workdir_lib.best_manager(path), 3, {"encoder": encoder, "head": head}, 0.5)
   return path
 
 

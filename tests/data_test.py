@@ -1,4 +1,6 @@
-"""Tests for micse_jax.data: corpus reading, few-shot subsets, the grain batch pipeline."""
+"""Tests for micse_jax.data: corpus reading, few-shot subsets, the batch pipeline."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -154,6 +156,7 @@ def test_batch_shapes_dtypes_and_rows_match_tokens():
   idx = ds.global_indices(3)
   ids = batch.pop("sentence_ids")  # no corpus ids given: the row index is the sentence id
   np.testing.assert_array_equal(ids, idx)
+  np.testing.assert_array_equal(batch.pop("row_mask"), np.ones(8, np.int32))  # unpadded: all real
   assert ids.dtype == np.int32
   for k, v in batch.items():
     assert v.shape == (8, 6) and v.dtype == np.int32
@@ -211,7 +214,60 @@ def test_random_access_equals_sequential():
     np.testing.assert_array_equal(next(resumed)["input_ids"], sequential[step]["input_ids"])
 
 
+def test_epoch_order_is_the_documented_numpy_permutation():
+  """Independent transcription of the documented scheme: PCG64(SeedSequence([hash(seed), epoch]))."""
+  n, bsz, seed = 50, 8, 7
+  ds = TrainBatches(_fake_tokens(n), bsz, seed=seed)
+  base = int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint32)[0])
+  for epoch in (0, 1, 5):
+    order = np.random.Generator(np.random.PCG64(np.random.SeedSequence([base, epoch]))).permutation(n)
+    for k in range(ds.steps_per_epoch):
+      step = epoch * ds.steps_per_epoch + k
+      np.testing.assert_array_equal(ds.global_indices(step), order[k * bsz:(k + 1) * bsz])
+      np.testing.assert_array_equal(_rows(ds.batch(step)), order[k * bsz:(k + 1) * bsz])
+
+
+def test_concurrent_batches_equal_sequential():
+  ds, ref = TrainBatches(_fake_tokens(40), 8, seed=3), TrainBatches(_fake_tokens(40), 8, seed=3)
+  got = {}
+  def read(steps):
+    for s in steps:
+      got[s] = _rows(ds.batch(s))
+  threads = [threading.Thread(target=read, args=(range(i, 60, 3),)) for i in range(3)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert got == {s: _rows(ref.batch(s)) for s in range(60)}
+
+
+@pytest.mark.parametrize("bsz,padded,hosts", [(10, 12, 1), (10, 12, 2), (10, 12, 3), (10, 16, 4), (6, 6, 3)])
+def test_padded_batch_host_splits(bsz, padded, hosts):
+  tokens = _fake_tokens(37, length=5)
+  ids = (np.arange(37) * 3 % 37).astype(np.int32)  # corpus ids differ from row indices
+  plain = TrainBatches(tokens, bsz, seed=2, sentence_ids=ids)
+  for step in (0, 2, 3, 9):  # epochs 0, 0, 1, 3
+    parts = [TrainBatches(tokens, bsz, seed=2, process_index=h, process_count=hosts, sentence_ids=ids,
+                          padded_batch_size=padded).batch(step) for h in range(hosts)]
+    assert all(len(p["row_mask"]) == padded // hosts for p in parts)
+    joined = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    want = plain.batch(step)
+    # real rows: exactly the unpadded run's rows
+    for k in want:
+      if k != "row_mask":
+        np.testing.assert_array_equal(joined[k][:bsz], want[k])
+    np.testing.assert_array_equal(joined["row_mask"], (np.arange(padded) < bsz).astype(np.int32))
+    assert joined["row_mask"].dtype == np.int32 and joined["sentence_ids"].dtype == np.int32
+    # padding rows: the global batch's first row's tokens, sentence id -1
+    first = plain.global_indices(step)[0]
+    for k in ("input_ids", "attention_mask", "token_type_ids"):
+      np.testing.assert_array_equal(joined[k][bsz:], np.repeat(tokens[k][first:first + 1], padded - bsz, 0))
+    assert (joined["sentence_ids"][bsz:] == -1).all()
+
+
 @pytest.mark.parametrize("kwargs", [
+    dict(global_batch_size=10, padded_batch_size=8),
+    dict(global_batch_size=10, padded_batch_size=12, process_count=5),
     dict(global_batch_size=0),
     dict(global_batch_size=10, process_count=3),
     dict(global_batch_size=10, process_index=2, process_count=2),

@@ -1,6 +1,6 @@
 """Run with XLA_FLAGS=--xla_force_host_platform_device_count=N: compiles the miCSE train step
 for N devices and prints its collective table (bench/collectives.py) and the size of the
-gathered projected embeddings z (B x D float32) as one JSON line.
+gathered projected embeddings z (padded B x D float32) as one JSON line.
 
   python -m tests.hlo_step_worker TMP TOKENIZER_DIR [--model DIR] [--batch B] [--queue Q] [--max-length T] [--dump FILE]
 """
@@ -45,9 +45,10 @@ def main():
   if args.model:
     config.model.name_or_path = args.model
   text, dim = compiled_step_text(config, mesh_lib.data_mesh())
+  rows = mesh_lib.padded_batch_size(args.batch, jax.device_count())  # z is gathered with its padding rows
   if args.dump:
     pathlib.Path(args.dump).write_text(text, encoding="utf-8")
-  print(json.dumps({"num_devices": jax.device_count(), "z_bytes": args.batch * dim * 4,
+  print(json.dumps({"num_devices": jax.device_count(), "z_bytes": rows * dim * 4,
                     "table": collective_table(text)}))
 
 

@@ -1,4 +1,6 @@
-"""The package's layering: no training ↔ inference cycle, one data-dir resolver, typed errors."""
+"""The house rules, checked on the source: layers (no upward import), no import cycle, modules
+≤ 400 lines, functions ≤ 60 lines, a docstring on every public function; one data-dir
+resolver; typed errors."""
 import ast
 import os
 
@@ -12,17 +14,18 @@ CLI_MODULES = {"micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "mic
 
 
 def _imports(path: str) -> set[str]:
-  """Every module a file imports, at top level or inside functions."""
+  """The package modules a file imports, at top level or inside functions: `from a import b`
+  counts `a.b` when that is a module, else `a`."""
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read())
-  names = set()
+  found = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
-      names.update(a.name for a in node.names)
+      found.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module:
-      names.add(node.module)
-      names.update(f"{node.module}.{a.name}" for a in node.names)
-  return names
+      found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                   for a in node.names)
+  return {m for m in found if m in MODULES}
 
 
 def _modules_under(sub: str) -> list[str]:
@@ -38,7 +41,7 @@ def test_training_imports_no_cli_module(path):
 
 
 @pytest.mark.parametrize("path", _modules_under("evaluation") + _modules_under("encoder")
-                         + _modules_under("workdir"))
+                         + _modules_under("workdir") + _modules_under("evaluators"))
 def test_inference_side_imports_nothing_from_training(path):
   bad = {m for m in _imports(path) if m.startswith("micse_jax.training")}
   assert not bad, f"{path} imports {bad}"
@@ -80,3 +83,154 @@ def test_error_types_share_one_base():
   from micse_jax.models.loading import ModelLoadError  # pylint: disable=import-outside-toplevel
   for cls in (CorpusError, SentEvalDataError, ExportError, ModelLoadError, errors.ConfigError):
     assert issubclass(cls, errors.MicseError)
+
+
+# ---------------------------------------------------------------- layers, cycles, sizes, docstrings
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+# Lowest first; a module imports only from its own layer or below (top-level or inside functions).
+LAYERS = (
+    ("micse_jax.errors", "micse_jax.paths", "micse_jax.jsonio", "micse_jax.optional", "micse_jax.cli"),
+    ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.models", "micse_jax.losses",
+     "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
+    ("micse_jax.workdir", "micse_jax.encoder", "micse_jax.config_checks"),
+    ("micse_jax.evaluators", "micse_jax.export"),
+    ("micse_jax.training",),
+    ("micse_jax.studies", "micse_jax.bench"),
+    ("micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
+     "micse_jax.analyze", "micse_jax.bench.__main__"),
+)
+
+
+def _all_modules() -> dict[str, str]:
+  """Dotted module name → path, for every file of the package (`pkg/__init__.py` is `pkg`)."""
+  modules = {}
+  for path in _modules_under(""):
+    name = os.path.relpath(path, paths.REPO)[:-3].replace(os.sep, ".")
+    modules[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+  return modules
+
+
+MODULES = _all_modules()
+
+
+def _layer(module: str) -> int | None:
+  """The index in `LAYERS` of the longest prefix naming `module` (None: the package itself)."""
+  best, best_len = None, -1
+  for i, names in enumerate(LAYERS):
+    for name in names:
+      if (module == name or module.startswith(name + ".")) and len(name) > best_len:
+        best, best_len = i, len(name)
+  return best
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Strongly connected components with more than one module (Tarjan)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_every_module_has_a_layer():
+  assert [m for m in MODULES if m != "micse_jax" and _layer(m) is None] == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "micse_jax"))
+def test_no_upward_import(module):
+  own = _layer(module)
+  upward = {m for m in _imports(MODULES[module]) if m != "micse_jax" and _layer(m) > own}
+  assert not upward, f"{module} (layer {own}) imports from a higher layer: {sorted(upward)}"
+
+
+def test_no_import_cycle():
+  graph = {m: _imports(p) - {m} for m, p in MODULES.items()}
+  assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+  """The checker itself: a → b → c → a is found, a DAG is not."""
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_length(module):
+  with open(MODULES[module], encoding="utf-8") as f:
+    lines = f.read().count("\n")
+  assert lines <= MAX_MODULE_LINES, f"{module}: {lines} lines > {MAX_MODULE_LINES}"
+
+
+def _functions(tree: ast.AST) -> list:
+  return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _public_functions(body, owner: str = ""):
+  """(qualified name, node) of module-level functions and methods of public classes not named `_...`;
+  Flax's `setup` hook is documented by its module's class docstring."""
+  for node in body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+      if not (owner and node.name == "setup"):
+        yield owner + node.name, node
+    elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+      yield from _public_functions(node.body, f"{owner}{node.name}.")
+
+
+def _long_functions(tree: ast.AST) -> list[str]:
+  return [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in _functions(tree)
+          if n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def _undocumented(tree: ast.Module) -> list[str]:
+  return [name for name, node in _public_functions(tree.body) if ast.get_docstring(node) is None]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_function_length_and_docstrings(module):
+  with open(MODULES[module], encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  assert not _long_functions(tree), f"{module}: functions over {MAX_FUNCTION_LINES} lines"
+  assert not _undocumented(tree), f"{module}: public functions without a docstring: {_undocumented(tree)}"
+
+
+def test_size_and_docstring_checkers_can_fail():
+  """The checkers themselves, on a hand-written module."""
+  source = ("def public():\n  pass\n\n\nclass K:\n  def method(self):\n    'Doc.'\n\n  def setup(self):\n"
+            "    pass\n\n\nclass _Hidden:\n  def method(self):\n    pass\n\n\ndef long():\n" + "  x = 1\n" * 61)
+  tree = ast.parse(source)
+  assert _undocumented(tree) == ["public", "long"]
+  assert _long_functions(tree) == ["long (62 lines)"]
+
+
+def test_design_map_matches_the_tree():
+  """docs/DESIGN.md names every module of the package once in its map, and only modules that exist."""
+  import re  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(paths.REPO, "docs", "DESIGN.md"), encoding="utf-8") as f:
+    rows = re.findall(r"^\| `(micse_jax/[\w/]+\.py)` \|", f.read(), flags=re.M)
+  tree = sorted(os.path.relpath(p, paths.REPO).replace(os.sep, "/") for p in _modules_under("")
+                if not p.endswith("__init__.py"))
+  assert sorted(rows) == tree

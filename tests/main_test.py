@@ -50,8 +50,8 @@ def test_main_trains_selects_evaluates_and_exports(tmp_path, minilm_dir, senteva
   assert "STS-B" in out.stdout  # the Markdown table
 
   from micse_jax.encoder import load_encoder
-  from micse_jax.training import checkpoint
-  best = checkpoint.best_manager(str(workdir), read_only=True)
+  from micse_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  best = workdir_lib.best_manager(str(workdir), read_only=True)
   best_step = best.best_step()
   assert best_step in (2, 4)
   encoder = load_encoder(str(workdir), "best")

@@ -1,4 +1,4 @@
-"""Tests for micse_jax.views.masking and special_tokens (MLM 80/10/10, Mirror-BERT spans)."""
+"""Tests for micse_jax.augmentation.masking and special_tokens (MLM 80/10/10, Mirror-BERT spans)."""
 import functools
 
 import jax
@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from micse_jax.views import masking
-from micse_jax.views.special_tokens import special_token_mask
+from micse_jax.augmentation import masking
+from micse_jax.augmentation.special_tokens import special_token_mask
 
 CLS, SEP, MASK, VOCAB = 101, 102, 103, 30522
 

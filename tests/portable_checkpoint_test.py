@@ -52,7 +52,7 @@ def _toy_state(step, extra=True):
 
 
 def _toy_workdir(path, steps=(2, 4)):
-  manager = checkpoint.rolling_manager(path, 5)
+  manager = workdir_lib.rolling_manager(path, 5)
   for s in steps:
     manager.save(s, args=ocp.args.StandardSave(_toy_state(s)))
   manager.wait_until_finished()
@@ -94,7 +94,7 @@ def test_truncated_latest_falls_back_with_a_warning(tmp_path, caplog):
   with pytest.raises(CheckpointError, match="step 4"):  # an explicit step does not fall back
     workdir_lib.restore_params(path, 4)
   caplog.clear()
-  manager = checkpoint.rolling_manager(path, 5)
+  manager = workdir_lib.rolling_manager(path, 5)
   with caplog.at_level(logging.WARNING):
     state = checkpoint.resume(manager, _abstract())  # training
   assert int(state["step"]) == 2
@@ -113,12 +113,12 @@ def test_no_readable_checkpoint_is_one_line_checkpoint_error(tmp_path):
   path = _toy_workdir(str(tmp_path / "wd"))
   for step in (2, 4):
     _truncate_data(path, step)
-  checkpoint.save_best(checkpoint.best_manager(path), 4, _toy_state(4)["params"], 0.5)
+  checkpoint.save_best(workdir_lib.best_manager(path), 4, _toy_state(4)["params"], 0.5)
   _truncate_data(path, 4, workdir_lib.BEST_DIR)
   for restore in (lambda: workdir_lib.restore_params(path, "latest"),
                   lambda: workdir_lib.restore_params(path, "best"),
-                  lambda: workdir_lib.restore_for_export(path, "latest"),
-                  lambda: checkpoint.restore_state(checkpoint.rolling_manager(path, 5), _abstract())):
+                  lambda: workdir_lib.restore_trained_weights(path, "latest"),
+                  lambda: checkpoint.restore_state(workdir_lib.rolling_manager(path, 5), _abstract())):
     with pytest.raises(CheckpointError) as e:
       restore()
     assert "\n" not in str(e.value) and ("unreadable" in str(e.value) or "could be restored" in str(e.value))
@@ -146,11 +146,11 @@ def _float_leaves_close(a, b, atol):
 
 
 def _restore_on_one_device(workdir, config):
-  from micse_jax.training import trainer
+  from micse_jax.training import setup
   from micse_jax.training.optim import make_optimizer
-  run = trainer.prepare(config)
-  abstract = jax.eval_shape(lambda: trainer.initial_state(run, make_optimizer(config)))
-  return checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  run = setup.prepare(config)
+  abstract = jax.eval_shape(lambda: setup.initial_state(run, make_optimizer(config)))
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
 
 
 def _assert_exports_equal(a, b, atol):
@@ -236,7 +236,7 @@ def test_resume_across_device_counts(four_device_runs, tmp_path):
   assert int(resumed.step) == 6
   print("4->1 resume vs 4-device run, max abs diff:", _float_leaves_close(resumed, w4, RESUME_ATOL))
   # the check can fail: steps 4-6 moved the parameters far more than the tolerance
-  at_step3 = checkpoint.restore_state(checkpoint.rolling_manager(str(tmp / "w1"), 2),
+  at_step3 = checkpoint.restore_state(workdir_lib.rolling_manager(str(tmp / "w1"), 2),
                                       jax.eval_shape(lambda: w1), step=3)
   moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
               for a, b in zip(jax.tree.leaves(at_step3.params), jax.tree.leaves(w1.params)))

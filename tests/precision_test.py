@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from micse_jax.training import checkpoint, precision, trainer
+from micse_jax import workdir as workdir_lib
+from micse_jax.training import checkpoint, precision, setup, trainer
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState
 from tests.train_utils import tiny_training_config
@@ -59,9 +60,9 @@ def test_scaled_gradient_is_unscaled():
 
 
 def _one_step(config, state=None):
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   tx = make_optimizer(config)
-  state = trainer.initial_state(run, tx) if state is None else state
+  state = setup.initial_state(run, tx) if state is None else state
   step = jax.jit(trainer.make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
   batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}
   return state, *jax.device_get(step(state, batch))
@@ -100,11 +101,11 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
   trainer.train_and_evaluate(config, workdir)  # no NonFiniteLossError
   assert [logged[s]["skipped_steps"] for s in (1, 2, 3)] == [1, 2, 3]
   assert [logged[s]["loss_scale"] for s in (1, 2, 3)] == [2.0 ** 40, 2.0 ** 39, 2.0 ** 38]
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   tx = make_optimizer(config)
-  init = trainer.initial_state(run, tx)
-  final = checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2),
-                                   jax.eval_shape(lambda: trainer.initial_state(run, tx)))
+  init = setup.initial_state(run, tx)
+  final = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2),
+                                   jax.eval_shape(lambda: setup.initial_state(run, tx)))
   assert int(final.step) == 3
   for a, b in zip(jax.tree.leaves((init.params, init.opt_state, init.ema_params, init.queue_valid)),
                   jax.tree.leaves((final.params, final.opt_state, final.ema_params, final.queue_valid))):
@@ -118,14 +119,14 @@ def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
   config.model.dtype, config.model.loss_scale_init, config.model.loss_scale_period = "float16", 1.0, 1
   workdir = str(tmp_path / "fp16_resume")
   trainer.train_and_evaluate(config, workdir)
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   tx = make_optimizer(config)
-  abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
-  saved = checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  abstract = jax.eval_shape(lambda: setup.initial_state(run, tx))
+  saved = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
   assert float(saved.loss_scale["scale"]) == 4.0 and int(saved.loss_scale["skipped_steps"]) == 0
   config.num_train_steps = 4
   trainer.train_and_evaluate(config, workdir)
-  resumed = checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  resumed = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
   assert int(resumed.step) == 4 and float(resumed.loss_scale["scale"]) == 16.0
   assert {x.dtype for x in jax.tree.leaves(resumed.params)} == {np.dtype("float32")}
 
@@ -133,8 +134,9 @@ def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
 @pytest.mark.parametrize("field,value", [("dtype", "float8"), ("loss_scale_init", 0.0),
                                          ("loss_scale_period", 0), ("dropout_random_bits", 8)])
 def test_bad_precision_config_is_a_config_error(tmp_path, minilm_dir, field, value):
+  from micse_jax import config_checks  # pylint: disable=import-outside-toplevel
   from micse_jax.errors import ConfigError
   config = tiny_training_config(tmp_path, minilm_dir)
   config.model[field] = value
   with pytest.raises(ConfigError, match=f"model.{field}"):
-    trainer.prepare(config)
+    config_checks.check_config(config)

@@ -54,6 +54,12 @@ def test_rows_are_the_corpus_tokenized_in_order(prepared, tokenizer):
   ids = np.arange(len(_LINES))
   ids[20] = ids[45] = 3
   np.testing.assert_array_equal(got["sentence_ids"], ids[::-1])
+  assert rows._fast is not None  # rows came from the direct ArrayRecord decoder, not TFDS's
+  picks = np.array([40, 3, 40, 56, 0, 11, 12, 3])  # unsorted, repeated, across shards
+  again = rows.gather(picks)
+  for k in want:
+    np.testing.assert_array_equal(again[k], want[k][picks])
+  np.testing.assert_array_equal(again["sentence_ids"], ids[picks])
 
 
 @pytest.mark.parametrize("num_sentences,process_count", [(None, 1), (40, 1), (40, 2)])

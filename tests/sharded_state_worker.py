@@ -17,12 +17,13 @@ def flat_state(state) -> dict:
 
 def final_state(run, tx, workdir, shard_state: bool):
   """The workdir's latest state restored onto this mesh with the trainer's shardings."""
+  from micse_jax import workdir as workdir_lib
   from micse_jax.training import checkpoint, mesh as mesh_lib, trainer
   abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
   shardings = mesh_lib.state_sharding(abstract, mesh_lib.data_mesh(), shard_state,
                                       run.config.mesh.shard_min_elements)
   targets = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
-  return checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), targets)
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), targets)
 
 
 def main(tmp, tokenizer_dir):

@@ -253,3 +253,19 @@ def test_local_sweep_end_to_end_skip_resume_and_failure(tmp_path, tiny_real_dir,
   assert f"[sweep]   {bad}: error: " in failed.stderr and "only 40" in failed.stderr
   assert runner.read_status(os.path.join(sweep_dir, bad))["status"] == "failed"
   assert f"`{bad}`: failed — error: " in open(os.path.join(sweep_dir, "results.md"), encoding="utf-8").read()
+
+
+def test_fewshot_queue_study_is_the_hand_listed_grid(tmp_path):
+  """configs/sweeps/fewshot_queue.py: its three variants are the queue study's 8 cells x 3 seeds."""
+  cells = set()
+  for variant in ("", "baselines", "n1024"):
+    sweep = spec.load_config_file(f"configs/sweeps/fewshot_queue.py:{variant}")
+    for run in spec.expand(sweep, str(tmp_path / "sw")):
+      o = dict(run.overrides)
+      masked = o.get("momentum.mask_same_sentence") if run.label("method") in ("micse", "moco_simcse") else None
+      cells.add((run.label("method"), o["data.num_sentences"], masked, o["seed"]))
+      assert o["num_train_steps"] == 400 and o["batch_size"] == 64 and o["momentum.queue_size"] == 384
+      assert o["eval_every"] == 0 and o["eval.final_tasks"] == "sts" and o["data.subset_seed"] == o["seed"]
+  grid = [("simcse", 64, None), ("moco_simcse", 64, True), ("moco_simcse", 64, False), ("ami_simcse", 64, None),
+          ("micse", 64, True), ("micse", 64, False), ("simcse", 1024, None), ("micse", 1024, True)]
+  assert cells == {(m, n, mask, seed) for m, n, mask in grid for seed in (0, 1, 2)}

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from micse_jax.training import checkpoint, trainer
-from micse_jax.training.ema import ema_update
+from micse_jax import workdir as workdir_lib
+from micse_jax.training import checkpoint, setup, trainer
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-from micse_jax.training.queue import empty_queue, empty_queue_ids, enqueue, enqueue_ids
-from micse_jax.training.step import resolve_layers
+from micse_jax.training.momentum import ema_update, empty_queue, empty_queue_ids, enqueue, enqueue_ids
+from micse_jax.models.bert import resolve_layers
 from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,9 +67,9 @@ def test_ami_layer_indices():
 
 
 def _run_steps(config, n):
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   tx = make_optimizer(config)
-  state = trainer.initial_state(run, tx)
+  state = setup.initial_state(run, tx)
   init = jax.device_get(state)
   step = jax.jit(trainer.make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
   metrics = None
@@ -140,10 +140,10 @@ def _leaves_equal(a, b):
 
 
 def _restore_latest(workdir, config):
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   tx = make_optimizer(config)
-  abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
-  return checkpoint.restore_state(checkpoint.rolling_manager(workdir, 2), abstract)
+  abstract = jax.eval_shape(lambda: setup.initial_state(run, tx))
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
 
 
 def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
@@ -154,14 +154,14 @@ def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   trainer.train_and_evaluate(config, straight)
 
   train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, resumed)
-  assert checkpoint.rolling_manager(resumed, 2).latest_step() == 3
+  assert workdir_lib.rolling_manager(resumed, 2).latest_step() == 3
   trainer.train_and_evaluate(config, resumed)  # restarts from step 3, data position included
 
   a, b = _restore_latest(straight, config), _restore_latest(resumed, config)
   assert int(a.step) == int(b.step) == 6
   _leaves_equal(a, b)  # params, ema, opt state, queue, ids, pointer, rng, step (= data position)
   ids = np.asarray(b.queue_ids)  # 6 pushes of 8 into 12 slots: step 4's last 4 ids, step 5's 8, oldest at ptr
-  run = trainer.prepare(config)
+  run = setup.prepare(config)
   want = np.concatenate([run.batches.global_sentence_ids(s) for s in (4, 5)])
   np.testing.assert_array_equal(ids, np.roll(want[4:], int(b.queue_ptr)))
 
@@ -174,7 +174,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_d
   workdir = str(tmp_path / "nan")
   with pytest.raises(trainer.NonFiniteLossError, match="non-finite loss"):
     trainer.train_and_evaluate(config, workdir)
-  last = checkpoint.rolling_manager(workdir, 2).latest_step()
+  last = workdir_lib.rolling_manager(workdir, 2).latest_step()
   assert last is not None and last < 8
   state = _restore_latest(workdir, config)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

@@ -7,7 +7,7 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold
 
-from micse_jax.evaluation import transfer
+from micse_jax.evaluation import logreg, transfer
 
 
 def _blobs(n, dim, classes, seed, spread=1.0, flip=0.0):
@@ -46,13 +46,13 @@ def test_logreg_matches_sklearn(classes):
   weights = np.zeros((3, len(y)), np.float32)
   for row, idx in enumerate(trains):
     weights[row, idx] = 1
-  w, b = transfer.fit_logreg(x, y, weights, np.float32(l2s), num_classes=classes)
+  w, b = logreg.fit_logreg(x, y, weights, np.float32(l2s), num_classes=classes)
   w, b = np.asarray(w), np.asarray(b)
   for fit, (train, l2) in enumerate(zip(trains, l2s)):
     ours = _softmax(x.astype(np.float64) @ w[fit] + b[fit])
     theirs = _sklearn_probs(x, y, train, l2, binary=classes == 2)
     np.testing.assert_allclose(ours, theirs, atol=2e-3)
-  predictions = np.asarray(transfer.predict_logreg(x, w, b))
+  predictions = np.asarray(logreg.predict_logreg(x, w, b))
   np.testing.assert_array_equal(predictions[0], np.argmax(x @ w[0] + b[0], axis=1))
 
 
@@ -112,9 +112,9 @@ def test_fit_predict_chunks_give_same_predictions(monkeypatch):
   x, y = _blobs(200, 5, 2, seed=11, spread=1.0)
   trains = [np.arange(i, 200, 3) for i in range(3)] + [np.arange(200)] * 2
   l2s = [1e-3, 1e-2, 1e-4, 1e-3, 1e-2]
-  whole = transfer.fit_predict(x, y, trains, l2s, 2)
-  monkeypatch.setattr(transfer, "FIT_BATCH_ENTRIES", 2 * 200 * 2)  # chunks of 2 fits
-  np.testing.assert_array_equal(transfer.fit_predict(x, y, trains, l2s, 2), whole)
+  whole = logreg.fit_predict(x, y, trains, l2s, 2)
+  monkeypatch.setattr(logreg, "FIT_BATCH_ENTRIES", 2 * 200 * 2)  # chunks of 2 fits
+  np.testing.assert_array_equal(logreg.fit_predict(x, y, trains, l2s, 2), whole)
 
 
 def test_mrpc_features_are_sentevals():

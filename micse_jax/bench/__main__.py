@@ -23,8 +23,8 @@ import jax
 
 from micse_jax.bench import hardware, jax_step, scaling, trace_summary
 from micse_jax.bench.torch_step import time_steps
+from micse_jax.config_checks import DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
 PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
                 "ami": "AMI term (sampling + correlation, fwd+bwd)",
@@ -32,6 +32,7 @@ PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
 
 
 def parse_args(argv):
+  """The benchmark's command line (argparse)."""
   p = argparse.ArgumentParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
   p.add_argument("--model", default="minilm",
                  help="minilm (shipped checkpoint) | bert-base | tiny (random weights) | a HF directory")
@@ -70,6 +71,7 @@ def _ms(times) -> float:
 
 
 def breakdown(step: jax_step.JaxStep, warmup: int, steps: int) -> dict:
+  """Milliseconds per step of each separately jitted piece of the step (`PIECES`)."""
   pieces = step.pieces()
   return {name: _ms(jax_step.time_piece(pieces[name], warmup, steps)) for name in PIECES}
 
@@ -84,6 +86,7 @@ def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> dict:
 
 
 def run(args) -> dict:
+  """Runs the benchmark the arguments describe; returns its result row."""
   import transformers  # pylint: disable=import-outside-toplevel
   model_dir = jax_step.model_dir_for(args.model)
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
@@ -164,6 +167,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
+  """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
   if args.collectives:
     result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)

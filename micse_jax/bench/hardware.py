@@ -17,6 +17,7 @@ PEAK_FLOPS = {
 
 
 def device_kind() -> str:
+  """The first device's kind (e.g. 'cpu', 'NVIDIA H100 80GB HBM3')."""
   return jax.devices()[0].device_kind
 
 

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from micse_jax.data.pipeline import SENTENCE_IDS_KEY, TOKEN_KEYS
+from micse_jax.data.pipeline import SENTENCE_IDS_KEY
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import collect_attentions
-from micse_jax.training.ema import ema_update
-from micse_jax.training.queue import enqueue
+from micse_jax.training.momentum import ema_update, enqueue
+from micse_jax.models.bert import interleave_views, split_views
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
@@ -81,29 +81,25 @@ class JaxStep:
   """The train state, the compiled full step and the jitted pieces for one model and batch."""
 
   def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None):
-    from micse_jax.models.heads import MLPHead  # pylint: disable=import-outside-toplevel
     from micse_jax.models.loading import load_pretrained  # pylint: disable=import-outside-toplevel
-    from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+    from micse_jax.training import mesh as mesh_lib, setup  # pylint: disable=import-outside-toplevel
     from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.precision import initial_loss_scale_state  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.state import create_train_state  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.step import build_networks, make_train_step  # pylint: disable=import-outside-toplevel
+    from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
+    from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)
     if config_overrides:
       config_overrides(c)
     self.nets = build_networks(c, bert_config)
-    head = MLPHead(bert_config.hidden_size).init(jax.random.PRNGKey(0), jnp.zeros((1, bert_config.hidden_size)))
     self.tx = make_optimizer(c)
-    state = create_train_state({"encoder": enc, "head": head["params"]}, self.tx, seed=0, momentum=True,
-                               queue_size=c.momentum.queue_size, dim=bert_config.hidden_size,
-                               loss_scale=initial_loss_scale_state(c))
+    params, frozen = setup.initial_params(c, self.nets, enc)  # the trainer's set-up
+    state = setup.new_train_state(c, bert_config.hidden_size, self.tx, params, frozen)
     mesh = mesh_lib.data_mesh()
     sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), state)
     self.state = jax.device_put(state, sharding)
     self.batch = mesh_lib.global_batch(batch, mesh)
-    self._step = jax.jit(make_train_step(c, self.nets, self.tx, learning_rate_schedule(c)),
+    self._step = jax.jit(make_train_step(c, self.nets, self.tx, learning_rate_schedule(c), mesh),
                          in_shardings=(sharding, mesh_lib.batch_sharded(mesh)), donate_argnums=0)
     self.compiled = None
 
@@ -135,12 +131,12 @@ class JaxStep:
     @jax.jit
     def online_fwd_bwd(params, batch, queue, valid, queue_ids, k_drop):
       def loss_fn(params):
-        views = {k: jnp.concatenate([batch[k], batch[k]], axis=0) for k in TOKEN_KEYS}
+        views = interleave_views(batch, batch)  # the step's layout: both views of a sentence adjacent
         out, inter = nets.online.apply(
             {"params": params["encoder"]}, views["input_ids"], views["attention_mask"],
             views["token_type_ids"], deterministic=False, rngs={"dropout": k_drop}, mutable=["intermediates"])
         z = nets.head.apply({"params": params["head"]}, out.last_hidden_state[:, 0])
-        z1, z2 = jnp.split(z.astype(jnp.float32), 2)
+        z1, z2 = split_views(z.astype(jnp.float32))
         loss, _ = info_nce_loss(z1, z2, queue, valid, temperature=c.loss.temperature,
                                 anchor_ids=batch[SENTENCE_IDS_KEY], queue_ids=queue_ids,
                                 mask_same_sentence=c.momentum.mask_same_sentence)
@@ -151,7 +147,7 @@ class JaxStep:
     @jax.jit
     def ami(att, mask, k_ami):
       def loss_fn(att):
-        att1, att2 = jnp.split(att, 2, axis=1)
+        att1, att2 = split_views(att, axis=1)
         return ami_loss(att1, att2, mask, k_ami, weight=a.weight, num_samples=a.num_samples,
                         heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
                         require_positive=a.require_positive)[0]

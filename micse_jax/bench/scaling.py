@@ -70,7 +70,8 @@ def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert
   from micse_jax.models.bert import BertConfig  # pylint: disable=import-outside-toplevel
   from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
-  from micse_jax.training.step import build_networks, make_train_step  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
   placement, remat = layout.split("/")
   config = bench_config(batch_size, max_length, dtype, placement == "sharded", remat)
   bert_config = bert_config or BertConfig()  # bert-base-uncased

@@ -25,6 +25,26 @@ def time_steps(step, n_warmup: int, n: int) -> list[float]:
   return times
 
 
+def _torch_ami(torch, att, mask, n: int):
+  """AMI of att `[L, 2B, H, T, T]` (view 1 rows first): adjacent head pairs, m = 150 shared samples."""
+  a1, a2 = att[:, :n], att[:, n:]
+  shape = a1.shape
+  s1 = a1.reshape(shape[0], n, shape[2] // 2, -1)
+  s2 = a2.reshape(shape[0], n, shape[2] // 2, -1)
+  cell = (mask[:, :, None] * mask[:, None, :]).bool().reshape(n, -1).repeat(1, 2)
+  valid = cell[None, :, None] & (s1 > 0) & (s2 > 0)
+  scores = torch.where(valid, -torch.log(-torch.log(torch.rand_like(s1).clamp_min(1e-20))), -1e9)
+  idx = scores.topk(150, dim=-1).indices
+  w = valid.gather(-1, idx).float()
+  x1 = torch.log(s1.gather(-1, idx).clamp_min(1e-12))
+  x2 = torch.log(s2.gather(-1, idx).clamp_min(1e-12))
+  ws = w.sum(-1).clamp_min(1)
+  m1, m2 = (w * x1).sum(-1) / ws, (w * x2).sum(-1) / ws
+  d1, d2 = x1 - m1[..., None], x2 - m2[..., None]
+  rho = (w * d1 * d2).sum(-1) / ((w * d1 * d1).sum(-1) * (w * d2 * d2).sum(-1)).clamp_min(1e-12).sqrt()
+  return (-0.5 * torch.log(1 - (rho * rho).clamp(max=1 - 1e-4))).mean()
+
+
 def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps: int):
   """Median-able step times (s) of the PyTorch miCSE step, and peak CUDA memory (None on CPU)."""
   import transformers  # pylint: disable=import-outside-toplevel
@@ -51,24 +71,6 @@ def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps:
   autocast = torch.autocast(device, dtype=half or torch.bfloat16, enabled=half is not None)
   scaler = torch.amp.GradScaler(device, enabled=dtype == "float16")  # PyTorch's loss scaling
 
-  def ami(att, mask):  # att [L, 2B, H, T, T]: adjacent head pairs, m = 150 shared samples
-    a1, a2 = att[:, :n], att[:, n:]
-    shape = a1.shape
-    s1 = a1.reshape(shape[0], n, shape[2] // 2, -1)
-    s2 = a2.reshape(shape[0], n, shape[2] // 2, -1)
-    cell = (mask[:, :, None] * mask[:, None, :]).bool().reshape(n, -1).repeat(1, 2)
-    valid = cell[None, :, None] & (s1 > 0) & (s2 > 0)
-    scores = torch.where(valid, -torch.log(-torch.log(torch.rand_like(s1).clamp_min(1e-20))), -1e9)
-    idx = scores.topk(150, dim=-1).indices
-    w = valid.gather(-1, idx).float()
-    x1 = torch.log(s1.gather(-1, idx).clamp_min(1e-12))
-    x2 = torch.log(s2.gather(-1, idx).clamp_min(1e-12))
-    ws = w.sum(-1).clamp_min(1)
-    m1, m2 = (w * x1).sum(-1) / ws, (w * x2).sum(-1) / ws
-    d1, d2 = x1 - m1[..., None], x2 - m2[..., None]
-    rho = (w * d1 * d2).sum(-1) / ((w * d1 * d1).sum(-1) * (w * d2 * d2).sum(-1)).clamp_min(1e-12).sqrt()
-    return (-0.5 * torch.log(1 - (rho * rho).clamp(max=1 - 1e-4))).mean()
-
   def step():
     with autocast:
       out = model(**two, output_attentions=True)
@@ -77,7 +79,7 @@ def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps:
       logits = torch.cat([z1 @ z2.T, z1 @ queue.T], dim=1) / 0.05
       loss = torch.nn.functional.cross_entropy(logits, torch.arange(n, device=device))
       att = torch.stack(out.attentions[max(layers - 4, 0):]).float()
-      loss = loss - 2.5e-3 * ami(att, b["attention_mask"])
+      loss = loss - 2.5e-3 * _torch_ami(torch, att, b["attention_mask"], n)
     opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.unscale_(opt)

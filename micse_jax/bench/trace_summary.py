@@ -28,6 +28,7 @@ _CONTAINERS = re.compile(r"^(while|call|conditional|ThunkExecutor.*|end: .*)$")
 
 
 def trace_file(directory: str) -> str:
+  """The newest perfetto trace under a `jax.profiler` output directory."""
   files = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "perfetto_trace.json.gz")))
   if not files:
     raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}/plugins/profile")
@@ -51,6 +52,7 @@ def op_durations(path: str) -> collections.Counter:
 
 
 def kind_of(name: str) -> str:
+  """The op kind (`KINDS`) an XLA op name belongs to, else "other"."""
   return next((kind for kind, pattern in KINDS if re.search(pattern, name)), "other")
 
 
@@ -67,6 +69,7 @@ def summarize(directory: str, steps: int, top: int = 8) -> dict:
 
 
 def report_lines(summary: dict) -> list[str]:
+  """Human-readable lines of a profile summary: time per op kind, the largest ops."""
   total = summary["op_ms_per_step"]
   lines = [f"  profile: XLA op time per step {total:.1f} ms (ops on all worker threads, summed), by kind:"]
   lines += [f"    {kind:<22} {ms:9.1f} ms  {100 * ms / total:5.1f}%"

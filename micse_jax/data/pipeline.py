@@ -1,57 +1,54 @@
 """Deterministic, random-access, host-sharded training batches for unsupervised SimCSE.
 
 The corpus is tokenized once, padded to a fixed `max_length` (static shapes, so the
-jitted train step compiles once), into int32 arrays `[N, max_length]`. Batches are then
-a pure function of the step number: resuming from a checkpoint at step `s` only needs
-`s`, and yields exactly the batches of an uninterrupted run.
+jitted train step compiles once), into int32 arrays `[N, max_length]` (or read on demand
+from a prepared corpus, `micse_jax.data.prepared`). Batches are a pure function of the
+step number: resuming from a checkpoint at step `s` only needs `s`, and yields exactly the
+batches of an uninterrupted run.
 
-What grain does here. The batch schedule is the `grain.MapDataset` chain
+The shuffle (`SHUFFLE_SCHEME`, recorded as `data.shuffle` in a run's config.json):
 
-  MapDataset.range(N)                          # sentence indices
-      .shuffle(seed=base_seed)                 # global shuffle, random access
-      .batch(global_batch_size, drop_remainder=True)
-      .repeat()                                # infinite
-      .map(<this host's rows>).map(<gather token rows>)
-
-and `batch(step)` is `dataset[step]`. In grain 0.2.18 a `MapDataset` index past
-`len(parent)` maps to epoch `index // len(parent)`; `shuffle` permutes each epoch with
-seed `(base_seed + epoch) % 2**32` (a Feistel-style `index_shuffle`, no permutation is
-materialized), and `batch` batches each epoch separately. So:
-
-* Every epoch is a fresh permutation of the corpus, derived from (seed, epoch).
-  `base_seed` is a hash (`np.random.SeedSequence`) of the user seed, so runs with
-  seeds s and s + 1 do not share shifted epoch orders.
-* Epoch boundaries: the last `N % global_batch_size` sentences of each epoch's
-  permutation are dropped (a different set every epoch); batches never wrap across
-  epochs. Hence no global batch holds the same sentence twice, which would make it
-  its own in-batch negative in the contrastive loss. `steps_per_epoch = N // B` and
+* Every epoch e is a fresh permutation of the corpus, drawn once and vectorised,
+  `numpy.random.Generator(PCG64(SeedSequence([base_seed, e]))).permutation(N)`, where
+  `base_seed` is a hash (`np.random.SeedSequence`) of the user seed, so runs with seeds s and
+  s + 1 do not share shifted epoch orders. Step s of the epoch takes entries
+  `[s * B, (s + 1) * B)` of it; the permutation is cached, so a step costs a slice.
+* Epoch boundaries: the last `N % B` sentences of each epoch's permutation are dropped (a
+  different set every epoch); batches never wrap across epochs, so no global batch holds the
+  same sentence twice (it would be its own in-batch negative). `steps_per_epoch = N // B`,
   `epoch_of(step) = step // steps_per_epoch`.
-* Host sharding: every host computes the same global batch of indices and keeps rows
-  `[process_index * per_host, (process_index + 1) * per_host)`, so concatenating the
-  hosts' batches in process order gives the global batch row for row.
-* Sentence ids: besides the token arrays each batch carries `sentence_ids` `[per_host]`
-  int32, the corpus index of each row's sentence (duplicate texts share their first
-  occurrence's index; see `corpus.first_occurrence_ids`). They are global corpus ids, not
-  positions in the few-shot subset, so every host agrees on them. The momentum queue stores
-  them to recognise an anchor's own sentence among its negatives (issue 11).
+* Host sharding: host i reads only its rows `[i * P/h, (i + 1) * P/h)` of the (padded) global
+  batch, so concatenating the hosts' batches in process order gives the global batch.
+* Padding (`padded_batch_size` P >= B, for a batch that devices do not divide): positions
+  >= B of the global batch are padding rows, a copy of the global batch's first row with
+  `sentence_ids` -1 and `row_mask` 0; real rows are those of the unpadded run.
+* Sentence ids: besides the token arrays each batch carries `sentence_ids` `[rows]` int32, the
+  corpus index of each row's sentence (duplicate texts share their first occurrence's index;
+  see `corpus.first_occurrence_ids`), global corpus ids, not positions in the few-shot subset,
+  so every host agrees on them (the momentum queue uses them, issue 11), and `row_mask`.
+
+Runs written before issue 18 used grain's `MapDataset.shuffle` (a Feistel index shuffle); that
+order is not reproduced, and such workdirs (no `data.shuffle` in config.json) are refused on
+resume (`config_checks.check_resume_compatible`).
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Iterator, Mapping, Sequence
 
-import grain
 import jax
 import numpy as np
 from tqdm import tqdm
 
 from micse_jax.data.corpus import CorpusError, first_occurrence_ids, read_corpus, subset_indices
-from micse_jax.tokenization import Tokenizer
+from micse_jax.tokenization import TOKEN_KEYS, Tokenizer
 
-TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 SENTENCE_IDS_KEY = "sentence_ids"
 ROW_MASK_KEY = "row_mask"
+SHUFFLE_SCHEME = "numpy-pcg64-epoch-permutation"  # config data.shuffle; see module docstring
+PADDING_SENTENCE_ID = -1
 DEFAULT_MAX_LENGTH = 32
 
 
@@ -102,26 +99,40 @@ def _validate_tokens(tokens: Mapping[str, np.ndarray]) -> int:
   return first[0]
 
 
+def epoch_permutation(base_seed: int, epoch: int, num_sentences: int) -> np.ndarray:
+  """Epoch `epoch`'s order of the corpus: a PCG64 permutation seeded by `(base_seed, epoch)`.
+
+  int32 when the corpus allows it (half the memory of int64); drawn in one vectorised call.
+  """
+  rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(base_seed), int(epoch)])))
+  permutation = rng.permutation(num_sentences)
+  return permutation.astype(np.int32) if num_sentences < 2**31 else permutation
+
+
 class TrainBatches:
   """Infinite, step-indexed training batches; `batch(step)` is a pure function of step.
 
-  See the module docstring for the shuffle / epoch / sharding semantics.
+  See the module docstring for the shuffle / epoch / sharding / padding semantics. Thread-safe
+  (a prefetch thread may call `batch` while the main thread calls `global_sentence_ids`).
   """
 
   def __init__(self, tokens, global_batch_size: int, seed: int,
-               process_index: int = 0, process_count: int = 1, sentence_ids: np.ndarray | None = None):
-    """Builds the grain schedule.
+               process_index: int = 0, process_count: int = 1, sentence_ids: np.ndarray | None = None,
+               padded_batch_size: int | None = None):
+    """Checks the layout; the epoch permutations are drawn lazily (one per epoch, cached).
 
     Args:
       tokens: dict of int32 arrays `[N, length]` (`TOKEN_KEYS`), or a random-access row
         source with `len()` and `gather(indices) -> token dict` (a prepared corpus,
         `micse_jax.data.prepared`), which is read only at the rows of this host's batches.
-      global_batch_size: sentences per step summed over all hosts.
+      global_batch_size: real sentences per step summed over all hosts (B).
       seed: non-negative shuffle seed.
       process_index: this host's index in `[0, process_count)`.
-      process_count: number of hosts; must divide `global_batch_size`.
+      process_count: number of hosts; must divide the padded batch size.
       sentence_ids: int `[N]` corpus id of each row (default `arange(N)`), batched as
         `sentence_ids`.
+      padded_batch_size: rows per step over all hosts including padding rows (P >= B,
+        default B); `training.mesh.padded_batch_size` makes it a multiple of the device count.
 
     Raises:
       ValueError: inconsistent arguments or fewer than `global_batch_size` sentences.
@@ -133,28 +144,28 @@ class TrainBatches:
       self.sentence_ids = self._check_ids(sentence_ids)
     else:  # a row source (prepared corpus): token rows and sentence ids are read on demand
       self._num_sentences, self.tokens, self._rows, self.sentence_ids = len(tokens), None, tokens, None
-    self._check_sizes(global_batch_size, process_index, process_count)
+    padded = global_batch_size if padded_batch_size is None else padded_batch_size
+    self._check_sizes(global_batch_size, padded, process_index, process_count)
     self.global_batch_size = int(global_batch_size)
+    self.padded_batch_size = int(padded)
     self.process_index = int(process_index)
     self.process_count = int(process_count)
-    self.per_host_batch_size = self.global_batch_size // self.process_count
+    self.per_host_batch_size = self.padded_batch_size // self.process_count
     self.seed = int(seed)
-    self._indices = (grain.MapDataset.range(self._num_sentences)
-                     .shuffle(seed=_derive_seed(self.seed))
-                     .batch(self.global_batch_size, drop_remainder=True)
-                     .repeat())
-    lo = self.process_index * self.per_host_batch_size
-    hi = lo + self.per_host_batch_size
-    self._batches = self._indices.map(lambda idx: idx[lo:hi]).map(self._gather)
+    self._base_seed = _derive_seed(self.seed)
+    self._lock = threading.Lock()
+    self._permutations: dict[int, np.ndarray] = {}  # the last two epochs drawn
 
-  def _check_sizes(self, global_batch_size: int, process_index: int, process_count: int):
-    """Validates batch size, host layout and corpus size."""
+  def _check_sizes(self, global_batch_size: int, padded: int, process_index: int, process_count: int):
+    """Validates batch sizes, host layout and corpus size."""
     if global_batch_size <= 0:
       raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    if padded < global_batch_size:
+      raise ValueError(f"padded_batch_size {padded} is smaller than global_batch_size {global_batch_size}")
     if process_count <= 0 or not 0 <= process_index < process_count:
       raise ValueError(f"need 0 <= process_index < process_count, got {process_index}, {process_count}")
-    if global_batch_size % process_count:
-      raise ValueError(f"global_batch_size {global_batch_size} is not divisible by "
+    if padded % process_count:
+      raise ValueError(f"global batch of {padded} rows (padded_batch_size) is not divisible by "
                        f"process_count {process_count}")
     if self._num_sentences < global_batch_size:
       raise ValueError(f"{self._num_sentences} sentences are fewer than one global batch "
@@ -197,19 +208,47 @@ class TrainBatches:
       raise ValueError(f"step must be a non-negative integer, got {step}")
     return step
 
+  def _permutation(self, epoch: int) -> np.ndarray:
+    """The cached order of `epoch` (`epoch_permutation`), drawn on first use."""
+    with self._lock:
+      permutation = self._permutations.get(epoch)
+      if permutation is None:
+        permutation = epoch_permutation(self._base_seed, epoch, self._num_sentences)
+        self._permutations = {e: p for e, p in self._permutations.items() if e == epoch - 1}
+        self._permutations[epoch] = permutation
+      return permutation
+
   def global_indices(self, step: int) -> np.ndarray:
-    """Corpus indices of the whole global batch of `step` (all hosts), int64 `[B]`."""
-    return np.asarray(self._indices[self._check_step(step)], dtype=np.int64)
+    """Corpus indices of the real rows of the global batch of `step` (all hosts), int64 `[B]`."""
+    epoch, position = divmod(self._check_step(step), self.steps_per_epoch)
+    start = position * self.global_batch_size
+    return self._permutation(epoch)[start:start + self.global_batch_size].astype(np.int64)
 
   def global_sentence_ids(self, step: int) -> np.ndarray:
-    """Corpus sentence ids of the whole global batch of `step`, int32 `[B]`."""
+    """Corpus sentence ids of the real rows of the global batch of `step`, int32 `[B]`."""
     if self._rows is not None:
       return self._rows.gather(self.global_indices(step))[SENTENCE_IDS_KEY]
     return self.sentence_ids[self.global_indices(step)]
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
-    """This host's rows of `step`: int32 token arrays `[per_host, length]`, `sentence_ids` `[per_host]`."""
-    return self._batches[self._check_step(step)]
+    """This host's rows of `step`'s padded global batch.
+
+    int32 token arrays `[per_host, length]`, `sentence_ids` `[per_host]` (-1 on padding rows) and
+    `row_mask` `[per_host]` (1 real row, 0 padding row, a copy of the global batch's first row).
+    """
+    indices = self.global_indices(step)
+    lo = self.process_index * self.per_host_batch_size
+    real = indices[lo:lo + self.per_host_batch_size]  # empty when this host holds only padding
+    padding = self.per_host_batch_size - len(real)
+    rows = self._gather(np.concatenate([real, indices[:1]]) if padding else real)
+    if padding:
+      take = np.concatenate([np.arange(len(real)), np.full(padding, len(real))])
+      rows = {k: v[take] for k, v in rows.items()}
+      rows[SENTENCE_IDS_KEY][len(real):] = PADDING_SENTENCE_ID
+    mask = np.zeros(self.per_host_batch_size, np.int32)
+    mask[:len(real)] = 1
+    rows[ROW_MASK_KEY] = mask
+    return rows
 
   def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """Yields `batch(start_step)`, `batch(start_step + 1)`, ... forever."""
@@ -226,7 +265,8 @@ class TrainBatches:
 def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
                         global_batch_size: int, seed: int, num_sentences: int | None = None,
                         subset_seed: int = 0, process_index: int | None = None,
-                        process_count: int | None = None, show_progress: bool = True) -> TrainBatches:
+                        process_count: int | None = None, show_progress: bool = True,
+                        padded_batch_size: int | None = None) -> TrainBatches:
   """Reads, subsets and tokenizes a corpus file into `TrainBatches`.
 
   Args:
@@ -241,6 +281,7 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
     process_index: this host; defaults to `jax.process_index()`.
     process_count: number of hosts; defaults to `jax.process_count()`.
     show_progress: show a tqdm bar while tokenizing.
+    padded_batch_size: rows per step including padding rows (`TrainBatches`; default the batch).
 
   Returns:
     The batch source for this host; its `sentence_ids` are indices into the corpus's
@@ -273,4 +314,5 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
     process_index = jax.process_index()
   if process_count is None:
     process_count = jax.process_count()
-  return TrainBatches(tokens, global_batch_size, seed, process_index, process_count, sentence_ids)
+  return TrainBatches(tokens, global_batch_size, seed, process_index, process_count, sentence_ids,
+                      padded_batch_size=padded_batch_size)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.models.dropout import Dropout
+from micse_jax.tokenization import TOKEN_KEYS
 
 Array = jax.Array
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
@@ -72,18 +73,22 @@ class BertConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
+    """A config from a HF config dict (unknown keys and None values ignored)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 
   @classmethod
   def from_json_file(cls, path: str) -> "BertConfig":
+    """A config from a HF `config.json`."""
     with open(path, encoding="utf-8") as f:
       return cls.from_dict(json.load(f))
 
   def to_dict(self) -> dict[str, Any]:
+    """All fields as a plain dict (JSON-serialisable)."""
     return dataclasses.asdict(self)
 
   def replace(self, **changes) -> "BertConfig":
+    """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
 
 
@@ -363,3 +368,45 @@ def collect_attentions(intermediates: dict, layers: Sequence[int]) -> Array:
   """Stacks sown attention probabilities into `[len(layers), B, heads, T, T]`."""
   encoder = intermediates["encoder"]
   return jnp.stack([encoder[f"layer_{i}"]["attention"]["self"]["attention_probs"][0] for i in layers])
+
+
+def resolve_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+  """0-based layer indices; negative ones count from the top (-1 = last layer).
+
+  Raises ValueError for an empty list, an index outside the encoder, or a layer named twice.
+  """
+  if not layers or any(not -num_layers <= i < num_layers for i in layers):
+    raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
+  resolved = sorted({i % num_layers for i in layers})
+  if len(resolved) != len(layers):
+    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
+  return tuple(resolved)
+
+
+def two_dropout_views(model: BertModel, params, view1: dict, view2: dict, key: Array):
+  """One train-mode forward of both views (token batches, `TOKEN_KEYS`), interleaved per
+  sentence (`interleave_views`): each row gets its own dropout mask. Returns (hidden1, hidden2
+  `[B, T, H]`, att1, att2 `[L, B, heads, T, T]`), the attention of `model.sow_attention_layers`."""
+  both = interleave_views({k: view1[k] for k in TOKEN_KEYS}, {k: view2[k] for k in TOKEN_KEYS})
+  out, state = model.apply({"params": params}, *(both[k] for k in TOKEN_KEYS), deterministic=False,
+                           rngs={"dropout": key}, mutable=["intermediates"])
+  hidden1, hidden2 = split_views(out.last_hidden_state)
+  att1, att2 = split_views(collect_attentions(state["intermediates"], model.sow_attention_layers), axis=1)
+  return hidden1, hidden2, att1, att2
+
+
+def interleave_views(view1: dict, view2: dict) -> dict:
+  """Rows `[v1_0, v2_0, v1_1, v2_1, ...]` of every array of two token batches
+  (`stack(..., 1).reshape(2B, ...)`), not `[view1; view2]`.
+
+  A device that holds sentences i..j of the batch-sharded input holds both views of exactly
+  those sentences, so stacking and splitting the views moves no activation between devices;
+  and row 2i+v is the same whatever the batch's padded size (per-row random draws too).
+  """
+  return {k: jnp.stack([view1[k], view2[k]], axis=1).reshape(-1, *view1[k].shape[1:]) for k in view1}
+
+
+def split_views(x: jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Inverse of `interleave_views` along `axis` (size 2B): the two `[..., B, ...]` views."""
+  pairs = x.reshape(*x.shape[:axis], x.shape[axis] // 2, 2, *x.shape[axis + 1:])
+  return jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)

@@ -51,6 +51,7 @@ def resolve_model_dir(path_or_name: str) -> str:
 
 
 def load_config(model_dir: str) -> BertConfig:
+  """The `BertConfig` of a model directory's config.json (ModelLoadError when missing or invalid)."""
   path = os.path.join(model_dir, "config.json")
   if not os.path.isfile(path):
     raise ModelLoadError(f"no config.json in model directory {model_dir}")

@@ -13,10 +13,12 @@ import numpy as np
 
 
 def transpose(x: np.ndarray) -> np.ndarray:
+  """HF Linear weight [out, in] <-> Flax Dense kernel [in, out]."""
   return np.ascontiguousarray(np.transpose(x))
 
 
 def identity(x: np.ndarray) -> np.ndarray:
+  """A weight that needs no layout change."""
   return x
 
 
@@ -91,6 +93,7 @@ def hf_to_flax_name(hf_name: str) -> tuple[str, Callable] | None:
 
 
 def flax_to_hf_name(flax_path: str) -> tuple[str, Callable]:
+  """The HF name of a Flax parameter path and the hook that converts its layout (KeyError if unknown)."""
   for regex, hf, hook in _FLAX_TO_HF:
     m = regex.match(flax_path)
     if m:
@@ -99,6 +102,7 @@ def flax_to_hf_name(flax_path: str) -> tuple[str, Callable]:
 
 
 def flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
+  """Yields (`'a/b/c'` path, leaf) for every leaf of a nested dict."""
   for key, value in tree.items():
     path = f"{prefix}/{key}" if prefix else key
     if isinstance(value, dict):
@@ -108,6 +112,7 @@ def flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
 
 
 def unflatten(flat: dict[str, object]) -> dict:
+  """The nested dict of `{'a/b/c': leaf}` (inverse of `flatten`)."""
   tree: dict = {}
   for path, value in flat.items():
     node = tree

@@ -117,6 +117,7 @@ def _cell(score: dict | None) -> str:
 
 
 def markdown(rows: list[dict], problems: list[dict], name: str) -> str:
+  """results.md: one table row per (method, labels, size), mean ± std over seeds, then the problems."""
   columns, extra = _columns(rows), [k for k in _label_keys(rows) if k != "data.num_sentences"]
   header = ["method", *extra, "sentences", "seeds"] + [label for _, label in columns]
   lines = [f"# Sweep `{name}`", "",
@@ -134,6 +135,7 @@ def markdown(rows: list[dict], problems: list[dict], name: str) -> str:
 
 
 def csv_text(rows: list[dict]) -> str:
+  """results.csv: the same rows as `markdown`, one column per statistic."""
   columns, extra = _columns(rows), _label_keys(rows)
   buffer = io.StringIO()
   writer = csv.writer(buffer)

@@ -26,6 +26,7 @@ class RunFailed(RuntimeError):
 
 
 def read_status(workdir: str) -> dict:
+  """A run's status.json (`{}` when it has none yet)."""
   path = os.path.join(workdir, STATUS_FILE)
   if not os.path.isfile(path):
     return {}
@@ -90,6 +91,7 @@ def _environment_setup() -> list[str]:
 
 
 def local_executor(folder: str, timeout_min: int):
+  """A submitit executor running jobs as local processes (the repository on PYTHONPATH)."""
   submitit = require("submitit", "running a sweep (micse_jax.sweep)")
   os.environ["PYTHONPATH"] = REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
   executor = submitit.LocalExecutor(folder=folder)

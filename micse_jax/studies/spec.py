@@ -48,9 +48,11 @@ class RunSpec:
   workdir: str
 
   def label(self, key: str, default=None):
+    """The value this run's axis `key` took (as written in the sweep), or `default`."""
     return dict(self.labels).get(key, default)
 
   def override(self, key: str, default=None):
+    """The value this run passes for config field `key`, or `default`."""
     return dict(self.overrides).get(key, default)
 
 
@@ -175,11 +177,10 @@ def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
 
 
 def _check_run_config(config: ml_collections.ConfigDict, source: str) -> None:
-  """The trainer's own field/combination checks (micse_jax.config_checks), before any run starts."""
+  """All the trainer's config checks (`config_checks.check_config`), before any run starts."""
   from micse_jax import config_checks  # pylint: disable=import-outside-toplevel
   try:
-    config_checks.check_fields(config)
-    config_checks.check_combinations(config)
+    config_checks.check_config(config)
   except ConfigError as e:
     raise SweepError(f"{source} with the sweep's overrides: {e}") from e
 

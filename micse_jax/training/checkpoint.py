@@ -1,4 +1,4 @@
-"""Saving and restoring train states in a workdir (layout and read-only access: `micse_jax/workdir.py`).
+"""Saving, resuming and setting aside train states (layout, managers, read-only access: `micse_jax/workdir.py`).
 
     workdir/checkpoints/<step>/   full TrainState, the last `keep` kept (atomic saves)
     workdir/best/<step>/          {'params': ...} of the best dev score so far (keep 1)
@@ -18,15 +18,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from micse_jax.errors import CheckpointError
-from micse_jax.workdir import (best_manager, current_device_sharding, newest_readable, rolling_manager,
-                               unreadable_reason)
-
-__all__ = ["best_manager", "rolling_manager", "save_state", "restore_state", "resume", "save_best"]
+from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, unreadable_reason
 
 UNREADABLE_DIR = "unreadable_checkpoints"
 
 
 def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
+  """Saves the full train state at its step (asynchronously, as the manager is configured)."""
   manager.save(int(state.step), args=ocp.args.StandardSave(state), metrics=metrics)
 
 
@@ -87,6 +85,7 @@ def _set_aside(manager: ocp.CheckpointManager, steps) -> None:
 
 
 def save_best(manager: ocp.CheckpointManager, step: int, params, score: float) -> None:
-  manager.save(step, args=ocp.args.StandardSave({"params": params}), metrics={"stsb_dev": score},
+  """Saves `params` as the new best checkpoint (`score` = its `workdir.BEST_METRIC`)."""
+  manager.save(step, args=ocp.args.StandardSave({"params": params}), metrics={BEST_METRIC: score},
                force=True)
   manager.wait_until_finished()

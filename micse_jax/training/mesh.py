@@ -30,14 +30,17 @@ def maybe_initialize_distributed() -> None:
 
 
 def data_mesh(devices=None) -> Mesh:
+  """A 1-D mesh over all (or the given) devices, axis `DATA_AXIS`."""
   return Mesh(np.asarray(jax.devices() if devices is None else devices), (DATA_AXIS,))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device holds the whole array."""
   return NamedSharding(mesh, P())
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
+  """The leading (batch) dimension split over the data axis."""
   return NamedSharding(mesh, P(DATA_AXIS))
 
 

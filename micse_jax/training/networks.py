@@ -1,17 +1,26 @@
-"""The Flax modules one train step needs, built once from the config and the BERT config.
+"""What each method adds to the step: the Flax modules (`build_networks`) and their initial
+parameters (`method_params`), built once from the config and the BERT config.
 
-Which modules exist depends on the method: every config has the online encoder and the MLP
-head; miCSE/MoCo add the momentum encoder; ADD adds an attention-reading copy of the encoder
-(no dropout, every layer sown); the MLM auxiliary adds the online encoder with its MLM head;
-InfoCSE adds the frozen lower half of the initial encoder and the auxiliary network.
+Networks: every config has the online encoder and the MLP head; miCSE/MoCo add the momentum
+encoder; ADD adds an attention-reading copy of the encoder (no dropout, every layer sown); the
+MLM auxiliary adds the online encoder with its MLM head; InfoCSE adds the frozen lower half of
+the initial encoder and the auxiliary network.
+
+Parameters: `encoder`, `head` always; CT adds `encoder_b`, `head_b` (a second, independently
+trained copy); the MLM auxiliary adds `mlm_head` (BERT's `cls` head, from the checkpoint);
+InfoCSE adds `infocse` (fresh transformer layers + the checkpoint's MLM head). Frozen:
+InfoCSE's `infocse_lower` (embeddings + lower half of the *initial* encoder, never updated).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from micse_jax.models.bert import BertConfig, BertModel
+import jax
+import jax.numpy as jnp
+
+from micse_jax.models.bert import BertConfig, BertModel, resolve_layers
 from micse_jax.models.heads import MLPHead
-from micse_jax.models.infocse import InfoCSEAuxiliary, lower_half_layers
+from micse_jax.models.infocse import InfoCSEAuxiliary, frozen_lower_params, lower_half_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,18 +33,9 @@ class SpecialTokens:
 
   @classmethod
   def from_tokenizer(cls, tokenizer, vocab_size: int) -> "SpecialTokens":
+    """The [CLS], [SEP] and [MASK] ids of a `micse_jax.tokenization.Tokenizer`."""
     hf = tokenizer.hf
     return cls(int(hf.cls_token_id), int(hf.sep_token_id), int(hf.mask_token_id), vocab_size)
-
-
-def resolve_layers(layers, num_layers: int) -> tuple[int, ...]:
-  """0-based layer indices; negative ones count from the top (-1 = last layer)."""
-  if not layers or any(not -num_layers <= i < num_layers for i in layers):
-    raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
-  resolved = sorted({i % num_layers for i in layers})
-  if len(resolved) != len(layers):
-    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
-  return tuple(resolved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Networks:
 
 
 def compute_dtype(config):
+  """The config's compute dtype (`model.dtype`) as a jnp dtype."""
   from micse_jax.training import precision  # pylint: disable=import-outside-toplevel
   return precision.compute_dtype(config.model.dtype)
 
@@ -64,6 +65,7 @@ def model_options(config) -> dict:
 
 
 def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None = None) -> Networks:
+  """The modules the config's method needs (see the module docstring), in the compute dtype."""
   dtype = compute_dtype(config)
   options = model_options(config)
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
@@ -85,3 +87,26 @@ def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None
       momentum=BertModel(momentum_config, **options),
       head=MLPHead(bert_config.hidden_size, bert_config.initializer_range, dtype=dtype),
       ami_layers=ami_layers, tokens=tokens, **extras)
+
+
+_copy = lambda tree: jax.tree.map(jnp.copy, tree)
+
+
+def method_params(config, nets, encoder_params: dict, head_params: dict, seed: int) -> tuple[dict, dict]:
+  """Returns (trainable params, frozen params). `encoder_params` may carry the `cls` MLM head."""
+  encoder = dict(encoder_params)
+  mlm_head = encoder.pop("cls", None)
+  params, frozen = {"encoder": encoder, "head": head_params}, {}
+  if config.ct.enabled:
+    params["encoder_b"], params["head_b"] = _copy(encoder), _copy(head_params)
+  if config.mlm.enabled:
+    params["mlm_head"] = mlm_head
+  if config.infocse.enabled:
+    lower = frozen_lower_params(encoder, lower_half_layers(nets.online.config.num_hidden_layers))
+    frozen["infocse_lower"] = lower
+    hidden = nets.online.config.hidden_size
+    dummy = jnp.zeros((1, 2, hidden)), jnp.ones((1, 2), jnp.int32), jnp.zeros((nets.online.config.vocab_size, hidden))
+    aux = nets.infocse_aux.init(jax.random.PRNGKey(seed + 1), *dummy)["params"]
+    aux = dict(aux, predictions=_copy(mlm_head["predictions"]))  # the checkpoint's MLM head
+    params["infocse"] = aux
+  return params, frozen

@@ -4,6 +4,7 @@ import optax
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warm-up over `optim.warmup_steps` to `optim.learning_rate`, then linear decay to 0 at `num_train_steps`."""
   o = config.optim
   warmup = min(o.warmup_steps, config.num_train_steps)
   return optax.join_schedules(
@@ -13,6 +14,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW on `learning_rate_schedule`, after global-norm clipping when `optim.grad_clip_norm` > 0."""
   o = config.optim
   adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
                       weight_decay=o.weight_decay)

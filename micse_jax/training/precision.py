@@ -26,11 +26,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from micse_jax.config_checks import DTYPES
 from micse_jax.errors import ConfigError
 from micse_jax.optional import require
 
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 AUTO = "auto"
+COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
 
 
 def auto_dtype(platform: str, compute_capability: str | None = None) -> str:
@@ -85,6 +86,7 @@ def compute_dtype(name: str):
 
 
 def uses_loss_scaling(config) -> bool:
+  """float16 needs dynamic loss scaling; float32 and bfloat16 do not ("auto" resolved first)."""
   return dtype_name(config) == "float16"
 
 

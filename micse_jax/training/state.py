@@ -5,6 +5,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from micse_jax.training.momentum import empty_queue, empty_queue_ids
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -24,7 +26,7 @@ class TrainState:
 
 def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int,
                        frozen_params=None, loss_scale: dict | None = None) -> TrainState:
-  from micse_jax.training.queue import empty_queue, empty_queue_ids  # pylint: disable=import-outside-toplevel
+  """Step 0: the given params and optimizer state, an empty queue and EMA = online encoder (if momentum)."""
   # Without momentum there is no queue: empty subtrees (Orbax cannot store zero-size arrays).
   queue, valid, ptr = empty_queue(queue_size, dim) if momentum else ({}, {}, {})
   queue_ids = empty_queue_ids(queue_size) if momentum else {}

@@ -19,11 +19,9 @@ import optax
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.losses.infonce import l2_normalize
 from micse_jax.training import mesh as mesh_lib, precision, terms
-from micse_jax.training.ema import ema_update
-from micse_jax.training.networks import Networks, build_networks, resolve_layers  # noqa: F401 (re-export)
-from micse_jax.training.queue import enqueue, enqueue_ids
+from micse_jax.training.networks import Networks
+from micse_jax.training.momentum import ema_update, enqueue, enqueue_ids, momentum_embeddings
 from micse_jax.training.state import TrainState
 from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
 
@@ -90,13 +88,6 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
   sharded = config.get("mesh", {}).get("shard_state", False)
   whole = lambda tree: mesh_lib.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
 
-  def momentum_embeddings(state: TrainState, batch, key):
-    """Momentum encoder (dropout p_m) + the online MLP head; no gradient flows here."""
-    out = nets.momentum.apply({"params": whole(state.ema_params)}, batch["input_ids"], batch["attention_mask"],
-                              batch["token_type_ids"], deterministic=False, rngs={"dropout": key})
-    z = nets.head.apply({"params": whole(state.params["head"])}, out.last_hidden_state[:, 0])
-    return jax.lax.stop_gradient(l2_normalize(z.astype(jnp.float32)))
-
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     keys = step_keys(state)
     queue = whole(state.queue) if use_momentum else None
@@ -109,7 +100,8 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if use_momentum:
-      embeddings = momentum_embeddings(state, batch, keys["momentum"])
+      embeddings = momentum_embeddings(nets, whole(state.ema_params), whole(state.params["head"]), batch,
+                                       keys["momentum"])
       row_mask = batch.get(ROW_MASK_KEY)  # padding rows are never enqueued
       q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, embeddings, row_mask)
       new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),

@@ -24,7 +24,7 @@ from micse_jax.losses.infonce import info_nce_loss, l2_normalize, row_mean
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.losses.reconstruction import reconstruction_loss
 from micse_jax.training.views import special_mask
-from micse_jax.views import mlm_mask
+from micse_jax.augmentation import mlm_mask
 
 
 def contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=None, queue_ids=None, row_mask=None):

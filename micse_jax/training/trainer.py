@@ -1,4 +1,8 @@
-"""The training loop: data → jitted step over the device mesh → logs, dev selection, checkpoints."""
+"""The training loop: data → jitted step over the device mesh → logs, evaluators, checkpoints.
+
+The trainer owns both Orbax managers (rolling `checkpoints/`, `best/`); the evaluators
+(`micse_jax/evaluators/`) only score params, on the steps `evaluators.is_due` names.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,78 +12,26 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from micse_jax import config_checks, workdir as workdir_lib
-from micse_jax.data.pipeline import TrainBatches, build_train_batches
+from micse_jax.encoder import SentenceEncoder
 from micse_jax.errors import NonFiniteLossError
-from micse_jax.models.bert import BertConfig
-from micse_jax.models.heads import MLPHead
-from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
-from micse_jax.tokenization import Tokenizer
+from micse_jax.evaluators import is_due
+from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
+from micse_jax.evaluators.heldout import HeldoutMetrics
+from micse_jax.models.bert import BertModel
 from micse_jax.training import checkpoint, mesh as mesh_lib, precision
-from micse_jax.training.analysis import Analysis
-from micse_jax.training.dev_selection import DevSelector, final_evaluation
-from micse_jax.training.method_checks import check_method_config, check_mlm_head, needs_mlm_head
-from micse_jax.training.method_params import method_params
-from micse_jax.training.networks import SpecialTokens
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-from micse_jax.training.precision import initial_loss_scale_state
-from micse_jax.training.queue import self_collision_warning
-from micse_jax.training.state import TrainState, create_train_state
-from micse_jax.training.step import Networks, build_networks, make_train_step
-
-
-@dataclasses.dataclass
-class Run:
-  """Everything a run needs, built (and validated) before anything is written to the workdir."""
-  config: ml_collections.ConfigDict
-  bert_config: BertConfig
-  model_dir: str
-  tokenizer: Tokenizer
-  batches: TrainBatches
-  nets: Networks
-  initial_params: dict  # {'encoder': BERT params, 'head': MLP head params, + per method (method_params)}
-  frozen_params: dict = dataclasses.field(default_factory=dict)  # never trained (InfoCSE)
-
-
-def prepare(config: ml_collections.ConfigDict) -> Run:
-  """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input."""
-  config_checks.check_fields(config)
-  config_checks.check_combinations(config)
-  check_method_config(config)  # the relatives' views/terms and their combinations
-  model_dir = resolve_model_dir(config.model.name_or_path)
-  config_checks.check_against_model(config, load_config(model_dir))
-  if needs_mlm_head(config):
-    check_mlm_head(config, model_dir, has_mlm_head(model_dir))
-  _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_mlm_head(config))
-  tokenizer = Tokenizer.from_pretrained(model_dir)
-  batches = build_train_batches(
-      config.data.corpus, tokenizer, max_length=config.model.max_length,
-      global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
-      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0)
-  warning = config.momentum.enabled and self_collision_warning(
-      batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
-  if warning and jax.process_index() == 0:
-    logging.warning(warning)
-  nets = build_networks(config, bert_config, SpecialTokens.from_tokenizer(tokenizer, bert_config.vocab_size))
-  head = MLPHead(bert_config.hidden_size, bert_config.initializer_range)
-  head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, bert_config.hidden_size)))["params"]
-  params, frozen = method_params(config, nets, encoder_params, head_params, config.seed)
-  return Run(config, bert_config, model_dir, tokenizer, batches, nets, params, frozen)
-
-
-def initial_state(run: Run, tx) -> TrainState:
-  c = run.config
-  return create_train_state(run.initial_params, tx, seed=c.seed, momentum=c.momentum.enabled,
-                            queue_size=c.momentum.queue_size, dim=run.bert_config.hidden_size,
-                            frozen_params=run.frozen_params, loss_scale=initial_loss_scale_state(c))
+from micse_jax.training.setup import Run, initial_state, prepare
+from micse_jax.training.step import make_train_step
 
 
 def jit_train_step(run: Run, tx, mesh, state_sharding):
+  """The pure step jitted over `mesh`: state in/out on `state_sharding` (donated), batch sharded."""
   step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config), mesh)
   return jax.jit(step_fn, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
@@ -104,7 +56,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   state_sharding = mesh_lib.state_sharding(abstract_state, mesh, config.mesh.shard_state,
                                            config.mesh.shard_min_elements)
   os.makedirs(workdir, exist_ok=True)
-  rolling = checkpoint.rolling_manager(workdir, config.keep_checkpoints)
+  rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   if rolling.latest_step() is not None:
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state, state_sharding)
@@ -116,20 +68,69 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     workdir_lib.write_run_config(workdir, {**config.to_dict(), "model_dir": run.model_dir,
                                           "bert_config": run.bert_config.to_dict()})
   train_step = jit_train_step(run, tx, mesh, state_sharding)
-  selector = DevSelector(run, workdir)
-  analysis = Analysis.create(run)
+  evaluators = _Evaluators.create(run, workdir)
   writer = _summary_writer(workdir)
   try:
-    state = _loop(run, state, train_step, mesh, rolling, selector, writer, analysis)
+    state = _loop(run, state, train_step, mesh, rolling, evaluators, writer)
   finally:
     rolling.wait_until_finished()
-    selector.manager.wait_until_finished()
+    evaluators.best.wait_until_finished()
     if writer:
       writer.close()
-  return final_evaluation(run, workdir, state, selector)
+  return _final_evaluation(workdir, state, evaluators)
 
 
-def _loop(run: Run, state, train_step, mesh, rolling, selector, writer, analysis=None):
+@dataclasses.dataclass
+class _Evaluators:
+  """The run's evaluators, built from one dev encoder, and the `best/` manager they feed."""
+  selection: DevSelection
+  heldout: HeldoutMetrics | None
+  best: ocp.CheckpointManager
+  best_score: float
+
+  @classmethod
+  def create(cls, run: Run, workdir: str) -> "_Evaluators":
+    """Evaluators on the run's model and tokenizer (params given per call); best score so far."""
+    encoder = SentenceEncoder(BertModel(run.bert_config, dtype=run.nets.online.dtype), None,
+                              run.tokenizer, model_dir=run.model_dir)
+    best = workdir_lib.best_manager(workdir)
+    step = best.best_step()
+    score = float(best.metrics(step)[workdir_lib.BEST_METRIC]) if step is not None else -math.inf
+    return cls(DevSelection(encoder, run.config.eval, run.config.eval_every),
+               HeldoutMetrics.create(encoder, run.config), best, score)
+
+  @property
+  def active(self) -> bool:
+    return self.selection.enabled or self.heldout is not None
+
+  def __call__(self, state, writer, bar) -> None:
+    """Dev selection (a better score saves `best/`), then the held-out metrics; logged."""
+    done = int(state.step)
+    if self.selection.enabled:
+      scores = self.selection(state.params)
+      if scores[workdir_lib.BEST_METRIC] > self.best_score:
+        self.best_score = scores[workdir_lib.BEST_METRIC]
+        checkpoint.save_best(self.best, done, state.params, self.best_score)
+      _write_scalars(writer, done, scores)
+      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
+    if self.heldout is not None:
+      stats = self.heldout(state.params["encoder"])  # alignment, uniformity, attention MI
+      _write_scalars(writer, done, stats)
+      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+
+
+def _final_evaluation(workdir: str, state, evaluators: _Evaluators) -> dict:
+  """`eval.final_tasks` of the best params (restored on any topology), else of the last ones."""
+  if not evaluators.selection.has_final_tasks:
+    return {}
+  params, which = state.params, f"last step {int(state.step)}"
+  if evaluators.best.all_steps():
+    best_step, params = workdir_lib.restore_params(workdir, "best")
+    which = f"best STS-B dev (step {best_step}, {evaluators.best_score:.2f})"
+  return final_evaluation(evaluators.selection, workdir, params, which)
+
+
+def _loop(run: Run, state, train_step, mesh, rolling, evaluators: _Evaluators, writer):
   c = run.config
   start = int(state.step)
   bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
@@ -141,7 +142,8 @@ def _loop(run: Run, state, train_step, mesh, rolling, selector, writer, analysis
       _check_finite(pending, step - 1)  # one step behind: the device keeps working meanwhile
     pending, done = metrics, step + 1
     last = done == c.num_train_steps
-    log, evaluate = done % c.log_every == 0 or last, selector.enabled and (done % c.eval_every == 0 or last)
+    log = done % c.log_every == 0 or last
+    evaluate = evaluators.active and is_due(done, c.eval_every, c.num_train_steps)
     save = done % c.checkpoint_every == 0 or last
     if log or evaluate or save:  # never log, select or save a non-finite state
       host, pending = _check_finite(metrics, done), None
@@ -152,13 +154,7 @@ def _loop(run: Run, state, train_step, mesh, rolling, selector, writer, analysis
       bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi") if k in host})
       _write_scalars(writer, done, host)
     if evaluate:
-      scores = selector(state)
-      _write_scalars(writer, done, scores)
-      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
-    if analysis is not None and c.eval_every > 0 and (done % c.eval_every == 0 or last):
-      stats = analysis(state)  # alignment, uniformity, attention MI on the held-out slice
-      _write_scalars(writer, done, stats)
-      bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+      evaluators(state, writer, bar)
     if save:
       checkpoint.save_state(rolling, state)
   return state
@@ -168,7 +164,7 @@ def _summary_writer(workdir: str):
   if jax.process_index() != 0:
     return None
   from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-  return SummaryWriter(os.path.join(workdir, "tensorboard"))
+  return SummaryWriter(os.path.join(workdir, workdir_lib.TENSORBOARD_DIR))
 
 
 def _write_scalars(writer, step: int, scalars: dict) -> None:

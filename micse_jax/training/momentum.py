@@ -1,4 +1,11 @@
-"""Fixed-size ring buffer of momentum-encoder embeddings: extra negatives (miCSE §2.1, MoCo).
+"""The momentum encoder and its queue of negatives (miCSE §2.1/§3.1, MoCo).
+
+1. After each optimizer step the momentum encoder follows the online one by an exponential
+   moving average: target ← m·target + (1−m)·online (`ema_update`).
+2. The momentum encoder (dropout p_m) and the online MLP head embed the batch, without
+   gradient (`momentum_embeddings`).
+3. Those embeddings are pushed into a fixed-size ring buffer, the queue of extra negatives for
+   InfoNCE (miCSE Eq. 2) (`enqueue`, `enqueue_ids`).
 
 Static shapes: the queue is a `[Q, D]` array with a write pointer and a validity mask; a push
 writes the whole global batch at `(ptr + arange(B)) % Q` and advances the pointer. Beside the
@@ -7,8 +14,24 @@ same slots, so InfoNCE can recognise an anchor's own sentence among the negative
 """
 import jax
 import jax.numpy as jnp
+import optax
+
+from micse_jax.losses.infonce import l2_normalize
 
 EMPTY_ID = -1
+
+
+def ema_update(online, target, decay: float):
+  """One tree-wide EMA step (optax.incremental_update; step_size = 1 − decay)."""
+  return optax.incremental_update(online, target, step_size=1.0 - decay)
+
+
+def momentum_embeddings(nets, ema_params, head_params, batch, key) -> jax.Array:
+  """Momentum encoder (dropout p_m) + the online MLP head, L2-normalised; no gradient flows here."""
+  out = nets.momentum.apply({"params": ema_params}, batch["input_ids"], batch["attention_mask"],
+                            batch["token_type_ids"], deterministic=False, rngs={"dropout": key})
+  z = nets.head.apply({"params": head_params}, out.last_hidden_state[:, 0])
+  return jax.lax.stop_gradient(l2_normalize(z.astype(jnp.float32)))
 
 
 def empty_queue(size: int, dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:

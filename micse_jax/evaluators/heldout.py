@@ -1,4 +1,4 @@
-"""Analysis metrics logged by every config: alignment, uniformity and attention MI.
+"""Held-out metrics logged by every config: alignment, uniformity and attention MI.
 
 On a fixed held-out slice of sentences (`analysis.corpus`, lines `first_line ...`; by default
 the non-wiki part of `english_mix.txt`, which no wiki1m training run sees), every `eval_every`
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from micse_jax.losses.alignment import alignment, uniformity
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import l2_normalize
-from micse_jax.models.bert import BertModel, collect_attentions
-from micse_jax.training.networks import compute_dtype, resolve_layers
+from micse_jax.models.bert import BertModel, resolve_layers, two_dropout_views
+from micse_jax.tokenization import TOKEN_KEYS
 
 
 def read_heldout(path: str, first_line: int, num_sentences: int) -> list[str]:
@@ -44,18 +44,15 @@ def read_heldout(path: str, first_line: int, num_sentences: int) -> list[str]:
 
 def analysis_metrics(model: BertModel, layers, ami_config, params, batch, key) -> dict[str, jax.Array]:
   """alignment / uniformity / attention MI of `params` on one token batch (see module doc)."""
+  del layers  # the model sows them
   k_drop, k_ami = jax.random.split(key)
-  args = lambda b: (b["input_ids"], b["attention_mask"], b["token_type_ids"])
-  both = {k: jnp.concatenate([v, v]) for k, v in batch.items()}
-  out, state = model.apply({"params": params}, *args(both), deterministic=False, rngs={"dropout": k_drop},
-                           mutable=["intermediates"])
-  x1, x2 = jnp.split(l2_normalize(out.last_hidden_state[:, 0].astype(jnp.float32)), 2)
-  att1, att2 = jnp.split(collect_attentions(state["intermediates"], layers), 2, axis=1)
+  h1, h2, att1, att2 = two_dropout_views(model, params, batch, batch, k_drop)
+  x1, x2 = (l2_normalize(h[:, 0].astype(jnp.float32)) for h in (h1, h2))
   a = ami_config
   _, ami = ami_loss(att1, att2, batch["attention_mask"], k_ami, weight=1.0, num_samples=a.num_samples,
                     heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
                     require_positive=a.require_positive)
-  clean = model.apply({"params": params}, *args(batch), deterministic=True)
+  clean = model.apply({"params": params}, *(batch[k] for k in TOKEN_KEYS), deterministic=True)
   z = l2_normalize(clean.last_hidden_state[:, 0].astype(jnp.float32))
   return {"analysis/alignment": alignment(x1, x2), "analysis/uniformity": uniformity(z),
           "analysis/attention_mi": ami["ami_mi"]}
@@ -69,22 +66,23 @@ def analysis_layers(layers, num_layers: int) -> tuple[int, ...]:
     return tuple(range(max(0, num_layers - 4), num_layers))
 
 
-class Analysis:
-  """Callable on a train state → host floats; `create` returns None when disabled/no data."""
+class HeldoutMetrics:
+  """Callable on the encoder params → host floats; `create` returns None when disabled/no data."""
 
-  def __init__(self, run, sentences: list[str]):
-    c = run.config
-    layers = analysis_layers(c.ami.layers, run.bert_config.num_hidden_layers)
-    model = BertModel(run.bert_config, sow_attention_layers=layers, dtype=compute_dtype(c))
-    self.batch = {k: jnp.asarray(v) for k, v in
-                  run.tokenizer(sentences, c.model.max_length, pad_to=c.model.max_length).items()}
-    self.seed = c.seed
-    self.fn = jax.jit(functools.partial(analysis_metrics, model, layers, c.ami))
+  def __init__(self, encoder, config, sentences: list[str]):
+    bert_config = encoder.model.config
+    layers = analysis_layers(config.ami.layers, bert_config.num_hidden_layers)
+    model = BertModel(bert_config, sow_attention_layers=layers, dtype=encoder.model.dtype)
+    length = config.model.max_length
+    self.batch = {k: jnp.asarray(v) for k, v in encoder.tokenizer(sentences, length, pad_to=length).items()}
+    self.seed = config.seed
+    self.fn = jax.jit(functools.partial(analysis_metrics, model, layers, config.ami))
 
   @classmethod
-  def create(cls, run) -> "Analysis | None":
-    a = run.config.analysis
-    if not a.enabled or run.config.eval_every <= 0:
+  def create(cls, encoder, config) -> "HeldoutMetrics | None":
+    """From the `analysis.*` fields; None when off, when `eval_every` <= 0 or without the corpus."""
+    a = config.analysis
+    if not a.enabled or config.eval_every <= 0:
       return None
     if not os.path.isfile(a.corpus):
       logging.warning("analysis corpus not found at %s: no alignment/uniformity/attention-MI logging", a.corpus)
@@ -93,8 +91,9 @@ class Analysis:
     if len(sentences) < 2:
       logging.warning("analysis corpus %s has < 2 sentences after line %d: no analysis", a.corpus, a.first_line)
       return None
-    return cls(run, sentences)
+    return cls(encoder, config, sentences)
 
-  def __call__(self, state) -> dict[str, float]:
-    key = jax.random.fold_in(jax.random.PRNGKey(self.seed), 0)  # the same dropout masks every time
-    return {k: float(v) for k, v in jax.device_get(self.fn(state.params["encoder"], self.batch, key)).items()}
+  def __call__(self, encoder_params) -> dict[str, float]:
+    """The metrics of `encoder_params`, with the same dropout masks at every call."""
+    key = jax.random.fold_in(jax.random.PRNGKey(self.seed), 0)
+    return {k: float(v) for k, v in jax.device_get(self.fn(encoder_params, self.batch, key)).items()}

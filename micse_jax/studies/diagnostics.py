@@ -15,43 +15,26 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
+from micse_jax.losses.alignment import alignment, uniformity
 from micse_jax.losses.ami import attention_mutual_information
-from micse_jax.models.bert import BertModel, collect_attentions
+from micse_jax.models.bert import BertModel, two_dropout_views
 from micse_jax.optional import require
 from micse_jax.studies.plots import pyplot, save_figure
 
 
-def _normalize(x: np.ndarray) -> np.ndarray:
-  x = np.asarray(x, dtype=np.float64)
-  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
-def alignment(x: np.ndarray, y: np.ndarray) -> float:
-  """Mean squared distance of normalised positive pairs (rows of x and y)."""
-  return float(np.mean(np.sum((_normalize(x) - _normalize(y)) ** 2, axis=1)))
-
-
-def uniformity(x: np.ndarray, t: float = 2.0) -> float:
-  """log of the mean Gaussian potential exp(-t ||u - v||^2) over distinct pairs of normalised rows."""
-  u = _normalize(x)
-  sq = np.maximum(2.0 - 2.0 * u @ u.T, 0.0)
-  i, j = np.triu_indices(len(u), k=1)
-  return float(np.log(np.mean(np.exp(-t * sq[i, j]))))
+def alignment_uniformity(positive1, positive2, embeddings) -> tuple[float, float]:
+  """(alignment of the positive pairs' rows, uniformity of `embeddings`): `losses/alignment.py`."""
+  return (float(alignment(jnp.asarray(positive1), jnp.asarray(positive2))),
+          float(uniformity(jnp.asarray(embeddings))))
 
 
 def dropout_attention(encoder, sentences: list[str], seed: int = 0, max_length: int = 32):
   """Attention `[L, B, H, T, T]` of two dropout views of `sentences` (train-mode forward, as in training)."""
   config = encoder.model.config
-  layers = tuple(range(config.num_hidden_layers))
-  model = BertModel(config, sow_attention_layers=layers)
-  batch = encoder.tokenizer(sentences, max_length)
-  views = []
-  for key in jax.random.split(jax.random.PRNGKey(seed), 2):
-    _, state = model.apply({"params": encoder.params}, batch["input_ids"], batch["attention_mask"],
-                           batch["token_type_ids"], deterministic=False, rngs={"dropout": key},
-                           mutable=["intermediates"])
-    views.append(collect_attentions(state["intermediates"], layers))
-  return views[0], views[1], jnp.asarray(batch["attention_mask"])
+  model = BertModel(config, sow_attention_layers=tuple(range(config.num_hidden_layers)))
+  batch = {k: jnp.asarray(v) for k, v in encoder.tokenizer(sentences, max_length).items()}
+  _, _, att1, att2 = two_dropout_views(model, encoder.params, batch, batch, jax.random.PRNGKey(seed))
+  return att1, att2, batch["attention_mask"]
 
 
 def slice_mutual_information(att1, att2, mask, seed: int = 0, num_samples: int = 150) -> np.ndarray:
@@ -100,6 +83,7 @@ def cosine_vs_gold(cosines: np.ndarray, gold: np.ndarray, path: str) -> tuple[st
 
 
 def alignment_uniformity_plot(align: float, uniform: float, label: str, path: str) -> str:
+  """One labelled point on the alignment–uniformity plane (SimCSE Fig. 2)."""
   fig, ax = pyplot().subplots(figsize=(4.5, 4))
   ax.scatter([uniform], [align], s=60, color="tab:red")
   ax.annotate(label, (uniform, align), textcoords="offset points", xytext=(6, 6), fontsize=8)

@@ -1,0 +1,87 @@
+"""A run's set-up, shared by the trainer and the benchmark: the checkpoint's model and tokenizer,
+the corpus batches, the networks the method needs, the step-0 params and train state.
+
+Everything is built and validated (`config_checks.check_against_model`, `check_mlm_head`)
+before anything is written to the workdir; `config_checks.check_config` has run before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from micse_jax import config_checks
+from micse_jax.data.pipeline import TrainBatches, build_train_batches
+from micse_jax.models.bert import BertConfig
+from micse_jax.models.heads import MLPHead
+from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
+from micse_jax.tokenization import Tokenizer
+from micse_jax.training import mesh as mesh_lib
+from micse_jax.training.momentum import self_collision_warning
+from micse_jax.training.networks import Networks, SpecialTokens, build_networks, method_params
+from micse_jax.training.precision import initial_loss_scale_state
+from micse_jax.training.state import TrainState, create_train_state
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything a run needs, built (and validated) before anything is written to the workdir."""
+  config: ml_collections.ConfigDict
+  bert_config: BertConfig
+  model_dir: str
+  tokenizer: Tokenizer
+  batches: TrainBatches
+  nets: Networks
+  initial_params: dict  # {'encoder': BERT params, 'head': MLP head params, + per method (method_params)}
+  frozen_params: dict = dataclasses.field(default_factory=dict)  # never trained (InfoCSE)
+
+
+def prepare(config: ml_collections.ConfigDict) -> Run:
+  """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input.
+
+  Expects a config that passed `config_checks.check_config`; runs only the checks that need the model.
+  """
+  model_dir = resolve_model_dir(config.model.name_or_path)
+  config_checks.check_against_model(config, load_config(model_dir))
+  needs_head = config_checks.needs_mlm_head(config)
+  if needs_head:
+    config_checks.check_mlm_head(config, model_dir, has_mlm_head(model_dir))
+  _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)
+  tokenizer = Tokenizer.from_pretrained(model_dir)
+  batches = build_train_batches(
+      config.data.corpus, tokenizer, max_length=config.model.max_length,
+      global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
+      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
+      padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, jax.device_count()))
+  warning = config.momentum.enabled and self_collision_warning(
+      batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
+  if warning and jax.process_index() == 0:
+    logging.warning(warning)
+  nets = build_networks(config, bert_config, SpecialTokens.from_tokenizer(tokenizer, bert_config.vocab_size))
+  params, frozen = initial_params(config, nets, encoder_params)
+  return Run(config, bert_config, model_dir, tokenizer, batches, nets, params, frozen)
+
+
+def initial_params(config: ml_collections.ConfigDict, nets: Networks, encoder_params: dict) -> tuple[dict, dict]:
+  """(trainable, frozen) params at step 0: the checkpoint's encoder, a fresh MLP head (seeded by
+  `config.seed`) and what the method adds (`networks.method_params`)."""
+  bert_config = nets.online.config
+  head = MLPHead(bert_config.hidden_size, bert_config.initializer_range)
+  head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, bert_config.hidden_size)))["params"]
+  return method_params(config, nets, encoder_params, head_params, config.seed)
+
+
+def new_train_state(config: ml_collections.ConfigDict, hidden_size: int, tx, params: dict,
+                    frozen: dict | None = None) -> TrainState:
+  """The step-0 train state of `params` (empty queue, EMA = online encoder, initial loss scale)."""
+  return create_train_state(params, tx, seed=config.seed, momentum=config.momentum.enabled,
+                            queue_size=config.momentum.queue_size, dim=hidden_size,
+                            frozen_params=frozen, loss_scale=initial_loss_scale_state(config))
+
+
+def initial_state(run: Run, tx) -> TrainState:
+  """The step-0 train state of a prepared run."""
+  return new_train_state(run.config, run.bert_config.hidden_size, tx, run.initial_params, run.frozen_params)
