@@ -328,7 +328,7 @@ def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> 
 
 def check_packages(config: ml_collections.ConfigDict) -> None:
   """The optional packages this config's paths need are installed (`micse_jax/optional.py`)."""
-  from micse_jax.training.precision import dtype_name  # pylint: disable=import-outside-toplevel
+  from micse_jax.models.dtypes import dtype_name  # pylint: disable=import-outside-toplevel
   if dtype_name(config) == "float16":
     require("jmp", "float16 training (model.dtype=float16, dynamic loss scaling)")
 

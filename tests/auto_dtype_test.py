@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from micse_jax import config_checks
+from micse_jax.models import dtypes
 from micse_jax.training import precision
 
 
@@ -46,7 +47,7 @@ def test_default_config_is_auto_and_resolves_once_with_one_line(capsys):
 
 def test_auto_on_a_pre_ampere_gpu_uses_loss_scaling(monkeypatch):
   from configs import micse
-  monkeypatch.setattr(precision, "device_dtype", lambda device=None: "float16")
+  monkeypatch.setattr(dtypes, "device_dtype", lambda device=None: "float16")
   config = micse.get_config()
   assert precision.uses_loss_scaling(config)
   assert set(precision.initial_loss_scale_state(config)) == {"scale", "counter", "skipped_steps"}

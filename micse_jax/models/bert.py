@@ -4,14 +4,8 @@ Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings
 `encoder/layer_3/attention/self/query`, ...), so `weights.py` can map checkpoints with one
 table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
 the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
-to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`).
-
-Rematerialisation (`remat`): "none" keeps every activation for the backward pass; "layer"
-wraps each `BertLayer` in `nn.remat` saving the outputs of the dense matmuls (dot products
-without batch dimensions: Q/K/V, attention output, FFN in/out) and recomputing the rest
-(attention scores/softmax, GELU, LayerNorm, dropout masks); "full" saves nothing inside a
-layer but its input, recomputing the whole layer in the backward pass (least memory, one
-extra forward). Sown attention maps are outputs of the remat'd layer, so AMI still reads them.
+to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`). Layers may be
+rematerialised (`remat`, see `models/remat.py`).
 """
 from __future__ import annotations
 
@@ -26,16 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.models.dropout import Dropout
+from micse_jax.models.remat import remat_layer
 from micse_jax.tokenization import TOKEN_KEYS
 
 Array = jax.Array
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 ATTENTION_KERNELS = ("explicit", "fused")
-REMAT_POLICIES = {
-    "none": None,
-    "layer": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,16 +232,6 @@ class BertIntermediate(nn.Module):
     return ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, c, self.dtype, "dense")(x))
 
 
-def layer_class(remat: str) -> type[nn.Module]:
-  """`BertLayer`, or it wrapped in `nn.remat` with the policy named by `remat` (module docstring)."""
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"unsupported remat {remat!r}; expected one of {sorted(REMAT_POLICIES)}")
-  if remat == "none":
-    return BertLayer
-  # static_argnums counts `self` as 0: `deterministic` (argument 3) is a Python bool.
-  return nn.remat(BertLayer, policy=REMAT_POLICIES[remat], static_argnums=(3,))
-
-
 class BertEncoder(nn.Module):
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
@@ -262,7 +242,7 @@ class BertEncoder(nn.Module):
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool, output_hidden_states: bool = False):
     hidden_states = [x]
-    layer = layer_class(self.remat)
+    layer = remat_layer(BertLayer, self.remat)
     for i in range(self.config.num_hidden_layers):
       x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.attention, name=f"layer_{i}")(
           x, key_mask, deterministic)
