@@ -28,10 +28,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.name_or_path = "bert-base-uncased"
   c.model.max_length = 32
-  c.model.dtype = "float32"           # computation dtype: float32 | bfloat16 | float16 (params stay fp32)
+  c.model.dtype = "auto"              # computation dtype: auto | float32 | bfloat16 | float16 (params stay
+                                      # fp32); auto: fp32 on CPU, fp16 on GPUs < sm80, bf16 on sm80+/TPU
+  c.model.remat = "none"              # none | layer (save matmul outputs) | full (save layer inputs only)
+  c.model.attention = "fused"         # fused: jax.nn.dot_product_attention where no probs are read
+                                      # (not AMI layers, no attention dropout); explicit: softmax(QK^T)V
   c.model.loss_scale_init = 2.0 ** 15  # float16 only: dynamic loss scaling (jmp), initial scale
   c.model.loss_scale_period = 2000    # float16 only: finite steps before the scale doubles
   c.model.dropout_random_bits = 32    # 32: flax Dropout; 16: two decisions per random word (opt-in)
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shard_state = False          # FSDP/ZeRO-3: params, EMA, optimizer state, queue sharded over devices
+  c.mesh.shard_min_elements = 2 ** 14  # smaller state leaves stay replicated when shard_state is on
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = paths.corpus_path("wiki1m_for_simcse.txt")

@@ -23,11 +23,15 @@ from micse_jax.errors import ConfigError
 from micse_jax.optional import require
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
-# and saves); any other difference would silently continue a different run.
+# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state);
+# any other difference would silently continue a different run. A missing field of an old
+# config.json is such a difference unless it is listed here.
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_every", "eval.", "data.prefetch")
+                     "eval_every", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.")
 SHUFFLE_SCHEMES = ("numpy-pcg64-epoch-permutation",)  # micse_jax.data.pipeline.SHUFFLE_SCHEME
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION = ("fused", "explicit")
+REMAT = ("none", "layer", "full")
 
 
 def _is_int(v) -> bool:
@@ -87,6 +91,10 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "model.dtype": _choice(*DTYPES),
     "model.loss_scale_init": _real(0, lo_open=True),  # float16 dynamic loss scaling (precision.py)
     "model.loss_scale_period": _int(1),
+    "model.attention": _choice(*ATTENTION),
+    "model.remat": _choice(*REMAT),
+    "mesh.shard_state": _bool,
+    "mesh.shard_min_elements": _int(1),
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",
     "data.corpus": _text,
     "data.num_sentences": _int(0),
@@ -151,10 +159,8 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
 
 
 def check_combinations(config: ml_collections.ConfigDict) -> None:
-  """Constraints between fields: devices, queue vs batch, AMI layers, task names."""
-  import jax  # pylint: disable=import-outside-toplevel
-  if config.batch_size % jax.device_count():
-    raise ConfigError(f"batch_size {config.batch_size} is not divisible by {jax.device_count()} devices")
+  """Constraints between fields: queue vs batch, AMI layers, task names. (Any batch runs on any
+  device count: the trainer pads it with masked rows, `training/mesh.py: padded_batch_size`.)"""
   if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
     raise ConfigError(f"momentum.queue_size {config.momentum.queue_size} must be >= batch_size "
                       f"{config.batch_size}")
@@ -322,7 +328,8 @@ def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> 
 
 def check_packages(config: ml_collections.ConfigDict) -> None:
   """The optional packages this config's paths need are installed (`micse_jax/optional.py`)."""
-  if config.model.dtype == "float16":
+  from micse_jax.models.dtypes import dtype_name  # pylint: disable=import-outside-toplevel
+  if dtype_name(config) == "float16":
     require("jmp", "float16 training (model.dtype=float16, dynamic loss scaling)")
 
 

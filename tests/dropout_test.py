@@ -42,3 +42,12 @@ def test_deterministic_and_bad_bits():
   np.testing.assert_array_equal(Dropout(0.5, 16).apply({}, x, deterministic=True), x)
   with pytest.raises(ValueError, match="random_bits"):
     _apply(Dropout(0.1, 8), x)
+
+
+def test_16_bits_rows_do_not_depend_on_the_number_of_rows():
+  """A padded batch (more rows) keeps the masks of the real rows: words are drawn per row."""
+  from micse_jax.models.dropout import keep_mask_16bit
+  key = jax.random.PRNGKey(3)
+  small, padded = keep_mask_16bit(key, (3, 7, 5), 0.3), keep_mask_16bit(key, (8, 7, 5), 0.3)
+  np.testing.assert_array_equal(padded[:3], small)
+  assert not np.array_equal(padded[3], padded[4])

@@ -76,3 +76,31 @@ def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path
   assert int(c.step) == 4
   _assert_close(c, b, RESUME_ATOL)
   _assert_close(c, a, RESUME_ATOL)
+
+
+def test_two_processes_with_an_odd_split_match_one_process(tmp_path, minilm_dir):
+  # Global batch 7 on 2 processes x 2 devices: padded to 8 rows, host 0 holds 4 real rows, host 1
+  # holds 3 real rows and 1 padding row (no anchor, no negative, never enqueued). The run must
+  # be the one-device run of the unpadded batch of 7.
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=3, checkpoint_every=3,
+                                **{"data.num_sentences": 8, "batch_size": 7})
+  overrides = [f"--config.{k}={v}" for k, v in {
+      "model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
+      "batch_size": 7, "num_train_steps": 3, "checkpoint_every": 3, "eval_every": 0,
+      "eval.final_tasks": "", "model.max_length": 16, "momentum.queue_size": 12,
+      "ami.layers": "(0,1)", "ami.num_samples": 20, "optim.warmup_steps": 2,
+      "optim.learning_rate": 1e-3, "data.num_sentences": 8}.items()]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  multi = str(tmp_path / "multi")
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
+                        "--workdir", multi, *overrides], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  single = str(tmp_path / "single")
+  trainer.train_and_evaluate(config, single)
+  a, b = _restore(single, config), _restore(multi, config)
+  assert int(a.step) == int(b.step) == 3
+  _assert_close(a, b, RESUME_ATOL)  # reduction order across 4 devices vs 1
+  ids = np.asarray(b.queue_ids)  # 3 pushes of 7 real rows into 12 slots, no padding row
+  assert int(b.queue_ptr) == (3 * 7) % 12 and np.all(ids >= 0)
+  np.testing.assert_array_equal(ids, np.asarray(a.queue_ids))

@@ -24,8 +24,8 @@ import sys
 
 import jax
 
-from micse_jax.bench import hardware, host, jax_step, trace_summary
-from micse_jax.bench.rows import Rows
+from micse_jax.bench import hardware, host, jax_step, scaling, trace_summary
+from micse_jax.bench.rows import Rows, write_json_atomically
 from micse_jax.bench.torch_step import time_steps
 from micse_jax.config_checks import DTYPES
 
@@ -61,6 +61,11 @@ def parse_args(argv):
   p.add_argument("--output", help="also write the JSON result to this file (rewritten after each row)")
   p.add_argument("--rows", help="append each measured row to this JSON-lines file as it is measured")
   host.add_arguments(p)
+  p.add_argument("--collectives", action="store_true",
+                 help="instead: collectives and memory per device of the compiled BERT-base step for the "
+                      "current devices, state replicated vs sharded, with and without remat (bench/scaling.py)")
+  p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
+                 help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
     p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
@@ -210,7 +215,12 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   if args.host:
     return host.run(args)
-  result = run(args, Rows({}, rows_path=args.rows, output_path=args.output))
+  if args.collectives:
+    result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
+    if args.output:
+      write_json_atomically(args.output, result)
+  else:
+    result = run(args, Rows({}, rows_path=args.rows, output_path=args.output))
   print(json.dumps(result))
   sys.stdout.flush()
   return result

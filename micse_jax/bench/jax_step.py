@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from micse_jax.data.pipeline import SENTENCE_IDS_KEY, TOKEN_KEYS
+from micse_jax.data.pipeline import SENTENCE_IDS_KEY
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import collect_attentions
 from micse_jax.training.momentum import ema_update, enqueue
+from micse_jax.models.bert import interleave_views, split_views
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
@@ -109,7 +110,7 @@ class JaxStep:
     sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), state)
     self.state = jax.device_put(state, sharding)
     self.batch = mesh_lib.global_batch(batch, mesh)
-    self._step = jax.jit(make_train_step(c, self.nets, self.tx, learning_rate_schedule(c)),
+    self._step = jax.jit(make_train_step(c, self.nets, self.tx, learning_rate_schedule(c), mesh),
                          in_shardings=(sharding, mesh_lib.batch_sharded(mesh)), donate_argnums=0)
     self.compiled = None
 
@@ -141,12 +142,12 @@ class JaxStep:
     @jax.jit
     def online_fwd_bwd(params, batch, queue, valid, queue_ids, k_drop):
       def loss_fn(params):
-        views = {k: jnp.concatenate([batch[k], batch[k]], axis=0) for k in TOKEN_KEYS}
+        views = interleave_views(batch, batch)  # the step's layout: both views of a sentence adjacent
         out, inter = nets.online.apply(
             {"params": params["encoder"]}, views["input_ids"], views["attention_mask"],
             views["token_type_ids"], deterministic=False, rngs={"dropout": k_drop}, mutable=["intermediates"])
         z = nets.head.apply({"params": params["head"]}, out.last_hidden_state[:, 0])
-        z1, z2 = jnp.split(z.astype(jnp.float32), 2)
+        z1, z2 = split_views(z.astype(jnp.float32))
         loss, _ = info_nce_loss(z1, z2, queue, valid, temperature=c.loss.temperature,
                                 anchor_ids=batch[SENTENCE_IDS_KEY], queue_ids=queue_ids,
                                 mask_same_sentence=c.momentum.mask_same_sentence)
@@ -157,7 +158,7 @@ class JaxStep:
     @jax.jit
     def ami(att, mask, k_ami):
       def loss_fn(att):
-        att1, att2 = jnp.split(att, 2, axis=1)
+        att1, att2 = split_views(att, axis=1)
         return ami_loss(att1, att2, mask, k_ami, weight=a.weight, num_samples=a.num_samples,
                         heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
                         require_positive=a.require_positive)[0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from micse_jax.losses.infonce import l2_normalize
+from micse_jax.losses.infonce import l2_normalize, row_mean
 
 POSITIVE_ONLY_FORMS = ('diag_only', 'alignment')
 
@@ -54,7 +54,7 @@ def uniformity(z: jax.Array, t: float = 2.0) -> jax.Array:
 
 
 def positive_only_loss(z1: jax.Array, z2: jax.Array, temperature: float, *,
-                       form: str = 'diag_only') -> jax.Array:
+                       form: str = 'diag_only', row_mask: jax.Array | None = None) -> jax.Array:
   """Positive-only objective (miCSE Tab. 4, App. E): InfoNCE without negatives.
 
   Forms:
@@ -72,12 +72,16 @@ def positive_only_loss(z1: jax.Array, z2: jax.Array, temperature: float, *,
     z2: `[B, D]` second-view embeddings.
     temperature: tau.
     form: "diag_only" or "alignment".
+    row_mask: optional `[B]`, 0 for padding rows: left out of the mean and of B.
   """
   if form not in POSITIVE_ONLY_FORMS:
     raise ValueError(f'positive_only form must be one of {POSITIVE_ONLY_FORMS}, got {form!r}')
   cos = jnp.sum(_unit(z1) * _unit(z2), axis=-1)
   if form == 'alignment':
-    return -jnp.mean(cos) / temperature
+    return -row_mean(cos, row_mask) / temperature
+  if row_mask is not None:  # B - 1 real others; log(0) = -inf gives the batch of one's 0
+    others = jnp.sum(row_mask.astype(cos.dtype)) - 1.0
+    return row_mean(jnp.logaddexp(0.0, jnp.log(others) - cos / temperature), row_mask)
   others = z1.shape[0] - 1
   if others == 0:  # a batch of one has no off-diagonal entries: CE of one logit is 0
     return jnp.zeros((), cos.dtype)

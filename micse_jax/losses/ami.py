@@ -48,10 +48,14 @@ mask and the Gumbel noise); the samples are `[B, S, m]`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from micse_jax.losses.ami_cells import (  # noqa: F401 (re-exported: the cells of Alg. 1)
+    all_rows_here, cell_validity, fold_layer_parity, row_gumbel_noise, sample_cells,
+    slice_attention, top_k_cells)
 
 # Sums of squared log-deviations at or below this count as a constant view
 # (undefined rho); float32 rounding of a constant slice stays far below it.
@@ -77,87 +81,6 @@ class AMIResult(NamedTuple):
   num_valid: jax.Array
   indices: jax.Array
   sample_weight: jax.Array
-
-
-def slice_attention(att: jax.Array, heads_per_slice: int = 2,
-                    pool_layers: bool = False) -> jax.Array:
-  """Regroups `[L, B, H, T, T]` attention into `[B, S, C]` slices of cells.
-
-  Default: slice = (layer, group of `heads_per_slice` adjacent heads), so
-  S = L * H / heads_per_slice and C = heads_per_slice * T * T. With
-  `pool_layers=True` the chosen layers of a head group share one slice:
-  S = H / heads_per_slice and C = L * heads_per_slice * T * T.
-  """
-  num_layers, batch, heads, t_q, t_k = att.shape
-  if heads % heads_per_slice:
-    raise ValueError(f'{heads} heads cannot be grouped by heads_per_slice={heads_per_slice}')
-  groups = heads // heads_per_slice
-  att = att.reshape(num_layers, batch, groups, heads_per_slice, t_q, t_k)
-  if pool_layers:
-    att = jnp.transpose(att, (1, 2, 0, 3, 4, 5))  # [B, G, L, h, T, T]
-    return att.reshape(batch, groups, num_layers * heads_per_slice * t_q * t_k)
-  att = jnp.transpose(att, (1, 0, 2, 3, 4, 5))  # [B, L, G, h, T, T]
-  return att.reshape(batch, num_layers * groups, heads_per_slice * t_q * t_k)
-
-
-def fold_layer_parity(att: jax.Array) -> jax.Array:
-  """`[L, B, H, T, T]` -> `[L/2, B, 2H, T, T]`; new head m*H + k is layer 2j+m, head k.
-
-  `slice_attention(fold_layer_parity(att), heads_per_slice=1, pool_layers=True)`
-  reproduces the slicing of the official miCSE code: one slice per (head, layer
-  parity), pooling the layers of equal parity among the chosen ones.
-  """
-  num_layers, batch, heads, t_q, t_k = att.shape
-  if num_layers % 2:
-    raise ValueError(f'fold_layer_parity needs an even number of layers, got {num_layers}')
-  att = att.reshape(num_layers // 2, 2, batch, heads, t_q, t_k)
-  att = jnp.transpose(att, (0, 2, 1, 3, 4, 5))
-  return att.reshape(num_layers // 2, batch, 2 * heads, t_q, t_k)
-
-
-def cell_validity(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, *,
-                  heads_per_slice: int = 2, pool_layers: bool = False,
-                  require_positive: bool = True) -> jax.Array:
-  """`[B, S, C]` bool: query and key are real tokens (and both views > 0 if asked).
-
-  Args:
-    att1: `[L, B, H, T, T]` first-view attention probabilities.
-    att2: the same for the second view.
-    attention_mask: `[B, T]`, 1 for real tokens.
-    heads_per_slice: see `slice_attention`.
-    pool_layers: see `slice_attention`.
-    require_positive: also drop cells that are 0 in either view (attention
-      dropout zeros, whose log is -inf).
-  """
-  tokens = attention_mask.astype(bool)
-  pairs = tokens[:, :, None] & tokens[:, None, :]  # [B, Tq, Tk]
-  valid = jnp.broadcast_to(pairs[None, :, None], att1.shape)
-  if require_positive:
-    valid = valid & (att1 > 0) & (att2 > 0)
-  return slice_attention(valid, heads_per_slice, pool_layers)
-
-
-def sample_cells(valid: jax.Array, rng: jax.Array,
-                 num_samples: int) -> tuple[jax.Array, jax.Array]:
-  """Uniform sampling without replacement among valid cells (Alg. 1, sampling step).
-
-  Gumbel-top-k: with equal logits on the valid cells and -inf elsewhere, the k
-  largest perturbed scores form a uniform random k-subset of the valid cells.
-  When fewer than k cells are valid, the surplus picks carry weight 0.
-
-  Args:
-    valid: `[..., C]` bool.
-    rng: PRNG key.
-    num_samples: k; capped at C.
-
-  Returns:
-    (indices `[..., k]` int32, weights `[..., k]` float32 in {0, 1}).
-  """
-  k = min(num_samples, valid.shape[-1])
-  noise = jax.random.gumbel(rng, valid.shape, jnp.float32)
-  scores = jnp.where(valid, noise, -jnp.inf)
-  top, indices = jax.lax.top_k(scores, k)
-  return indices, jnp.isfinite(top).astype(jnp.float32)
 
 
 def _safe_log(x: jax.Array, sample_weight: jax.Array, eps: float) -> jax.Array:
@@ -234,14 +157,15 @@ def attention_mutual_information(att1: jax.Array, att2: jax.Array,
                                  num_samples: int = 150, heads_per_slice: int = 2,
                                  pool_layers: bool = False, require_positive: bool = True,
                                  log_eps: float = 1e-12, rho2_eps: float = 1e-4,
-                                 min_valid: int = 3) -> AMIResult:
+                                 min_valid: int = 3, row_mask: jax.Array | None = None,
+                                 map_rows: Callable = all_rows_here) -> AMIResult:
   """Per-(sentence, slice) AMI between two views' attention (Alg. 1, Eq. 3-4).
 
   Args:
     att1: `[L, B, H, T, T]` post-softmax, post-dropout attention of view 1.
     att2: the same for view 2 (same sentences, another dropout mask).
     attention_mask: `[B, T]`, 1 for real tokens.
-    rng: PRNG key for the cell sampling.
+    rng: PRNG key for the cell sampling (sentence b samples with `fold_in(rng, b)`).
     num_samples: cells sampled per (sentence, slice), capped at the slice size.
     heads_per_slice: adjacent heads pooled into one slice.
     pool_layers: pool all given layers of a head group into one slice.
@@ -249,22 +173,45 @@ def attention_mutual_information(att1: jax.Array, att2: jax.Array,
     log_eps: clamp before the log (matters when require_positive is False).
     rho2_eps: rho^2 is clamped to <= 1 - rho2_eps, capping the MI.
     min_valid: (sentence, slice) pairs with fewer valid samples get weight 0.
+    row_mask: optional `[B]`, 0 for padding rows of the batch: their pairs get weight 0.
+    map_rows: how the per-sentence work (sampling, gathering the samples, the MI) runs over
+      the rows; `all_rows_here` on one device, `shard_map` per device on a mesh.
 
   Returns:
     An `AMIResult` of `[B, S]` arrays (and the `[B, S, m]` samples).
   """
   valid = cell_validity(att1, att2, attention_mask, heads_per_slice=heads_per_slice,
                         pool_layers=pool_layers, require_positive=require_positive)
-  indices, sample_weight = sample_cells(valid, rng, num_samples)
-  x1 = jnp.take_along_axis(slice_attention(att1, heads_per_slice, pool_layers), indices, -1)
-  x2 = jnp.take_along_axis(slice_attention(att2, heads_per_slice, pool_layers), indices, -1)
-  mi, rho, weight, num_valid = mi_from_samples(
-      x1, x2, sample_weight, log_eps=log_eps, rho2_eps=rho2_eps, min_valid=min_valid)
+  slices1 = slice_attention(att1, heads_per_slice, pool_layers)
+  slices2 = slice_attention(att2, heads_per_slice, pool_layers)
+
+  def per_sentence(valid, slices1, slices2, row_ids, rng):
+    noise = row_gumbel_noise(rng, row_ids, valid.shape[1:])
+    indices, sample_weight = top_k_cells(valid, noise, num_samples)
+    x1 = jnp.take_along_axis(slices1, indices, -1)
+    x2 = jnp.take_along_axis(slices2, indices, -1)
+    mi, rho, weight, num_valid = mi_from_samples(
+        x1, x2, sample_weight, log_eps=log_eps, rho2_eps=rho2_eps, min_valid=min_valid)
+    return mi, rho, weight, num_valid, indices, sample_weight
+
+  row_ids = jnp.arange(valid.shape[0], dtype=jnp.int32)
+  mi, rho, weight, num_valid, indices, sample_weight = map_rows(
+      per_sentence, (valid, slices1, slices2, row_ids), (rng,))
+  if row_mask is not None:
+    weight = weight * row_mask.astype(weight.dtype)[:, None]
   return AMIResult(mi, rho, weight, num_valid, indices, sample_weight)
 
 
 def _weighted_mean(x: jax.Array, w: jax.Array) -> jax.Array:
   return jnp.sum(w * x) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def _real_row_mean(x: jax.Array, row_mask: jax.Array | None) -> jax.Array:
+  """Mean of `[B, S]` values over the real rows (all rows when `row_mask` is None)."""
+  if row_mask is None:
+    return jnp.mean(x)
+  rows = jnp.broadcast_to(row_mask.astype(x.dtype)[:, None], x.shape)
+  return _weighted_mean(x, rows)
 
 
 AMI_VARIANTS = ('paper', 'official')
@@ -297,38 +244,51 @@ class OfficialAMIResult(NamedTuple):
 
 def official_attention_mutual_information(att1: jax.Array, att2: jax.Array, rng: jax.Array, *,
                                           num_samples: int = 150,
-                                          rho2_eps: float = 1e-4) -> OfficialAMIResult:
+                                          rho2_eps: float = 1e-4,
+                                          row_mask: jax.Array | None = None,
+                                          map_rows: Callable = all_rows_here) -> OfficialAMIResult:
   """AMI as the official miCSE code computes it (see the module docstring, "official").
 
   Args:
     att1: `[L, B, H, T, T]` attention of view 1 on the chosen layers (L even;
       the public recipe uses layers 7-10).
     att2: the same for view 2.
-    rng: PRNG key for the cell sampling.
+    rng: PRNG key for the cell sampling (sentence b samples with `fold_in(rng, b)`).
     num_samples: m (150 in the public code).
     rho2_eps: rho^2 is clamped to <= 1 - rho2_eps.
+    row_mask: optional `[B]`, 0 for padding rows: never kept, and left out of the batch's
+      smallest count and of the valid-cell fraction.
+    map_rows: see `attention_mutual_information`.
 
   Returns:
     An `OfficialAMIResult`; slices are (head, layer parity), `[B, 2H]`.
   """
-  folded1, folded2 = fold_layer_parity(att1), fold_layer_parity(att2)
-  x1 = slice_attention(folded1, heads_per_slice=1, pool_layers=True)  # [B, S, C]
-  x2 = slice_attention(folded2, heads_per_slice=1, pool_layers=True)
+  x1 = slice_attention(fold_layer_parity(att1), heads_per_slice=1, pool_layers=True)  # [B, S, C]
+  x2 = slice_attention(fold_layer_parity(att2), heads_per_slice=1, pool_layers=True)
   valid = (x1 > 0) & (x2 > 0)  # zero cells only; padding rows are not masked
   num_valid = jnp.sum(valid, axis=-1).astype(jnp.int32)
+  real = (jnp.ones(num_valid.shape[:1], bool) if row_mask is None
+          else row_mask.astype(bool))[:, None]
   k = min(num_samples, valid.shape[-1])
-  reaches = num_valid >= num_samples
+  reaches = (num_valid >= num_samples) & real
   any_reaches = jnp.any(reaches)
   # Fallback of the public code: no slice reaches m -> all slices, m = min count.
-  num_used = jnp.where(any_reaches, k, jnp.minimum(jnp.min(num_valid), k))
-  weight = jnp.where(any_reaches, reaches, num_used > 0).astype(jnp.float32)
-  indices, picked = sample_cells(valid, rng, k)
-  # Gumbel top-k is sorted, so its first num_used picks are a uniform subset too.
-  sample_weight = picked * (jnp.arange(k) < num_used).astype(jnp.float32) * weight[..., None]
-  u = _safe_log(jnp.take_along_axis(x1, indices, -1), sample_weight, 1e-30)
-  v = _safe_log(jnp.take_along_axis(x2, indices, -1), sample_weight, 1e-30)
-  rho, _ = weighted_pearson(u, v, sample_weight)
-  mi = gaussian_mi(rho, rho2_eps)
+  smallest = jnp.min(jnp.where(real, num_valid, k))
+  num_used = jnp.where(any_reaches, k, jnp.minimum(smallest, k))
+  weight = (jnp.where(any_reaches, reaches, num_used > 0) & real).astype(jnp.float32)
+
+  def per_sentence(valid, x1, x2, weight, row_ids, num_used, rng):
+    indices, picked = top_k_cells(valid, row_gumbel_noise(rng, row_ids, valid.shape[1:]), k)
+    # Gumbel top-k is sorted, so its first num_used picks are a uniform subset too.
+    sample_weight = picked * (jnp.arange(k) < num_used).astype(jnp.float32) * weight[..., None]
+    u = _safe_log(jnp.take_along_axis(x1, indices, -1), sample_weight, 1e-30)
+    v = _safe_log(jnp.take_along_axis(x2, indices, -1), sample_weight, 1e-30)
+    rho, _ = weighted_pearson(u, v, sample_weight)
+    return gaussian_mi(rho, rho2_eps), rho, indices, sample_weight
+
+  row_ids = jnp.arange(valid.shape[0], dtype=jnp.int32)
+  mi, rho, indices, sample_weight = map_rows(
+      per_sentence, (valid, x1, x2, weight, row_ids), (num_used, rng))
   cells_kept = jnp.maximum(jnp.sum(weight) * valid.shape[-1], 1.0)
   fraction = jnp.sum(weight * num_valid) / cells_kept
   scale = jax.lax.stop_gradient(jnp.square(fraction) + _OFFICIAL_SCALE_EPS)
@@ -336,17 +296,19 @@ def official_attention_mutual_information(att1: jax.Array, att2: jax.Array, rng:
 
 
 def _official_ami_loss(att1: jax.Array, att2: jax.Array, rng: jax.Array, *, weight: float,
-                       num_samples: int, rho2_eps: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+                       num_samples: int, rho2_eps: float, row_mask: jax.Array | None,
+                       map_rows: Callable) -> tuple[jax.Array, dict[str, jax.Array]]:
   """-lambda * scale * mean MI over the kept slices (0 when none is kept)."""
   res = official_attention_mutual_information(att1, att2, rng, num_samples=num_samples,
-                                              rho2_eps=rho2_eps)
+                                              rho2_eps=rho2_eps, row_mask=row_mask,
+                                              map_rows=map_rows)
   mean_mi = _weighted_mean(res.mi, res.weight)
   loss = -weight * res.scale * mean_mi
   metrics = {
       'ami': loss,
       'ami_mi': mean_mi,
       'ami_rho': _weighted_mean(res.rho, res.weight),
-      'ami_pairs': jnp.mean(res.weight),
+      'ami_pairs': _real_row_mean(res.weight, row_mask),
       'ami_samples': res.num_used.astype(jnp.float32),
       'ami_scale': res.scale,
   }
@@ -358,7 +320,8 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
              pool_layers: bool = False, require_positive: bool = True,
              log_eps: float = 1e-12, rho2_eps: float = 1e-4,
              min_valid: int = 3,
-             variant: str = 'paper') -> tuple[jax.Array, dict[str, jax.Array]]:
+             variant: str = 'paper', row_mask: jax.Array | None = None,
+             map_rows: Callable = all_rows_here) -> tuple[jax.Array, dict[str, jax.Array]]:
   """AMI term of the miCSE objective (Eq. 5): loss = -weight * mean MI.
 
   variant="paper" (default): the mean runs over (sentence, slice) pairs with at
@@ -371,6 +334,10 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
   `heads_per_slice`, `pool_layers`, `require_positive`, `log_eps` and
   `min_valid` do not apply; `att1`/`att2` must hold an even number of layers.
 
+  `row_mask` (`[B]`, 0 for the padding rows of a padded batch) leaves those rows out of the
+  term and of every metric; `map_rows` runs the per-sentence work per device (see
+  `attention_mutual_information`).
+
   Returns:
     (loss, metrics) with metrics `ami` (the loss), `ami_mi` (mean MI), `ami_rho`
     (mean rho), `ami_pairs` (fraction of pairs that counted) and `ami_samples`
@@ -381,19 +348,19 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
     raise ValueError(f'ami variant must be one of {AMI_VARIANTS}, got {variant!r}')
   if variant == 'official':
     return _official_ami_loss(att1, att2, rng, weight=weight, num_samples=num_samples,
-                              rho2_eps=rho2_eps)
+                              rho2_eps=rho2_eps, row_mask=row_mask, map_rows=map_rows)
   res = attention_mutual_information(
       att1, att2, attention_mask, rng, num_samples=num_samples,
       heads_per_slice=heads_per_slice, pool_layers=pool_layers,
       require_positive=require_positive, log_eps=log_eps, rho2_eps=rho2_eps,
-      min_valid=min_valid)
+      min_valid=min_valid, row_mask=row_mask, map_rows=map_rows)
   mean_mi = _weighted_mean(res.mi, res.weight)
   loss = -weight * mean_mi
   metrics = {
       'ami': loss,
       'ami_mi': mean_mi,
       'ami_rho': _weighted_mean(res.rho, res.weight),
-      'ami_pairs': jnp.mean(res.weight),
+      'ami_pairs': _real_row_mean(res.weight, row_mask),
       'ami_samples': _weighted_mean(res.num_valid, res.weight),
   }
   return loss, metrics

@@ -65,23 +65,52 @@ def _queue_logits(z1n: jax.Array, queue: jax.Array, queue_valid: Optional[jax.Ar
   return logits
 
 
+def row_mean(x: jax.Array, row_mask: Optional[jax.Array]) -> jax.Array:
+  """Mean of `x` (`[B, ...]`) over the real rows: all rows when `row_mask` is None, else the
+  rows with `row_mask` 1 (padding rows of a padded batch are left out)."""
+  if row_mask is None:
+    return jnp.mean(x)
+  rows = jnp.broadcast_to(row_mask.astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
+  return jnp.sum(rows * x) / jnp.maximum(jnp.sum(rows), 1.0)
+
+
 def _queue_metrics(queue_valid: Optional[jax.Array], self_pairs: Optional[jax.Array],
-                   dropped: Optional[jax.Array], shape: tuple[int, int]) -> dict[str, jax.Array]:
-  """Fractions of the B x Q (anchor, slot) pairs: masked (empty or dropped), own sentence."""
+                   dropped: Optional[jax.Array], shape: tuple[int, int],
+                   row_mask: Optional[jax.Array]) -> dict[str, jax.Array]:
+  """Fractions of the B x Q (anchor, slot) pairs of real anchors: masked (empty or dropped),
+  own sentence."""
   empty = (jnp.zeros(shape, bool) if queue_valid is None
            else jnp.broadcast_to(~queue_valid.astype(bool)[None, :], shape))
   masked = empty if dropped is None else empty | dropped
-  metrics = {'queue_masked_frac': jnp.mean(masked.astype(jnp.float32))}
+  metrics = {'queue_masked_frac': row_mean(masked.astype(jnp.float32), row_mask)}
   if self_pairs is not None:
-    metrics['queue_self_frac'] = jnp.mean((self_pairs & ~empty).astype(jnp.float32))
+    metrics['queue_self_frac'] = row_mean((self_pairs & ~empty).astype(jnp.float32), row_mask)
   return metrics
+
+
+def _in_batch_metrics(cos: jax.Array, logits: jax.Array, row_mask: Optional[jax.Array]):
+  """pos_cos, neg_cos (over ordered pairs of distinct real rows) and acc, over real anchors."""
+  batch = cos.shape[0]
+  labels = jnp.arange(batch)
+  pos_cos = jnp.diagonal(cos)
+  acc = (jnp.argmax(logits, axis=1) == labels).astype(jnp.float32)
+  if row_mask is None:
+    neg_sum, pairs = jnp.sum(cos) - jnp.sum(pos_cos), max(batch * (batch - 1), 1)
+  else:
+    real = row_mask.astype(cos.dtype)
+    n = jnp.sum(real)
+    neg_sum = real @ cos @ real - jnp.sum(real * pos_cos)
+    pairs = jnp.maximum(n * (n - 1), 1.0)
+  return {'pos_cos': row_mean(pos_cos, row_mask), 'neg_cos': neg_sum / pairs,
+          'acc': row_mean(acc, row_mask)}
 
 
 def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = None,
                   queue_valid: Optional[jax.Array] = None,
                   temperature: float = 0.05, anchor_ids: Optional[jax.Array] = None,
                   queue_ids: Optional[jax.Array] = None,
-                  mask_same_sentence: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  mask_same_sentence: bool = True,
+                  row_mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """SimCSE / miCSE InfoNCE loss (miCSE Eq. 2), optionally with queue negatives.
 
   loss = -1/B sum_i log( exp(s(z1_i, z2_i)/tau) /
@@ -100,6 +129,8 @@ def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = Non
     anchor_ids: optional `[B]` int sentence ids of the anchors (corpus indices).
     queue_ids: optional `[Q]` int sentence ids of the queue entries, -1 for empty slots.
     mask_same_sentence: with both id arrays, drop queue entries of the anchor's sentence.
+    row_mask: optional `[B]`, 0 for the padding rows of a padded batch: such a row is no
+      anchor (left out of the mean and of every metric) and no negative of any anchor.
 
   Returns:
     (loss, metrics) with metrics `infonce` (the loss), `pos_cos` (mean positive
@@ -115,6 +146,10 @@ def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = Non
   z2n = l2_normalize(z2.astype(dtype))
   cos = z1n @ z2n.T  # [B, B]
   logits = cos / temperature
+  if row_mask is not None:  # padding rows are nobody's negative (a row keeps its own positive)
+    real = row_mask.astype(bool)
+    others = ~real[None, :] & ~jnp.eye(cos.shape[0], dtype=bool)
+    logits = jnp.where(others, _MASKED_LOGIT, logits)
   queue_metrics = {}
   if queue is not None:
     with_ids = anchor_ids is not None and queue_ids is not None
@@ -122,18 +157,9 @@ def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = Non
     dropped = self_pairs if mask_same_sentence else None
     logits = jnp.concatenate(
         [logits, _queue_logits(z1n, queue, queue_valid, temperature, dropped)], axis=1)
-    queue_metrics = _queue_metrics(queue_valid, self_pairs, dropped, (z1.shape[0], queue.shape[0]))
-  batch = cos.shape[0]
-  labels = jnp.arange(batch)
+    queue_metrics = _queue_metrics(queue_valid, self_pairs, dropped, (z1.shape[0], queue.shape[0]),
+                                   row_mask)
+  labels = jnp.arange(cos.shape[0])
   pos_logit = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
-  loss = jnp.mean(jax.nn.logsumexp(logits, axis=1) - pos_logit)
-  pos_cos = jnp.diagonal(cos)
-  off_diag = max(batch * (batch - 1), 1)
-  metrics = {
-      'infonce': loss,
-      'pos_cos': jnp.mean(pos_cos),
-      'neg_cos': (jnp.sum(cos) - jnp.sum(pos_cos)) / off_diag,
-      'acc': jnp.mean((jnp.argmax(logits, axis=1) == labels).astype(jnp.float32)),
-      **queue_metrics,
-  }
-  return loss, metrics
+  loss = row_mean(jax.nn.logsumexp(logits, axis=1) - pos_logit, row_mask)
+  return loss, {'infonce': loss, **_in_batch_metrics(cos, logits, row_mask), **queue_metrics}

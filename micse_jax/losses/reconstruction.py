@@ -22,11 +22,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from micse_jax.losses.infonce import l2_normalize
+from micse_jax.losses.infonce import l2_normalize, row_mean
 
 
 def reconstruction_loss(z1: jax.Array, z2: jax.Array, *, normalize: bool = False,
-                        public_scale: bool = False) -> jax.Array:
+                        public_scale: bool = False, row_mask: jax.Array | None = None) -> jax.Array:
   """InforMin-CL L_R (Eq. 8-9): mean over the batch of ||z1 - z2||^2.
 
   Args:
@@ -35,6 +35,7 @@ def reconstruction_loss(z1: jax.Array, z2: jax.Array, *, normalize: bool = False
     normalize: L2-normalise both first (as the public code does).
     public_scale: use the public code's reduction, 2 * mean over B and D,
       instead of the paper's sum over D and mean over B.
+    row_mask: optional `[B]`, 0 for padding rows: left out of the mean.
 
   Returns:
     Scalar, float32 at least.
@@ -45,5 +46,5 @@ def reconstruction_loss(z1: jax.Array, z2: jax.Array, *, normalize: bool = False
     z1, z2 = l2_normalize(z1), l2_normalize(z2)
   sq = jnp.square(z1 - z2)
   if public_scale:
-    return 2.0 * jnp.mean(sq)
-  return jnp.mean(jnp.sum(sq, axis=-1))
+    return 2.0 * row_mean(sq, row_mask)
+  return row_mean(jnp.sum(sq, axis=-1), row_mask)

@@ -4,7 +4,8 @@ Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings
 `encoder/layer_3/attention/self/query`, ...), so `weights.py` can map checkpoints with one
 table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
 the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
-to use a fused attention kernel.
+to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`). Layers may be
+rematerialised (`remat`, see `models/remat.py`).
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.models.dropout import Dropout
+from micse_jax.models.remat import remat_layer
 from micse_jax.tokenization import TOKEN_KEYS
 
 Array = jax.Array
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
+ATTENTION_KERNELS = ("explicit", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +142,18 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-  """Scaled dot-product self-attention; per-element dropout on the probabilities (HF)."""
+  """Scaled dot-product self-attention softmax(QKᵀ/√d)V; per-element dropout on the probabilities (HF).
+
+  With `attention="fused"`, a layer whose probabilities nothing reads (not sown, and no
+  attention-probability dropout in this call) uses `jax.nn.dot_product_attention` (cuDNN flash
+  attention on GPU where it applies, XLA elsewhere): the same function, never materialising
+  [B, heads, T, T]. A fused kernel cannot drop individual probabilities, so training with
+  attention dropout > 0 keeps the explicit path; "explicit" forces it everywhere.
+  """
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
 
   @nn.compact
   def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
@@ -153,7 +164,8 @@ class BertSelfAttention(nn.Module):
     q = split(_dense(c.hidden_size, c, self.dtype, "query")(x))
     k = split(_dense(c.hidden_size, c, self.dtype, "key")(x))
     v = split(_dense(c.hidden_size, c, self.dtype, "value")(x))
-    needs_probs = self.sow_probs or (not deterministic and c.attention_probs_dropout_prob > 0)
+    needs_probs = (self.attention == "explicit" or self.sow_probs
+                   or (not deterministic and c.attention_probs_dropout_prob > 0))
     if not needs_probs:  # nothing needs the probabilities: let XLA/cuDNN fuse the kernel.
       ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask)
       return ctx.reshape(x.shape[:2] + (c.hidden_size,))
@@ -186,10 +198,12 @@ class BertAttention(nn.Module):
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
-    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, name="self")(x, key_mask, deterministic)
+    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.attention, name="self")(
+        x, key_mask, deterministic)
     return BertResidualOutput(self.config, self.dtype, name="output")(ctx, x, deterministic)
 
 
@@ -197,11 +211,13 @@ class BertLayer(nn.Module):
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
     c = self.config
-    attn = BertAttention(c, self.sow_probs, self.dtype, name="attention")(x, key_mask, deterministic)
+    attn = BertAttention(c, self.sow_probs, self.dtype, self.attention, name="attention")(
+        x, key_mask, deterministic)
     inner = BertIntermediate(c, self.dtype, name="intermediate")(attn)
     return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic)
 
@@ -220,12 +236,15 @@ class BertEncoder(nn.Module):
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
   dtype: Any = jnp.float32
+  attention: str = "fused"
+  remat: str = "none"
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool, output_hidden_states: bool = False):
     hidden_states = [x]
+    layer = remat_layer(BertLayer, self.remat)
     for i in range(self.config.num_hidden_layers):
-      x = BertLayer(self.config, i in self.sow_attention_layers, self.dtype, name=f"layer_{i}")(
+      x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.attention, name=f"layer_{i}")(
           x, key_mask, deterministic)
       hidden_states.append(x)
     return x, (tuple(hidden_states) if output_hidden_states else None)
@@ -275,19 +294,26 @@ class BertModel(nn.Module):
       are sown into `intermediates` (see `collect_attentions`).
     add_pooler / add_mlm_head: which heads exist in the parameter tree.
     dtype: computation dtype (parameters stay float32).
+    attention: "fused" | "explicit" (`BertSelfAttention`); remat: "none" | "layer" | "full"
+      (module docstring). Neither changes the parameter tree or the function computed.
   """
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
   add_pooler: bool = True
   add_mlm_head: bool = False
   dtype: Any = jnp.float32
+  attention: str = "fused"
+  remat: str = "none"
 
   def setup(self):
     for i in self.sow_attention_layers:
       if not 0 <= i < self.config.num_hidden_layers:
         raise ValueError(f"attention layer {i} out of range for {self.config.num_hidden_layers} layers")
+    if self.attention not in ATTENTION_KERNELS:
+      raise ValueError(f"unsupported attention {self.attention!r}; expected one of {ATTENTION_KERNELS}")
     self.embeddings = BertEmbeddings(self.config, self.dtype)
-    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype)
+    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.attention,
+                               self.remat)
     if self.add_pooler:
       self.pooler = BertPooler(self.config, self.dtype)
     if self.add_mlm_head:
@@ -338,12 +364,29 @@ def resolve_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
 
 
 def two_dropout_views(model: BertModel, params, view1: dict, view2: dict, key: Array):
-  """One train-mode forward of `[view1; view2]` (token batches, `TOKEN_KEYS`): each row gets its
-  own dropout mask. Returns (hidden1, hidden2 `[B, T, H]`, att1, att2 `[L, B, heads, T, T]`),
-  the attention of `model.sow_attention_layers`."""
-  both = {k: jnp.concatenate([view1[k], view2[k]], axis=0) for k in TOKEN_KEYS}
+  """One train-mode forward of both views (token batches, `TOKEN_KEYS`), interleaved per
+  sentence (`interleave_views`): each row gets its own dropout mask. Returns (hidden1, hidden2
+  `[B, T, H]`, att1, att2 `[L, B, heads, T, T]`), the attention of `model.sow_attention_layers`."""
+  both = interleave_views({k: view1[k] for k in TOKEN_KEYS}, {k: view2[k] for k in TOKEN_KEYS})
   out, state = model.apply({"params": params}, *(both[k] for k in TOKEN_KEYS), deterministic=False,
                            rngs={"dropout": key}, mutable=["intermediates"])
-  hidden1, hidden2 = jnp.split(out.last_hidden_state, 2)
-  att1, att2 = jnp.split(collect_attentions(state["intermediates"], model.sow_attention_layers), 2, axis=1)
+  hidden1, hidden2 = split_views(out.last_hidden_state)
+  att1, att2 = split_views(collect_attentions(state["intermediates"], model.sow_attention_layers), axis=1)
   return hidden1, hidden2, att1, att2
+
+
+def interleave_views(view1: dict, view2: dict) -> dict:
+  """Rows `[v1_0, v2_0, v1_1, v2_1, ...]` of every array of two token batches
+  (`stack(..., 1).reshape(2B, ...)`), not `[view1; view2]`.
+
+  A device that holds sentences i..j of the batch-sharded input holds both views of exactly
+  those sentences, so stacking and splitting the views moves no activation between devices;
+  and row 2i+v is the same whatever the batch's padded size (per-row random draws too).
+  """
+  return {k: jnp.stack([view1[k], view2[k]], axis=1).reshape(-1, *view1[k].shape[1:]) for k in view1}
+
+
+def split_views(x: jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Inverse of `interleave_views` along `axis` (size 2B): the two `[..., B, ...]` views."""
+  pairs = x.reshape(*x.shape[:axis], x.shape[axis] // 2, 2, *x.shape[axis + 1:])
+  return jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)

@@ -24,12 +24,18 @@ def drop_threshold(rate: float) -> int:
 
 
 def keep_mask_16bit(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
-  """bool mask, True = keep; two decisions per 32-bit random word."""
-  n = 1
-  for d in shape:
-    n *= d
-  words = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
-  halves = jnp.concatenate([words & 0xFFFF, words >> 16])[:n]
+  """bool mask, True = keep; two decisions per 32-bit random word.
+
+  Words are drawn per row of the leading (batch) axis, the low halves deciding a row's first
+  units and the high halves the rest, so a row's mask does not depend on the number of rows
+  (a padded batch) and the draw splits over a batch-sharded mesh without moving anything.
+  """
+  rows = shape[0] if len(shape) > 1 else 1
+  per_row = 1
+  for d in shape[1:] if len(shape) > 1 else shape:
+    per_row *= d
+  words = jax.random.bits(key, (rows, (per_row + 1) // 2), jnp.uint32)
+  halves = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)[:, :per_row]
   return (halves >= drop_threshold(rate)).reshape(shape)
 
 

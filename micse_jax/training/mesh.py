@@ -1,11 +1,16 @@
-"""Data parallelism: one `Mesh` axis over every device of every host; batch split, state replicated."""
+"""Data parallelism: one `Mesh` axis over every device of every host; batch split; state replicated,
+or sharded over the same axis (FSDP / ZeRO-3, `mesh.shard_state`, see `state_sharding`)."""
+import math
 import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from micse_jax.losses.ami_cells import all_rows_here
+
 DATA_AXIS = "data"
+MIN_SHARDED_ELEMENTS = 2 ** 14  # smaller leaves stay replicated: gathering them costs more than it saves
 
 
 def maybe_initialize_distributed() -> None:
@@ -43,3 +48,68 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
   """Assembles each host's rows into one global, batch-sharded array per key."""
   sharding = batch_sharded(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def leaf_partition(shape: tuple[int, ...], num_devices: int, min_elements: int = MIN_SHARDED_ELEMENTS) -> P:
+  """FSDP placement of one state leaf: split its largest dimension that `num_devices` divides.
+
+  Replicated (`P()`) when the leaf has fewer than `min_elements` elements, when no dimension
+  is divisible, or on one device. Ties between equal dimensions go to the first.
+  """
+  if num_devices <= 1 or math.prod(shape) < min_elements:
+    return P()
+  for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    if shape[dim] % num_devices == 0:
+      return P(*([None] * dim + [DATA_AXIS]))
+  return P()
+
+
+def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS):
+  """The train state's shardings (a tree of `NamedSharding` like `state_shapes`).
+
+  shard_state=False: every leaf replicated (plain data parallelism). True: FSDP / ZeRO-3 —
+  params, EMA params, optimizer moments and the queue split over the data axis leaf by leaf
+  (`leaf_partition`); under `jax.jit` GSPMD all-gathers each parameter where the step uses it
+  and reduce-scatters its gradient, so every device holds 1/N of the state. Checkpoints store
+  the global arrays, so they restore onto any other mesh (`training/checkpoint.py`).
+  """
+  def sharding(leaf):
+    spec = leaf_partition(tuple(leaf.shape), mesh.size, min_elements) if shard_state else P()
+    return NamedSharding(mesh, spec)
+  return jax.tree.map(sharding, state_shapes)
+
+
+def gathered_for_compute(tree, mesh: Mesh | None, sharded: bool):
+  """FSDP's gather: `tree` (sharded state leaves) constrained to be whole on every device where the
+  step computes with it. Without this, GSPMD propagates a parameter's split (e.g. on a weight's
+  output dimension = the heads) into the activations and reshuffles them between devices
+  (all-to-alls of attention maps); with it, the only collectives FSDP adds are the parameters'
+  all-gathers and the gradients' reduction to the owning shard. No-op unless `sharded`."""
+  if not sharded or mesh is None or mesh.size == 1:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: replicated(mesh), tree))
+
+
+def padded_batch_size(batch_size: int, device_count: int) -> int:
+  """The smallest multiple of `device_count` that is >= `batch_size`: rows per step on the mesh.
+
+  A global batch the devices do not divide (the paper's 50 on 4 or 8 GPUs) is padded with
+  masked rows (`row_mask` 0) that are no anchor, no negative, never enqueued and in no metric.
+  """
+  if batch_size <= 0 or device_count <= 0:
+    raise ValueError(f"need a positive batch size and device count, got {batch_size}, {device_count}")
+  return -(-batch_size // device_count) * device_count
+
+
+def rows_per_device(mesh: Mesh | None):
+  """A `map_rows(fn, rows, shared)` (losses/ami_cells.py) that runs `fn` under `shard_map` on
+  each device's own block of rows (`rows` split over the data axis, `shared` replicated): no
+  activation crosses devices. None or a one-device mesh: `fn` on the whole batch."""
+  if mesh is None or mesh.size == 1:
+    return all_rows_here
+
+  def map_rows(fn, rows: tuple, shared: tuple):
+    specs = (P(DATA_AXIS),) * len(rows) + (P(),) * len(shared)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS))(*rows, *shared)
+
+  return map_rows

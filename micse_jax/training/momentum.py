@@ -48,18 +48,31 @@ def _slots(ptr: jax.Array, n: int, size: int) -> jax.Array:
   return (ptr + jnp.arange(n)) % size
 
 
-def enqueue(queue: jax.Array, valid: jax.Array, ptr: jax.Array, batch: jax.Array):
-  """Writes `batch` [B, D] (B ≤ Q) into the ring at `ptr`; oldest entries are overwritten."""
-  size, n = queue.shape[0], batch.shape[0]
-  slots = _slots(ptr, n, size)
-  queue = queue.at[slots].set(batch.astype(queue.dtype))
-  valid = valid.at[slots].set(True)
-  return queue, valid, ((ptr + n) % size).astype(jnp.int32)
+def _masked_slots(ptr: jax.Array, n: int, size: int, row_mask) -> tuple[jax.Array, jax.Array]:
+  """(slot of each row, rows written): real rows take consecutive slots from `ptr` in batch
+  order; padding rows (`row_mask` 0) get the out-of-range slot `size`, which a
+  `mode="drop"` scatter skips."""
+  if row_mask is None:
+    return _slots(ptr, n, size), jnp.asarray(n, jnp.int32)
+  real = row_mask.astype(jnp.int32)
+  slots = (ptr + jnp.cumsum(real) - 1) % size
+  return jnp.where(real > 0, slots, size), jnp.sum(real)
 
 
-def enqueue_ids(queue_ids: jax.Array, ptr: jax.Array, ids: jax.Array) -> jax.Array:
+def enqueue(queue: jax.Array, valid: jax.Array, ptr: jax.Array, batch: jax.Array, row_mask=None):
+  """Writes `batch` [B, D] (B ≤ Q real rows) into the ring at `ptr`; oldest entries are
+  overwritten. Rows with `row_mask` 0 (padding) are never enqueued."""
+  size = queue.shape[0]
+  slots, written = _masked_slots(ptr, batch.shape[0], size, row_mask)
+  queue = queue.at[slots].set(batch.astype(queue.dtype), mode="drop")
+  valid = valid.at[slots].set(True, mode="drop")
+  return queue, valid, ((ptr + written) % size).astype(jnp.int32)
+
+
+def enqueue_ids(queue_ids: jax.Array, ptr: jax.Array, ids: jax.Array, row_mask=None) -> jax.Array:
   """Writes the batch's sentence ids [B] at the slots `enqueue` fills from the same `ptr`."""
-  return queue_ids.at[_slots(ptr, ids.shape[0], queue_ids.shape[0])].set(ids.astype(jnp.int32))
+  slots, _ = _masked_slots(ptr, ids.shape[0], queue_ids.shape[0], row_mask)
+  return queue_ids.at[slots].set(ids.astype(jnp.int32), mode="drop")
 
 
 def self_collision_warning(num_sentences: int, batch_size: int, queue_size: int, masked: bool) -> str | None:

@@ -58,9 +58,16 @@ def compute_dtype(config):
   return precision.compute_dtype(config.model.dtype)
 
 
+def model_options(config) -> dict:
+  """BertModel keyword arguments from `config.model`: compute dtype, attention kernel, remat."""
+  return {"dtype": compute_dtype(config), "attention": config.model.get("attention", "fused"),
+          "remat": config.model.get("remat", "none")}
+
+
 def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None = None) -> Networks:
   """The modules the config's method needs (see the module docstring), in the compute dtype."""
   dtype = compute_dtype(config)
+  options = model_options(config)
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
   bert_config = bert_config.replace(dropout_random_bits=config.model.dropout_random_bits)
   p = config.momentum.dropout
@@ -68,16 +75,16 @@ def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None
   extras = {}
   if config.view.kind == "add":
     extras["importance"] = BertModel(bert_config, sow_attention_layers=tuple(range(bert_config.num_hidden_layers)),
-                                     add_pooler=False, dtype=dtype)
+                                     add_pooler=False, **options)
   if config.mlm.enabled:
-    extras["with_mlm_head"] = BertModel(bert_config, add_pooler=False, add_mlm_head=True, dtype=dtype)
+    extras["with_mlm_head"] = BertModel(bert_config, add_pooler=False, add_mlm_head=True, **options)
   if config.infocse.enabled:
     lower = bert_config.replace(num_hidden_layers=lower_half_layers(bert_config.num_hidden_layers))
-    extras["infocse_lower"] = BertModel(lower, add_pooler=False, dtype=dtype)
+    extras["infocse_lower"] = BertModel(lower, add_pooler=False, **options)
     extras["infocse_aux"] = InfoCSEAuxiliary(bert_config, config.infocse.num_layers, dtype=dtype)
   return Networks(
-      online=BertModel(bert_config, sow_attention_layers=ami_layers, dtype=dtype),
-      momentum=BertModel(momentum_config, dtype=dtype),
+      online=BertModel(bert_config, sow_attention_layers=ami_layers, **options),
+      momentum=BertModel(momentum_config, **options),
       head=MLPHead(bert_config.hidden_size, bert_config.initializer_range, dtype=dtype),
       ami_layers=ami_layers, tokens=tokens, **extras)
 

@@ -12,6 +12,12 @@ multiplies the loss by a scale S before differentiation, divides the gradients b
 The rule is `jmp.DynamicLossScale`; its state (scale, counter) plus a running count of the
 skipped steps lives in `TrainState.loss_scale` as a plain dict, so it is checkpointed and
 resumed with the rest of the state. Without float16 that field is `{}` and nothing changes.
+
+`model.dtype="auto"` (the default) picks the dtype for the accelerator (`auto_dtype`): float32
+on CPU, float16 + loss scaling on GPUs of compute capability < 8.0 (V100, T4: no bfloat16),
+bfloat16 on Ampere and later GPUs and on TPU. The trainer resolves it once at start
+(`with_resolved_dtype`), prints it, and writes the resolved name to config.json, so a resumed
+run compares concrete dtypes (a float32 CPU workdir does not silently continue in bfloat16).
 """
 from __future__ import annotations
 
@@ -22,21 +28,35 @@ import jax.numpy as jnp
 
 from micse_jax.config_checks import DTYPES
 from micse_jax.errors import ConfigError
+from micse_jax.models.dtypes import AUTO, auto_dtype, device_dtype, dtype_name  # noqa: F401 (re-export)
 from micse_jax.optional import require
 
-COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES}
+COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
+
+
+def with_resolved_dtype(config, announce: bool = True):
+  """A copy of `config` whose `model.dtype` is concrete ("auto" resolved); prints it once."""
+  resolved = config.copy_and_resolve_references()
+  with resolved.unlocked():
+    resolved.model.dtype = dtype_name(config)
+  if announce and jax.process_index() == 0:
+    device = jax.local_devices()[0]
+    origin = f"auto on {device.platform} {device.device_kind}" if config.model.dtype == AUTO else "set"
+    print(f"compute dtype: {resolved.model.dtype} ({origin})", flush=True)
+  return resolved
 
 
 def compute_dtype(name: str):
-  """`config.model.dtype` → the jnp dtype of activations and matmuls."""
+  """`config.model.dtype` → the jnp dtype of activations and matmuls ("auto": `device_dtype`)."""
+  name = device_dtype() if name == AUTO else name
   if name not in COMPUTE_DTYPES:
     raise ConfigError(f"model.dtype {name!r} not supported; expected one of {sorted(COMPUTE_DTYPES)}")
   return COMPUTE_DTYPES[name]
 
 
 def uses_loss_scaling(config) -> bool:
-  """float16 needs dynamic loss scaling; float32 and bfloat16 do not."""
-  return config.model.dtype == "float16"
+  """float16 needs dynamic loss scaling; float32 and bfloat16 do not ("auto" resolved first)."""
+  return dtype_name(config) == "float16"
 
 
 def initial_loss_scale_state(config) -> dict:

@@ -19,6 +19,7 @@ from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
 from micse_jax.tokenization import Tokenizer
+from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import self_collision_warning
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks, method_params
 from micse_jax.training.precision import initial_loss_scale_state
@@ -53,7 +54,8 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
   batches = build_train_batches(
       config.data.corpus, tokenizer, max_length=config.model.max_length,
       global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
-      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0)
+      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
+      padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, jax.device_count()))
   warning = config.momentum.enabled and self_collision_warning(
       batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
   if warning and jax.process_index() == 0:

@@ -17,46 +17,56 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.losses.alignment import positive_only_loss
+from micse_jax.data.pipeline import ROW_MASK_KEY
 from micse_jax.losses.ami import ami_loss
-from micse_jax.losses.infonce import info_nce_loss, l2_normalize
+from micse_jax.losses.ami_cells import all_rows_here
+from micse_jax.losses.infonce import info_nce_loss, l2_normalize, row_mean
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.losses.reconstruction import reconstruction_loss
 from micse_jax.training.views import special_mask
 from micse_jax.augmentation import mlm_mask
 
 
-def contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=None, queue_ids=None):
+def contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=None, queue_ids=None, row_mask=None):
   """InfoNCE (in-batch + queue negatives; queue entries of the anchor's own sentence masked when
-  `momentum.mask_same_sentence`), or the positive-only alignment objective."""
+  `momentum.mask_same_sentence`), or the positive-only alignment objective. Rows with
+  `row_mask` 0 (padding) are no anchor and no negative."""
   if config.loss.objective == "positive_only":
-    loss = positive_only_loss(z1, z2, temperature=config.loss.temperature)
-    pos_cos = jnp.mean(jnp.sum(l2_normalize(z1) * l2_normalize(z2), axis=-1))
+    loss = positive_only_loss(z1, z2, temperature=config.loss.temperature, row_mask=row_mask)
+    pos_cos = row_mean(jnp.sum(l2_normalize(z1) * l2_normalize(z2), axis=-1), row_mask)
     return loss, {"positive_only": loss, "pos_cos": pos_cos}
   loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature,
                                 anchor_ids=anchor_ids, queue_ids=queue_ids,
-                                mask_same_sentence=config.momentum.mask_same_sentence)
+                                mask_same_sentence=config.momentum.mask_same_sentence, row_mask=row_mask)
   return loss, dict(metrics, infonce=loss)
 
 
-def ami_term(att1, att2, attention_mask, key, config):
-  """-λ·AMI between the views' attention (miCSE Eq. 5); `ami.variant` picks paper/official."""
+def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=all_rows_here):
+  """-λ·AMI between the views' attention (miCSE Eq. 5); `ami.variant` picks paper/official.
+  Each sentence is sampled where `map_rows` puts it (per device on a mesh); padding rows
+  (`row_mask` 0) are left out."""
   a = config.ami
   return ami_loss(att1, att2, attention_mask, key, weight=a.weight, num_samples=a.num_samples,
                   heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
-                  require_positive=a.require_positive, variant=a.variant)
+                  require_positive=a.require_positive, variant=a.variant, row_mask=row_mask,
+                  map_rows=map_rows)
 
 
-def reconstruction_term(z1, z2, config):
+def reconstruction_term(z1, z2, config, row_mask=None):
   """InforMin-CL: λ·L_R with L_R = E‖z¹ − z²‖² (Eq. 8-9); `normalize` = the public code's form."""
   r = config.reconstruction
-  l_r = reconstruction_loss(z1, z2, normalize=r.normalize)
+  l_r = reconstruction_loss(z1, z2, normalize=r.normalize, row_mask=row_mask)
   return r.weight * l_r, {"reconstruction": l_r}
 
 
 def _masked_copy(batch, key, nets, prob):
+  """(masked ids, labels, weights) of an MLM copy; padding rows (`row_mask` 0) get weight 0."""
   t = nets.tokens
-  return mlm_mask(key, batch["input_ids"], batch["attention_mask"], special_mask(batch, nets),
-                  vocab_size=t.vocab_size, mask_token_id=t.mask_id, prob=prob)
+  ids, labels, weights = mlm_mask(key, batch["input_ids"], batch["attention_mask"], special_mask(batch, nets),
+                                  vocab_size=t.vocab_size, mask_token_id=t.mask_id, prob=prob)
+  if ROW_MASK_KEY in batch:
+    weights = weights * batch[ROW_MASK_KEY].astype(weights.dtype)[:, None]
+  return ids, labels, weights
 
 
 def mlm_term(params, batch, key, nets, config):

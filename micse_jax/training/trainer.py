@@ -25,7 +25,7 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, mesh as mesh_lib
+from micse_jax.training import checkpoint, mesh as mesh_lib, precision
 from micse_jax.training.finite import FiniteWatch
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.setup import Run, initial_state, prepare
@@ -34,19 +34,21 @@ from micse_jax.training.step import make_train_step
 
 def jit_train_step(run: Run, tx, mesh, state_sharding):
   """The pure step jitted over `mesh`: state in/out on `state_sharding` (donated), batch sharded."""
-  step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config))
+  step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config), mesh)
   return jax.jit(step_fn, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (resuming from `workdir` when it holds checkpoints); returns the final results."""
+  config = precision.with_resolved_dtype(config)  # "auto" → this accelerator's dtype, printed once
   config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
   run = prepare(config)  # all input validation happens before the workdir is touched
   mesh = mesh_lib.data_mesh()
   tx = make_optimizer(config)
   abstract_state = jax.eval_shape(lambda: initial_state(run, tx))
-  state_sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), abstract_state)
+  state_sharding = mesh_lib.state_sharding(abstract_state, mesh, config.mesh.shard_state,
+                                           config.mesh.shard_min_elements)
   os.makedirs(workdir, exist_ok=True)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   if rolling.latest_step() is not None:

@@ -1,0 +1,141 @@
+"""What the miCSE step costs per device at cluster scale, read from the compiler (no step is run).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+        python -m micse_jax.bench --collectives [--batch_size 512 --max_length 32]
+
+For the current devices (fake CPU devices are fine) the full train step of a randomly
+initialised BERT-base (no download: `jax.eval_shape`, nothing is allocated) is lowered and
+compiled for every memory layout — state replicated or sharded (`mesh.shard_state`), layers
+rematerialised or not (`model.remat`) — and the report gives
+
+  * the collectives of the optimised HLO by kind: count, bytes and largest result per device
+    (`bench/collectives.py`);
+  * the compiler's memory analysis per device: arguments (train state + batch), outputs,
+    temporaries, and peak ≈ arguments + outputs − donated aliases + temporaries.
+
+Neither depends on machine load. Compiling BERT-base at batch 512 takes minutes per layout on
+a small CPU; `--collectives_layouts` picks a subset.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from micse_jax.bench.collectives import collective_table
+
+LAYOUTS = ("replicated/none", "replicated/layer", "replicated/full",
+           "sharded/none", "sharded/layer", "sharded/full")
+MIB = 2 ** 20
+
+
+def bench_config(batch_size: int, max_length: int, dtype: str, shard_state: bool, remat: str):
+  """The paper's miCSE config (AMI on the last four layers, momentum + queue) at this shape."""
+  from configs import micse  # pylint: disable=import-outside-toplevel
+  c = micse.get_config()
+  c.batch_size, c.model.max_length, c.model.dtype = batch_size, max_length, dtype
+  c.model.remat, c.mesh.shard_state = remat, shard_state
+  c.momentum.queue_size = max(c.momentum.queue_size, batch_size)  # the queue must hold a batch
+  return c
+
+
+def abstract_state(config, bert_config, nets, tx):
+  """The train state's shapes and dtypes (random init, never materialised)."""
+  from micse_jax.training.precision import initial_loss_scale_state  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.state import create_train_state  # pylint: disable=import-outside-toplevel
+  ids = jnp.zeros((1, config.model.max_length), jnp.int32)
+
+  def init():
+    encoder = nets.online.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
+    head = nets.head.init(jax.random.PRNGKey(1), jnp.zeros((1, bert_config.hidden_size)))["params"]
+    return create_train_state({"encoder": encoder, "head": head}, tx, seed=0, momentum=True,
+                              queue_size=config.momentum.queue_size, dim=bert_config.hidden_size,
+                              loss_scale=initial_loss_scale_state(config))
+  return jax.eval_shape(init)
+
+
+def abstract_batch(batch_size: int, max_length: int, mesh) -> dict:
+  """A token batch's shapes, split over the data axis."""
+  from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  sharding = mesh_lib.batch_sharded(mesh)
+  tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32, sharding=sharding)
+  return {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens,
+          "sentence_ids": jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=sharding)}
+
+
+def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert_config=None):
+  """The compiled step of one layout ("replicated|sharded" / "none|layer|full"); BERT-base by default."""
+  from micse_jax.models.bert import BertConfig  # pylint: disable=import-outside-toplevel
+  from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
+  placement, remat = layout.split("/")
+  config = bench_config(batch_size, max_length, dtype, placement == "sharded", remat)
+  bert_config = bert_config or BertConfig()  # bert-base-uncased
+  nets, tx, mesh = build_networks(config, bert_config), make_optimizer(config), mesh_lib.data_mesh()
+  shapes = abstract_state(config, bert_config, nets, tx)
+  shardings = mesh_lib.state_sharding(shapes, mesh, config.mesh.shard_state, config.mesh.shard_min_elements)
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+  step = make_train_step(config, nets, tx, learning_rate_schedule(config), mesh)
+  jitted = jax.jit(step, in_shardings=(shardings, mesh_lib.batch_sharded(mesh)),
+                   out_shardings=(shardings, NamedSharding(mesh, jax.sharding.PartitionSpec())), donate_argnums=0)
+  return jitted.lower(state, abstract_batch(batch_size, max_length, mesh)).compile()
+
+
+@dataclasses.dataclass
+class LayoutReport:
+  layout: str
+  collectives: dict
+  memory: dict  # MiB per device
+
+
+def memory_per_device(compiled) -> dict:
+  """The compiler's buffer sizes for one device, MiB; peak = args + outputs − aliases + temps."""
+  m = compiled.memory_analysis()
+  args, out = m.argument_size_in_bytes, m.output_size_in_bytes
+  alias, temp = m.alias_size_in_bytes, m.temp_size_in_bytes
+  return {"arguments": args / MIB, "outputs": out / MIB, "aliased": alias / MIB, "temporaries": temp / MIB,
+          "peak": (args + out - alias + temp) / MIB}
+
+
+def measure(layouts=LAYOUTS, batch_size: int = 512, max_length: int = 32, dtype: str = "float32") -> list:
+  """One `LayoutReport` per layout, compiled for `jax.devices()`."""
+  reports = []
+  for layout in layouts:
+    if layout not in LAYOUTS:
+      raise ValueError(f"unknown layout {layout!r}; expected some of {', '.join(LAYOUTS)}")
+    compiled = compile_step(layout, batch_size, max_length, dtype)
+    reports.append(LayoutReport(layout, collective_table(compiled.as_text()), memory_per_device(compiled)))
+    print(f"  compiled {layout}", flush=True)
+  return reports
+
+
+def report_lines(reports: list, batch_size: int, max_length: int, dtype: str) -> list[str]:
+  """Markdown tables: collectives per layout, then memory per device."""
+  kinds = list(reports[0].collectives)
+  lines = [f"miCSE step, BERT-base, batch {batch_size} x {max_length} tokens, {dtype}, "
+           f"{jax.device_count()} {jax.devices()[0].platform} devices (compiled, not run)", "",
+           "| layout (state/remat) | " + " | ".join(f"{k} count / MiB" for k in kinds) + " | largest (MiB) |",
+           "|---|" + "---:|" * (len(kinds) + 1)]
+  for r in reports:
+    cells = [f"{r.collectives[k]['count']} / {r.collectives[k]['bytes'] / MIB:.1f}" for k in kinds]
+    largest = max(r.collectives[k]["max_bytes"] for k in kinds) / MIB
+    lines.append(f"| {r.layout} | " + " | ".join(cells) + f" | {largest:.1f} |")
+  lines += ["", "| layout (state/remat) | arguments | outputs | aliased | temporaries | peak (MiB / device) |",
+            "|---|---:|---:|---:|---:|---:|"]
+  for r in reports:
+    m = r.memory
+    lines.append(f"| {r.layout} | {m['arguments']:.0f} | {m['outputs']:.0f} | {m['aliased']:.0f} | "
+                 f"{m['temporaries']:.0f} | {m['peak']:.0f} |")
+  return lines
+
+
+def run(layouts=LAYOUTS, batch_size: int = 512, max_length: int = 32, dtype: str = "float32") -> dict:
+  """Measures, prints the tables, returns a JSON-able result."""
+  reports = measure(layouts, batch_size, max_length, dtype)
+  print("\n".join(report_lines(reports, batch_size, max_length, dtype)), flush=True)
+  return {"devices": jax.device_count(), "platform": jax.devices()[0].platform, "batch_size": batch_size,
+          "max_length": max_length, "dtype": dtype, "layouts": [dataclasses.asdict(r) for r in reports]}

@@ -1,0 +1,77 @@
+"""bench/collectives.py: collective counts and bytes read from optimised HLO text."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from micse_jax.bench.collectives import COLLECTIVE_KINDS, collective_table, shape_bytes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_HLO = """
+HloModule jit_step, is_scheduled=true, num_partitions=4
+
+%region_0.0 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+ENTRY %main.0_spmd (param: f32[2,16], p1: bf16[4,3]) -> f32[16] {
+  %param = f32[2,16]{1,0} parameter(0), sharding={devices=[4,1]<=[4]}
+  %p1 = bf16[4,3]{1,0} parameter(1)
+  %all-gather = f32[8,16]{1,0} all-gather(%param), channel_id=1, dimensions={0}
+  %all-gather-start = (f32[2,16]{1,0}, f32[8,16]{1,0}) all-gather-start(%param), channel_id=2
+  %all-gather-done = f32[8,16]{1,0} all-gather-done(%all-gather-start)
+  %all-reduce = (f32[16]{0}, bf16[4,3]{1,0}) all-reduce(%param, %p1), to_apply=%region_0.0
+  %all-to-all.1 = bf16[4,3]{1,0} all-to-all(%p1), dimensions={0}
+  %cp-start = (f32[2,16]{1,0}, f32[2,16]{1,0}, u32[], u32[]) collective-permute-start(%param)
+  %cp-done = f32[2,16]{1,0} collective-permute-done(%cp-start)
+  %rs = f32[2,16]{1,0} reduce-scatter(%all-gather), dimensions={0}, to_apply=%region_0.0
+  ROOT %fusion = f32[16]{0} fusion(%all-gather), kind=kLoop, calls=%region_0.0
+}
+"""
+
+
+def test_shape_bytes_of_arrays_tuples_and_scalars():
+  assert shape_bytes("f32[8,16]{1,0}") == 8 * 16 * 4
+  assert shape_bytes("(f32[16]{0}, bf16[4,3]{1,0})") == 16 * 4 + 12 * 2
+  assert shape_bytes("pred[3]") == 3 and shape_bytes("s32[]") == 4
+  assert shape_bytes("f8e4m3fn[10]{0}") == 10
+
+
+def test_hand_written_hlo_counts_async_pairs_once():
+  table = collective_table(_HLO)
+  assert set(table) == set(COLLECTIVE_KINDS)
+  assert table["all-gather"] == {"count": 2, "bytes": 2 * 512, "max_bytes": 512}
+  assert table["all-reduce"] == {"count": 1, "bytes": 64 + 24, "max_bytes": 88}
+  assert table["all-to-all"] == {"count": 1, "bytes": 24, "max_bytes": 24}
+  assert table["collective-permute"] == {"count": 1, "bytes": 128, "max_bytes": 128}
+  assert table["reduce-scatter"] == {"count": 1, "bytes": 128, "max_bytes": 128}
+
+
+_COMPILED = textwrap.dedent("""
+  import json
+  import jax, jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from micse_jax.bench.collectives import collective_table
+  mesh = Mesh(jax.devices(), ("data",))
+  def gather_then_sum(x):  # x [8, 24] sharded by rows: one all-gather of the whole f32[8, 24]
+    full = jax.lax.with_sharding_constraint(x * 2.0, NamedSharding(mesh, P()))
+    return full @ full.T
+  x = jax.device_put(jnp.ones((8, 24)), NamedSharding(mesh, P("data")))
+  hlo = jax.jit(gather_then_sum).lower(x).compile().as_text()
+  print(json.dumps(collective_table(hlo)))
+""")
+
+
+def test_compiled_function_on_four_fake_devices_gathers_the_known_size():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _COMPILED], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  table = json.loads(out.stdout.strip().splitlines()[-1])
+  assert table["all-gather"]["count"] == 1
+  assert table["all-gather"]["max_bytes"] == 8 * 24 * 4
+  assert sum(row["count"] for kind, row in table.items() if kind != "all-gather") == 0

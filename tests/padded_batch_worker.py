@@ -1,0 +1,74 @@
+"""Run with XLA_FLAGS=--xla_force_host_platform_device_count=4: a few steps of the miCSE step
+at global batch 50 on one device (no padding) and on 4 devices (the trainer's batches, padded
+to 52 with 2 masked rows); prints the largest state and metric differences as one JSON line.
+
+  python -m tests.padded_batch_worker TMP TOKENIZER_DIR [--steps N] [--set key=value ...]
+"""
+import argparse
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+BATCH = 50
+
+
+def unpadded(batch: dict) -> dict:
+  """The first BATCH rows of a padded global batch, without `row_mask`: the unpadded run's batch
+  (a batch without `row_mask` means all rows real). Checks the padding rows are last."""
+  from micse_jax.data.pipeline import ROW_MASK_KEY
+  mask = batch[ROW_MASK_KEY]
+  assert mask[:BATCH].all() and not mask[BATCH:].any(), mask
+  return {k: v[:BATCH] for k, v in batch.items() if k != ROW_MASK_KEY}
+
+
+def run_steps(run, tx, devices, steps, padded):
+  """`steps` steps on a mesh of `devices` from the initial state; (host state, metrics list)."""
+  from micse_jax.training import mesh as mesh_lib, trainer
+  mesh = mesh_lib.data_mesh(devices)
+  sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: trainer.initial_state(run, tx)))
+  state = jax.device_put(trainer.initial_state(run, tx), sharding)
+  step = trainer.jit_train_step(run, tx, mesh, sharding)
+  metrics = []
+  for i in range(steps):
+    batch = run.batches.batch(i)  # padded to 52 rows: this process has 4 devices
+    if not padded:
+      batch = unpadded(batch)
+    state, m = step(state, mesh_lib.global_batch(batch, mesh))
+    metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
+  return jax.device_get(state), metrics
+
+
+def main():
+  from micse_jax.training import trainer
+  from micse_jax.training.optim import make_optimizer
+  from tests.train_utils import set_dotted, tiny_training_config
+  parser = argparse.ArgumentParser()
+  parser.add_argument("tmp")
+  parser.add_argument("tokenizer_dir")
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--set", action="append", default=[], help="config override key=value")
+  args = parser.parse_args()
+  assert jax.device_count() == 4, jax.devices()
+  config = tiny_training_config(pathlib.Path(args.tmp), args.tokenizer_dir, batch_size=BATCH,
+                                **{"momentum.queue_size": 120, "data.num_sentences": 0})
+  for item in args.set:
+    key, value = item.split("=", 1)
+    set_dotted(config, key, json.loads(value))
+  run = trainer.prepare(config)
+  run.initial_params = jax.device_get(run.initial_params)  # host copy: each run donates its own
+  tx = make_optimizer(config)
+  s1, m1 = run_steps(run, tx, jax.devices()[:1], args.steps, padded=False)
+  s4, m4 = run_steps(run, tx, jax.devices(), args.steps, padded=True)
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+                       if np.size(a) else 0.0, s1, s4)
+  metric_diffs = {k: max(abs(a[k] - b[k]) for a, b in zip(m1, m4)) for k in m1[0]}
+  queues = {"queue_ids_1dev": np.asarray(s1.queue_ids).tolist(), "queue_ids_4dev": np.asarray(s4.queue_ids).tolist(),
+            "queue_ptr": [int(s1.queue_ptr), int(s4.queue_ptr)]} if config.momentum.enabled else {}
+  print(json.dumps({"max_state_diff": max(jax.tree.leaves(diffs)), "metric_diffs": metric_diffs,
+                    "metrics_1dev": m1, **queues}))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,122 @@
+"""Sharded train state (FSDP / ZeRO-3, `mesh.shard_state`): the per-leaf placement rule, the
+sharded run equal to the replicated one on 4 devices, and its checkpoints resumed and exported
+on 1 device."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from micse_jax.training.mesh import DATA_AXIS, leaf_partition
+from tests.conftest import REPO
+from tests.portable_checkpoint_test import drop_steps_after
+from tests.train_utils import tiny_training_config
+
+ATOL = 1e-5  # sharded vs replicated after 6 steps: float32 reduction order only
+MIN_ELEMENTS = 1024  # the tiny model's leaves are small: shard every matrix (biases stay replicated)
+
+
+def run_config(tmp_path, tokenizer_dir, shard_state: bool):
+  """The tiny miCSE run: 6 steps, checkpoints at 3 and 6, batch 8 over 4 devices."""
+  return tiny_training_config(tmp_path, tokenizer_dir, num_train_steps=6, checkpoint_every=3,
+                              **{"mesh.shard_state": shard_state, "mesh.shard_min_elements": MIN_ELEMENTS})
+
+
+@pytest.mark.parametrize("shape, devices, expected", [
+    ((30522, 64), 4, P(None, DATA_AXIS)),       # vocab not divisible by 4: the hidden dimension
+    ((30520, 768), 8, P(DATA_AXIS)),            # largest divisible dimension first
+    ((768, 3072), 4, P(None, DATA_AXIS)),
+    ((256, 256), 4, P(DATA_AXIS)),              # a tie: the first dimension
+    ((128, 64), 4, P()),                        # 8192 elements: small, replicated
+    ((3, 5461), 4, P()),                        # nothing divisible
+    ((32768,), 4, P(DATA_AXIS)),
+    ((32768,), 1, P()),                         # one device: nothing to split
+    ((), 4, P()),
+])
+def test_leaf_partition(shape, devices, expected):
+  assert leaf_partition(shape, devices) == expected  # default threshold 2**14 elements
+  assert leaf_partition((64, 32), 4, min_elements=1024) == P(DATA_AXIS)
+
+
+def _local_shape(shape, devices=4):
+  """Independent statement of the rule: the largest dimension divisible by the device count."""
+  if int(np.prod(shape)) < MIN_ELEMENTS:
+    return list(shape)
+  divisible = [d for d in range(len(shape)) if shape[d] % devices == 0]
+  if not divisible:
+    return list(shape)
+  d = max(divisible, key=lambda i: (shape[i], -i))
+  return [n // devices if i == d else n for i, n in enumerate(shape)]
+
+
+def _close(a: dict, b: dict, atol: float) -> float:
+  assert sorted(a) == sorted(b) and a
+  worst = 0.0
+  for name in a:
+    x, y = a[name], b[name]
+    if np.issubdtype(x.dtype, np.floating):
+      worst = max(worst, float(np.max(np.abs(x.astype(np.float64) - y))))
+    else:
+      np.testing.assert_array_equal(x, y, err_msg=name)
+  assert worst <= atol, worst
+  return worst
+
+
+@pytest.fixture(scope="module")
+def four_device_runs(tmp_path_factory, minilm_dir):
+  tmp = tmp_path_factory.mktemp("sharded")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             PYTHONPATH=REPO)
+  out = subprocess.run([sys.executable, "-m", "tests.sharded_state_worker", str(tmp), minilm_dir],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  assert report["num_devices"] == 4
+  return tmp, report["layout"]
+
+
+def test_sharded_state_equals_replicated_on_four_devices(four_device_runs):
+  tmp, layout = four_device_runs
+  replicated, sharded = np.load(tmp / "replicated_4dev.npz"), np.load(tmp / "sharded_4dev.npz")
+  print("sharded vs replicated, 6 steps, max abs diff:",
+        _close(dict(replicated.items()), dict(sharded.items()), ATOL))
+  for name, (shape, local) in layout.items():
+    assert local == _local_shape(shape), name
+  word = ".params['encoder']['embeddings']['word_embeddings']['embedding']"
+  assert layout[word][1][1] * 4 == layout[word][0][1]  # the embedding matrix really is split
+  split = [name for name, (s, l) in layout.items() if s != l]
+  # every matrix of params, EMA params, Adam mu and nu (2 layers x 6 + embeddings + head + pooler)
+  assert len(split) >= 4 * 14, split
+  queue = ".queue"  # [12, 64]: 768 elements, replicated
+  assert layout[queue][0] == layout[queue][1]
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_and_exports_on_one_device(four_device_runs, tmp_path, minilm_dir):
+  from micse_jax import convert
+  from micse_jax.models.loading import load_pretrained
+  from micse_jax.training import trainer
+  from tests.sharded_state_worker import final_state, flat_state
+  from micse_jax.training.optim import make_optimizer
+  tmp, _ = four_device_runs
+  assert jax.device_count() == 1
+  config = run_config(tmp, minilm_dir, shard_state=True)
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(str(tmp / "sharded"), resumed)
+  drop_steps_after(resumed, 3)
+  trainer.train_and_evaluate(config, resumed)  # steps 4-6 on 1 device
+  state = final_state(trainer.prepare(config), make_optimizer(config), resumed, shard_state=True)
+  reference = dict(np.load(tmp / "sharded_4dev.npz").items())
+  print("4->1 sharded resume vs 4-device run, max abs diff:", _close(flat_state(state), reference, ATOL))
+  exported = convert.convert(workdir=str(tmp / "sharded"), output=str(tmp_path / "export"))
+  params = {".params" + jax.tree_util.keystr(k): np.asarray(v) for k, v in
+            jax.tree_util.tree_leaves_with_path({"encoder": load_pretrained(exported)[1]})}
+  shared = [k for k in reference if k.startswith(".params['encoder']") and "pooler" not in k]
+  assert len(shared) > 10
+  for k in shared:
+    np.testing.assert_allclose(params[k], reference[k], rtol=0, atol=1e-6, err_msg=k)
