@@ -1,10 +1,13 @@
 """`SentenceEncoder`: sentences in, float32 embeddings out.
 
 Sentences are sorted by length and batched so each jit-compiled shape is a (batch_size,
-bucket_length) pair: a handful of programs, not one per batch.
+bucket_length) pair: a handful of programs, not one per batch, compiled once per encoder and
+reused with any params. `plan` tokenizes and batches a sentence list once; `encode_plan` embeds a
+plan (dev selection scores the same dev set every `eval_every` steps without re-tokenizing it).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -17,6 +20,13 @@ from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import load_pretrained
 from micse_jax.tokenization import DEFAULT_BUCKETS, Tokenizer, bucket_length
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodePlan:
+  """Sentences tokenized and batched once: `batches` holds (input rows, padded token batch) pairs."""
+  num_sentences: int
+  batches: list
 
 
 class SentenceEncoder:
@@ -58,6 +68,39 @@ class SentenceEncoder:
           else out.pooler_output
     return cls_hidden.astype(jnp.float32)
 
+  def plan(self, sentences: Sequence[str], batch_size: int = 64, max_length: int = 128,
+           buckets: Sequence[int] = DEFAULT_BUCKETS) -> EncodePlan:
+    """Tokenizes and batches `sentences` once (sorted by length, padded to a bucket length)."""
+    if isinstance(sentences, str):
+      raise TypeError("encode expects a list of sentences, not a single string")
+    ids = self.tokenizer.token_ids(sentences, max_length)
+    order = np.argsort([len(s) for s in ids], kind="stable")
+    batches = []
+    for start in range(0, len(order), batch_size):
+      rows = order[start:start + batch_size]
+      length = bucket_length(max(len(ids[r]) for r in rows), max_length, buckets)
+      batch = self.tokenizer.pad([ids[r] for r in rows] + [[]] * (batch_size - len(rows)), length)
+      batch["attention_mask"][len(rows):, 0] = 1  # filler rows: one real token, results dropped
+      batches.append((rows, batch))
+    return EncodePlan(len(ids), batches)
+
+  def encode_plan(self, plan: EncodePlan, pooler: str = "cls_before_pooler", *,
+                  params: dict | None = None, head_params: dict | None = None) -> np.ndarray:
+    """Embeds a `plan`'s sentences → float32 `[n, hidden]` in input order (no tokenization)."""
+    params = self.params if params is None else params
+    head_params = self.head_params if head_params is None else head_params
+    pooling.check_pooler(pooler)
+    out = np.zeros((plan.num_sentences, self.hidden_size), np.float32)
+    pending = None  # (rows, device result) of the previous batch: the next dispatch overlaps it
+    for rows, batch in plan.batches:
+      emb = self._embed(params, head_params, batch, pooler)  # dispatched asynchronously
+      if pending is not None:
+        out[pending[0]] = np.asarray(pending[1])[:len(pending[0])]
+      pending = (rows, emb)
+    if pending is not None:
+      out[pending[0]] = np.asarray(pending[1])[:len(pending[0])]
+    return out
+
   def encode(self, sentences: Sequence[str], pooler: str = "cls_before_pooler",
              batch_size: int = 64, max_length: int = 128,
              buckets: Sequence[int] = DEFAULT_BUCKETS, *, params: dict | None = None,
@@ -67,28 +110,13 @@ class SentenceEncoder:
     `params` / `head_params` replace the encoder's own for this call (e.g. a training state's),
     reusing the compiled programs; the encoder itself is not changed.
     """
-    params = self.params if params is None else params
-    head_params = self.head_params if head_params is None else head_params
     pooling.check_pooler(pooler)
     if isinstance(sentences, str):
       raise TypeError("encode expects a list of sentences, not a single string")
     if not sentences:
       return np.zeros((0, self.hidden_size), np.float32)
-    ids = self.tokenizer.token_ids(sentences, max_length)
-    order = np.argsort([len(s) for s in ids], kind="stable")
-    out = np.zeros((len(ids), self.hidden_size), np.float32)
-    pending = None  # (rows, device result) of the previous batch: padding the next one overlaps it
-    for start in range(0, len(order), batch_size):
-      rows = order[start:start + batch_size]
-      length = bucket_length(max(len(ids[r]) for r in rows), max_length, buckets)
-      batch = self.tokenizer.pad([ids[r] for r in rows] + [[]] * (batch_size - len(rows)), length)
-      batch["attention_mask"][len(rows):, 0] = 1  # filler rows: one real token, results dropped
-      emb = self._embed(params, head_params, batch, pooler)  # dispatched asynchronously
-      if pending is not None:
-        out[pending[0]] = np.asarray(pending[1])[:len(pending[0])]
-      pending = (rows, emb)
-    out[pending[0]] = np.asarray(pending[1])[:len(pending[0])]
-    return out
+    return self.encode_plan(self.plan(sentences, batch_size, max_length, buckets), pooler,
+                            params=params, head_params=head_params)
 
   def __hash__(self):
     return id(self)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +175,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_d
   workdir = str(tmp_path / "nan")
   with pytest.raises(trainer.NonFiniteLossError, match="non-finite loss"):
     trainer.train_and_evaluate(config, workdir)
+  assert not [t for t in threading.enumerate() if t.name == "micse-prefetch"]  # the prefetch thread ended
   last = workdir_lib.rolling_manager(workdir, 2).latest_step()
   assert last is not None and last < 8
   state = _restore_latest(workdir, config)

@@ -21,7 +21,7 @@ import sys
 
 import jax
 
-from micse_jax.bench import hardware, jax_step, trace_summary
+from micse_jax.bench import hardware, host, jax_step, trace_summary
 from micse_jax.bench.torch_step import time_steps
 from micse_jax.config_checks import DTYPES
 
@@ -55,6 +55,7 @@ def parse_args(argv):
                       "else random words")
   p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 full steps here")
   p.add_argument("--output", help="also write the JSON result line to this file")
+  host.add_arguments(p)
   args = p.parse_args(argv)
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
     p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
@@ -164,6 +165,8 @@ def report(result: dict) -> str:
 def main(argv=None) -> dict:
   """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
+  if args.host:
+    return host.run(args)
   result = run(args)
   print(report(result))
   line = json.dumps(result)

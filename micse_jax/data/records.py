@@ -58,30 +58,31 @@ class RecordDecoder:
       records.extend(self._readers[shard].read(local.tolist()))
     return records
 
-  def _bytes(self, key: str, compressed: bytes) -> bytes:
-    """zlib-decompressed feature bytes (memoised for the keys with few distinct values)."""
-    memo = self._memo.get(key)
-    if memo is None:
-      return zlib.decompress(compressed)
-    raw = memo.get(compressed)
-    if raw is None:
-      raw = zlib.decompress(compressed)
-      if len(memo) < _MEMO_LIMIT:
-        memo[compressed] = raw
+  @staticmethod
+  def _remember(memo: dict, compressed: bytes) -> bytes:
+    """Decompresses a memoised key's value and keeps it (up to `_MEMO_LIMIT` values)."""
+    raw = zlib.decompress(compressed)
+    if len(memo) < _MEMO_LIMIT:
+      memo[compressed] = raw
     return raw
 
   def decode(self, records: list[bytes]) -> dict[str, np.ndarray]:
     """int32 `[n, length]` per token key and `sentence_ids` `[n]` from serialized rows."""
-    columns = {k: [] for k in TOKEN_KEYS}
-    ids = np.empty(len(records), np.int32)
+    ids, masks, types = [], [], []
+    sentence_ids = np.empty(len(records), np.int32)
+    parse, decompress, remember = self._example.FromString, zlib.decompress, self._remember
+    mask_memo, type_memo = self._memo["attention_mask"], self._memo["token_type_ids"]
     for i, record in enumerate(records):
-      feature = self._example.FromString(record).features.feature
-      for key in TOKEN_KEYS:
-        columns[key].append(self._bytes(key, feature[key].bytes_list.value[0]))
-      ids[i] = feature[ID_FEATURE].int64_list.value[0]
+      feature = parse(record).features.feature
+      ids.append(decompress(feature["input_ids"].bytes_list.value[0]))
+      mask = feature["attention_mask"].bytes_list.value[0]
+      masks.append(mask_memo.get(mask) or remember(mask_memo, mask))
+      kind = feature["token_type_ids"].bytes_list.value[0]
+      types.append(type_memo.get(kind) or remember(type_memo, kind))
+      sentence_ids[i] = feature[ID_FEATURE].int64_list.value[0]
     out = {k: np.frombuffer(b"".join(v), dtype="<i4").reshape(len(records), -1).astype(np.int32)
-           for k, v in columns.items()}
-    out[SENTENCE_IDS_KEY] = ids
+           for k, v in zip(TOKEN_KEYS, (ids, masks, types))}
+    out[SENTENCE_IDS_KEY] = sentence_ids
     return out
 
   def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:

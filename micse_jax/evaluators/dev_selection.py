@@ -4,6 +4,9 @@ SimCSE/miCSE protocol: every `eval_every` steps the online encoder's [CLS] befor
 is scored on STS-B dev (Spearman x100, `workdir.BEST_METRIC`); the trainer keeps the best
 params in `workdir/best/`, and at the end they are evaluated on `eval.final_tasks` into
 `workdir/results.json`.
+
+The dev splits are read and tokenized once per run (`PlannedPairs`); each evaluation only runs
+the encoder's jitted programs (compiled at the first evaluation) and scores.
 """
 from __future__ import annotations
 
@@ -15,10 +18,29 @@ import ml_collections
 
 from micse_jax import workdir as workdir_lib
 from micse_jax.encoder import SentenceEncoder
-from micse_jax.evaluation import report, sts
+from micse_jax.evaluation import report, senteval_data, sts
 from micse_jax.evaluation.runner import run_evaluation
 
 EVAL_POOLER = "cls_before_pooler"
+
+
+class PlannedPairs:
+  """One dev split's pairs with their distinct sentences tokenized and batched once per run."""
+
+  def __init__(self, encoder: SentenceEncoder, pairs, batch_size: int):
+    self.pairs = pairs
+    self.sentences = list(dict.fromkeys(pairs.sentences1 + pairs.sentences2))  # as sts.encode_unique
+    self.plan = encoder.plan(self.sentences, batch_size)
+    self.encoder = encoder
+
+  def spearman(self, params: dict) -> float:
+    """`sts.split_spearman` of the split with `params`, embedding the stored plan."""
+    def encode(sentences):
+      if sentences != self.sentences:
+        raise ValueError("a planned dev split was asked to encode other sentences")
+      return self.encoder.encode_plan(self.plan, EVAL_POOLER, params=params["encoder"],
+                                      head_params=params["head"])
+    return sts.split_spearman(encode, self.pairs)
 
 
 def params_encode_fn(encoder: SentenceEncoder, params: dict, batch_size: int):
@@ -40,6 +62,15 @@ class DevSelection:
     if eval_every > 0 and not self.enabled:
       logging.warning("SentEval data not found at %s: no dev-set model selection", self.dir)
     self.encoder, self.config = encoder, eval_config
+    self.splits = self._plan_dev_splits() if self.enabled else {}
+
+  def _plan_dev_splits(self) -> dict[str, PlannedPairs]:
+    """STS-B dev (and SICK-R dev): read and tokenized once per run."""
+    size = self.config.batch_size
+    splits = {workdir_lib.BEST_METRIC: PlannedPairs(self.encoder, senteval_data.load_stsb(self.dir)["dev"], size)}
+    if self.config.sickr_dev:
+      splits["sickr_dev"] = PlannedPairs(self.encoder, senteval_data.load_sickr(self.dir)["dev"], size)
+    return splits
 
   @property
   def has_final_tasks(self) -> bool:
@@ -52,11 +83,7 @@ class DevSelection:
 
   def __call__(self, params) -> dict[str, float]:
     """`{BEST_METRIC: STS-B dev Spearman x100}` (+ `sickr_dev` when `eval.sickr_dev`)."""
-    encode = self.encode_fn(params)
-    scores = {workdir_lib.BEST_METRIC: sts.stsb_dev_spearman(encode, self.dir)}
-    if self.config.sickr_dev:
-      scores["sickr_dev"] = sts.sickr_dev_spearman(encode, self.dir)
-    return scores
+    return {name: split.spearman(params) for name, split in self.splits.items()}
 
 
 def final_evaluation(selection: DevSelection, workdir: str, params, which: str) -> dict:

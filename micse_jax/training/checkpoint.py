@@ -24,7 +24,8 @@ UNREADABLE_DIR = "unreadable_checkpoints"
 
 
 def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
-  """Saves the full train state at its step (asynchronously, as the manager is configured)."""
+  """Asynchronous save of the full train state at its step (returns once the arrays are on the host;
+  Orbax writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one)."""
   manager.save(int(state.step), args=ocp.args.StandardSave(state), metrics=metrics)
 
 
@@ -84,8 +85,11 @@ def _set_aside(manager: ocp.CheckpointManager, steps) -> None:
   manager.reload()
 
 
-def save_best(manager: ocp.CheckpointManager, step: int, params, score: float) -> None:
-  """Saves `params` as the new best checkpoint (`score` = its `workdir.BEST_METRIC`)."""
+def save_best(manager: ocp.CheckpointManager, step: int, params, score: float, wait: bool = True) -> None:
+  """Saves `params` as the new best checkpoint (`score` = its `workdir.BEST_METRIC`); `wait=False`
+  returns once the arrays are copied to the host (Orbax's asynchronous save: the file writes go on
+  in the background; a later save or `manager.wait_until_finished()` waits for them)."""
   manager.save(step, args=ocp.args.StandardSave({"params": params}), metrics={BEST_METRIC: score},
                force=True)
-  manager.wait_until_finished()
+  if wait:
+    manager.wait_until_finished()

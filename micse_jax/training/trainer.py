@@ -18,13 +18,15 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from micse_jax import config_checks, workdir as workdir_lib
+from micse_jax.data.prefetch import Prefetcher
 from micse_jax.encoder import SentenceEncoder
-from micse_jax.errors import NonFiniteLossError
+from micse_jax.errors import NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
 from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
 from micse_jax.training import checkpoint, mesh as mesh_lib
+from micse_jax.training.finite import FiniteWatch
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.setup import Run, initial_state, prepare
 from micse_jax.training.step import make_train_step
@@ -35,14 +37,6 @@ def jit_train_step(run: Run, tx, mesh, state_sharding):
   step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config), mesh)
   return jax.jit(step_fn, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
-
-
-def _check_finite(metrics: dict, step: int) -> dict:
-  host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  if not math.isfinite(host["loss"]) and not host.get("step_skipped"):  # fp16 overflow: skipped
-    raise NonFiniteLossError(f"non-finite loss {host['loss']} at step {step}; stopped, "
-                             "the last saved checkpoint is intact (lower optim.learning_rate?)")
-  return host
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -108,7 +102,7 @@ class _Evaluators:
       scores = self.selection(state.params)
       if scores[workdir_lib.BEST_METRIC] > self.best_score:
         self.best_score = scores[workdir_lib.BEST_METRIC]
-        checkpoint.save_best(self.best, done, state.params, self.best_score)
+        checkpoint.save_best(self.best, done, state.params, self.best_score, wait=False)  # waited for at the end
       _write_scalars(writer, done, scores)
       bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
     if self.heldout is not None:
@@ -128,33 +122,50 @@ def _final_evaluation(workdir: str, state, evaluators: _Evaluators) -> dict:
   return final_evaluation(evaluators.selection, workdir, params, which)
 
 
+def _prefetched_batches(run: Run, mesh, start: int) -> Prefetcher:
+  """Device-placed global batches of steps `start`.. made `data.prefetch` ahead on a background thread."""
+  place = lambda step: mesh_lib.global_batch(run.batches.batch(step), mesh)
+  return Prefetcher(place, range(start, run.config.num_train_steps), run.config.data.get("prefetch", 2))
+
+
+def _due(c: ml_collections.ConfigDict, evaluators: _Evaluators, done: int) -> tuple[bool, bool, bool]:
+  """(log, evaluate, save) after `done` steps; the last step does all three that are enabled."""
+  last = done == c.num_train_steps
+  return (done % c.log_every == 0 or last, evaluators.active and is_due(done, c.eval_every, c.num_train_steps),
+          done % c.checkpoint_every == 0 or last)
+
+
+def _log(bar, writer, metrics, done: int, every: int, tick: float) -> float:
+  """Reads the step's metrics (a sync), shows and writes them; returns the new time mark."""
+  host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  now = time.perf_counter()
+  host["steps_per_sec"] = every / max(now - tick, 1e-9)
+  bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi") if k in host})
+  _write_scalars(writer, done, host)
+  return now
+
+
 def _loop(run: Run, state, train_step, mesh, rolling, evaluators: _Evaluators, writer):
+  """Steps without a per-step sync: finiteness is read only before logging, evaluating or saving."""
   c = run.config
   start = int(state.step)
   bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
              disable=jax.process_index() != 0, desc="train")
-  pending, tick = None, time.perf_counter()
-  for step in bar:
-    state, metrics = train_step(state, mesh_lib.global_batch(run.batches.batch(step), mesh))
-    if pending is not None:
-      _check_finite(pending, step - 1)  # one step behind: the device keeps working meanwhile
-    pending, done = metrics, step + 1
-    last = done == c.num_train_steps
-    log = done % c.log_every == 0 or last
-    evaluate = evaluators.active and is_due(done, c.eval_every, c.num_train_steps)
-    save = done % c.checkpoint_every == 0 or last
-    if log or evaluate or save:  # never log, select or save a non-finite state
-      host, pending = _check_finite(metrics, done), None
-    if log:
-      now = time.perf_counter()
-      host["steps_per_sec"] = c.log_every / max(now - tick, 1e-9)
-      tick = now
-      bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi") if k in host})
-      _write_scalars(writer, done, host)
-    if evaluate:
-      evaluators(state, writer, bar)
-    if save:
-      checkpoint.save_state(rolling, state)
+  watch, tick = FiniteWatch(), time.perf_counter()
+  with _prefetched_batches(run, mesh, start) as batches:
+    for step, batch in zip(bar, batches):
+      state, metrics = train_step(state, batch)
+      watch.update(metrics, state.step)
+      done = step + 1
+      log, evaluate, save = _due(c, evaluators, done)
+      if log or evaluate or save:  # never log, select or save a non-finite state
+        watch.check()
+      if log:
+        tick = _log(bar, writer, metrics, done, c.log_every, tick)
+      if evaluate:
+        evaluators(state, writer, bar)
+      if save:
+        checkpoint.save_state(rolling, state)
   return state
 
 
