@@ -33,23 +33,29 @@ def _assert_close(a, b, atol):
     np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=0, atol=atol)
 
 
+def _train_in_two_processes(config, workdir: str) -> None:
+  """Trains the tiny test `config` with launch/local_multiprocess.sh: 2 processes x 2 devices."""
+  fields = {"model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
+            "batch_size": config.batch_size, "num_train_steps": config.num_train_steps,
+            "checkpoint_every": config.checkpoint_every, "eval_every": 0, "eval.final_tasks": "",
+            "model.max_length": config.model.max_length, "momentum.queue_size": config.momentum.queue_size,
+            "ami.layers": "(" + ",".join(str(i) for i in config.ami.layers) + ")",
+            "ami.num_samples": config.ami.num_samples, "optim.warmup_steps": config.optim.warmup_steps,
+            "optim.learning_rate": config.optim.learning_rate, "data.num_sentences": config.data.num_sentences}
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
+                        "--workdir", workdir, *(f"--config.{k}={v}" for k, v in fields.items())],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+
 def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path, minilm_dir):
   # n = B = 8: from step 1 every anchor meets its own sentence in the queue, so the hosts' rows
   # of global corpus ids and the same-sentence mask are part of what must match.
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=4, checkpoint_every=2,
                                 **{"data.num_sentences": 8})
-  overrides = [f"--config.{k}={v}" for k, v in {
-      "model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
-      "batch_size": 8, "num_train_steps": 4, "checkpoint_every": 2, "eval_every": 0,
-      "eval.final_tasks": "", "model.max_length": 16, "momentum.queue_size": 12,
-      "ami.layers": "(0,1)", "ami.num_samples": 20, "optim.warmup_steps": 2,
-      "optim.learning_rate": 1e-3, "data.num_sentences": 8}.items()]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   multi = str(tmp_path / "multi")
-  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
-                        "--workdir", multi, *overrides], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
+  _train_in_two_processes(config, multi)
   single = str(tmp_path / "single")
   trainer.train_and_evaluate(config, single)
   a, b = _restore(single, config), _restore(multi, config)
@@ -84,18 +90,8 @@ def test_two_processes_with_an_odd_split_match_one_process(tmp_path, minilm_dir)
   # be the one-device run of the unpadded batch of 7.
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=3, checkpoint_every=3,
                                 **{"data.num_sentences": 8, "batch_size": 7})
-  overrides = [f"--config.{k}={v}" for k, v in {
-      "model.name_or_path": config.model.name_or_path, "data.corpus": config.data.corpus,
-      "batch_size": 7, "num_train_steps": 3, "checkpoint_every": 3, "eval_every": 0,
-      "eval.final_tasks": "", "model.max_length": 16, "momentum.queue_size": 12,
-      "ami.layers": "(0,1)", "ami.num_samples": 20, "optim.warmup_steps": 2,
-      "optim.learning_rate": 1e-3, "data.num_sentences": 8}.items()]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   multi = str(tmp_path / "multi")
-  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
-                        "--workdir", multi, *overrides], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
+  _train_in_two_processes(config, multi)
   single = str(tmp_path / "single")
   trainer.train_and_evaluate(config, single)
   a, b = _restore(single, config), _restore(multi, config)

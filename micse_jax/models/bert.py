@@ -366,11 +366,14 @@ def resolve_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
 def two_dropout_views(model: BertModel, params, view1: dict, view2: dict, key: Array):
   """One train-mode forward of both views (token batches, `TOKEN_KEYS`), interleaved per
   sentence (`interleave_views`): each row gets its own dropout mask. Returns (hidden1, hidden2
-  `[B, T, H]`, att1, att2 `[L, B, heads, T, T]`), the attention of `model.sow_attention_layers`."""
+  `[B, T, H]`, att1, att2 `[L, B, heads, T, T]`), the attention of `model.sow_attention_layers`
+  (None, None when it sows none)."""
   both = interleave_views({k: view1[k] for k in TOKEN_KEYS}, {k: view2[k] for k in TOKEN_KEYS})
   out, state = model.apply({"params": params}, *(both[k] for k in TOKEN_KEYS), deterministic=False,
                            rngs={"dropout": key}, mutable=["intermediates"])
   hidden1, hidden2 = split_views(out.last_hidden_state)
+  if not model.sow_attention_layers:
+    return hidden1, hidden2, None, None
   att1, att2 = split_views(collect_attentions(state["intermediates"], model.sow_attention_layers), axis=1)
   return hidden1, hidden2, att1, att2
 

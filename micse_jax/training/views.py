@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax import augmentation
-from micse_jax.models.bert import collect_attentions, interleave_views, split_views
+from micse_jax.models.bert import collect_attentions, two_dropout_views
 from micse_jax.tokenization import TOKEN_KEYS
 
 
@@ -89,13 +89,7 @@ def _attention(nets, state):
 def encode_stacked(params, view1, view2, key, nets) -> Encoded:
   """One forward pass of both views, interleaved per sentence, through the online encoder
   (independent dropout per row)."""
-  both = interleave_views(view1, view2)
-  out, state = nets.online.apply({"params": params["encoder"]}, *token_args(both), deterministic=False,
-                                 rngs={"dropout": key}, mutable=["intermediates"])
-  h1, h2 = split_views(out.last_hidden_state)
-  att = _attention(nets, state)
-  att1, att2 = split_views(att, axis=1) if att is not None else (None, None)
-  return Encoded(h1, h2, att1, att2)
+  return Encoded(*two_dropout_views(nets.online, params["encoder"], view1, view2, key))
 
 
 def encode_cross(params, view1, view2, key, nets) -> Encoded:
