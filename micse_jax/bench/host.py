@@ -131,7 +131,7 @@ def report_lines(host: dict, dev: dict | None, model: str, batch_size: int) -> l
       cells = "   ".join(f"{part} {v['median_ms']:.3f} ({v['mean_ms']:.3f})" for part, v in parts.items())
       lines.append(f"  {source:<9} batch {size:>4}: {cells}")
   if dev is None:
-    lines.append("  dev selection: not measured (no SentEval data)")
+    lines.append("  dev selection: not measured (--no-host_dev, or no SentEval data)")
   else:
     lines.append(f"  dev selection ({model}, train batch {batch_size}): one STS-B dev evaluation "
                  f"({dev['dev_sentences']} sentences) {dev['dev_eval_ms']:.1f} ms, train step {dev['step_ms']:.1f} ms; "
