@@ -32,6 +32,11 @@ def _normalize(name: str) -> str:
   return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def distribution_name(spec: str) -> str:
+  """The normalised distribution name of a requirement line (`jax>=0.10; python_version...`)."""
+  return _normalize(re.split(r"[<>=!~\[; ]", spec.strip())[0])
+
+
 def _is_import_error_guard(handler: ast.ExceptHandler) -> bool:
   names = []
   if isinstance(handler.type, ast.Name):
@@ -109,7 +114,7 @@ def read_requirements(name: str) -> set[str]:
       if line.startswith("-r"):
         names |= read_requirements(line[2:].strip())
       elif line:
-        names.add(_normalize(re.split(r"[<>=!~\[; ]", line)[0]))
+        names.add(distribution_name(line))
   return names
 
 
@@ -119,7 +124,7 @@ def _pyproject() -> dict:
 
 
 def _names(specs) -> set[str]:
-  return {_normalize(re.split(r"[<>=!~\[; ]", s)[0]) for s in specs}
+  return {distribution_name(s) for s in specs}
 
 
 def distribution_of(module: str) -> str:

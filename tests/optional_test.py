@@ -89,9 +89,8 @@ def test_float16_without_jmp_is_one_error_line(tmp_path, minilm_dir):
 def _core_closure() -> set[str]:
   """Normalised names of pyproject's dependencies and everything they require (no extras)."""
   import importlib.metadata
-  import re
   import tomllib
-  norm = lambda n: re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", n.strip())[0]).lower()
+  from tests.dependencies_test import distribution_name as norm
   with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
     todo = [norm(d) for d in tomllib.load(f)["project"]["dependencies"]]
   seen = set()
