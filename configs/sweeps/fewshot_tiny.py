@@ -3,8 +3,9 @@
 SimCSE, MoCo+SimCSE, AMI+SimCSE and miCSE × training-set sizes 64, 512, 4096 and all of
 wiki1m_head.txt (11,915 sentences) × 3 seeds = 48 runs, the number of steps held constant
 across sizes (miCSE's few-shot protocol), STS suite on the best STS-B-dev checkpoint.
-`get_config("all")` adds the landed relatives (ADD, InforMin-CL, InfoCSE) to the same grid
-and the same sweep directory (84 runs; ADD also runs an importance forward, so it costs more).
+`get_config("all")` adds the positive-only pair (miCSE Tab. 4: positive-only with and without
+AMI) and the landed relatives (ADD, InforMin-CL, InfoCSE) to the same grid and the same sweep
+directory (108 runs; ADD also runs an importance forward, so it costs more).
 `get_config("timing")`: one seed of each core method on all sentences, to time the grid.
 
     python -m micse_jax.sweep --config configs/sweeps/fewshot_tiny.py --parallel 2
@@ -18,6 +19,7 @@ import ml_collections
 from micse_jax import paths
 
 CORE_METHODS = ("simcse", "moco_simcse", "ami_simcse", "micse")
+POSITIVE_ONLY = ("positive_only", "ami_positive_only")
 RELATIVES = ("add", "informin", "infocse")
 
 
@@ -47,7 +49,7 @@ def get_config(arg=None):
       ("seed", (0, 1, 2)),                           # seed and data.subset_seed together
   )
   if arg == "all":
-    c.axes = (("method", CORE_METHODS + RELATIVES),) + c.axes[1:]
+    c.axes = (("method", CORE_METHODS + POSITIVE_ONLY + RELATIVES),) + c.axes[1:]
   elif arg == "timing":
     c.name = "fewshot_tiny_timing"
     c.axes = (("method", CORE_METHODS), ("data.num_sentences", (0,)), ("seed", (0,)))
