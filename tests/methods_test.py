@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from micse_jax.models.bert import BertModel
-from micse_jax.models.infocse import lower_half_layers
+from micse_jax.training.infocse import infocse_term, lower_half_layers
 from micse_jax.training import setup, terms
 from micse_jax.config_checks import MethodConfigError, check_methods
 from micse_jax.training.networks import build_networks
@@ -168,7 +168,7 @@ def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_re
 
   def aux_loss(p, cls=None):
     cls = cls_of(p["encoder"]) if cls is None else cls
-    return terms.infocse_term(p, frozen, batch, cls, key, nets, config)[0]
+    return infocse_term(p, frozen, batch, cls, key, nets, config)[0]
 
   grads = jax.grad(aux_loss)(params)
   g_cls = jax.grad(lambda c: aux_loss(params, c))(cls_of(params["encoder"]))

@@ -4,7 +4,7 @@ parameters (`method_params`), built once from the config and the BERT config.
 Networks: every config has the online encoder and the MLP head; miCSE/MoCo add the momentum
 encoder; ADD adds an attention-reading copy of the encoder (no dropout, every layer sown); the
 MLM auxiliary adds the online encoder with its MLM head; InfoCSE adds the frozen lower half of
-the initial encoder and the auxiliary network.
+the initial encoder and the auxiliary network (both from `training/infocse.py`).
 
 Parameters: `encoder`, `head` always; CT adds `encoder_b`, `head_b` (a second, independently
 trained copy); the MLM auxiliary adds `mlm_head` (BERT's `cls` head, from the checkpoint);
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from micse_jax.models.bert import BertConfig, BertModel, resolve_layers
 from micse_jax.models.heads import MLPHead
-from micse_jax.models.infocse import InfoCSEAuxiliary, frozen_lower_params, lower_half_layers
+from micse_jax.training import infocse as infocse_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +48,7 @@ class Networks:
   tokens: SpecialTokens | None = None
   importance: BertModel | None = None        # ADD: deterministic, every layer's attention sown
   with_mlm_head: BertModel | None = None     # MLM auxiliary: online encoder + `cls` head
-  infocse_lower: BertModel | None = None     # InfoCSE: lower half of the frozen initial encoder
-  infocse_aux: InfoCSEAuxiliary | None = None
+  infocse: infocse_lib.InfoCSENetworks | None = None  # InfoCSE: frozen lower half + auxiliary network
 
 
 def compute_dtype(config):
@@ -79,9 +78,7 @@ def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None
   if config.mlm.enabled:
     extras["with_mlm_head"] = BertModel(bert_config, add_pooler=False, add_mlm_head=True, **options)
   if config.infocse.enabled:
-    lower = bert_config.replace(num_hidden_layers=lower_half_layers(bert_config.num_hidden_layers))
-    extras["infocse_lower"] = BertModel(lower, add_pooler=False, **options)
-    extras["infocse_aux"] = InfoCSEAuxiliary(bert_config, config.infocse.num_layers, dtype=dtype)
+    extras["infocse"] = infocse_lib.build_networks(config, bert_config, options)
   return Networks(
       online=BertModel(bert_config, sow_attention_layers=ami_layers, **options),
       momentum=BertModel(momentum_config, **options),
@@ -102,11 +99,6 @@ def method_params(config, nets, encoder_params: dict, head_params: dict, seed: i
   if config.mlm.enabled:
     params["mlm_head"] = mlm_head
   if config.infocse.enabled:
-    lower = frozen_lower_params(encoder, lower_half_layers(nets.online.config.num_hidden_layers))
-    frozen["infocse_lower"] = lower
-    hidden = nets.online.config.hidden_size
-    dummy = jnp.zeros((1, 2, hidden)), jnp.ones((1, 2), jnp.int32), jnp.zeros((nets.online.config.vocab_size, hidden))
-    aux = nets.infocse_aux.init(jax.random.PRNGKey(seed + 1), *dummy)["params"]
-    aux = dict(aux, predictions=_copy(mlm_head["predictions"]))  # the checkpoint's MLM head
-    params["infocse"] = aux
+    trained, lower = infocse_lib.initial_params(nets.infocse, encoder, mlm_head, seed)
+    params[infocse_lib.PARAMS_KEY], frozen[infocse_lib.FROZEN_KEY] = trained, lower
   return params, frozen

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import mesh as mesh_lib, precision, terms
+from micse_jax.training import infocse, mesh as mesh_lib, precision, terms
 from micse_jax.training.networks import Networks
 from micse_jax.training.momentum import ema_update, enqueue, enqueue_ids, momentum_embeddings
 from micse_jax.training.state import TrainState
@@ -43,7 +43,6 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
   second_view, encode = SECOND_VIEWS[config.view.kind], encode_views(config)
   map_rows = mesh_lib.rows_per_device(mesh)
   head_b = "head_b" if config.ct.enabled else "head"
-  pretrain_steps = config.infocse.pretrain_steps if config.infocse.enabled else 0
 
   def project(params, head_name, hidden):
     return nets.head.apply({"params": params[head_name]}, hidden[:, 0]).astype(jnp.float32)
@@ -64,15 +63,9 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
       parts.append(terms.mlm_term(params, batch, keys["mlm"], nets, config))
     loss = sum(p[0] for p in parts)
     metrics = {k: v for _, m in parts for k, v in m.items()}
-    if config.infocse.enabled:
-      # InfoCSE §3.1 pre-training: the first `pretrain_steps` steps train only the auxiliary
-      # network (no gradient into the encoder through [CLS], the other terms switched off).
-      pretraining = step < pretrain_steps
-      cls = enc.hidden1[:, 0]
-      cls = jnp.where(pretraining, jax.lax.stop_gradient(cls), cls)
-      aux, aux_metrics = terms.infocse_term(params, frozen, batch, cls, keys["infocse"], nets, config)
-      loss = jnp.where(pretraining, aux_metrics["infocse_mlm"], loss + aux)
-      metrics.update(aux_metrics)
+    if config.infocse.enabled:  # its term, and its pre-training phase (§3.1)
+      loss, metrics = infocse.add_to_loss(loss, metrics, params, frozen, batch, enc.hidden1[:, 0],
+                                          keys["infocse"], step, nets, config)
     return loss, metrics
 
   return loss_fn

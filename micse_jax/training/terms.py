@@ -7,7 +7,7 @@
 | attention mutual information, -λ·AMI | miCSE Eq. 3-5 | `ami_term` |
 | InforMin-CL reconstruction λ·E‖z¹−z²‖² | InforMin-CL Eq. 8-9 | `reconstruction_term` |
 | MLM auxiliary β·L_MLM on a masked copy | SimCSE App. (do_mlm) | `mlm_term` |
-| InfoCSE auxiliary MLM network λ·L_MLM | InfoCSE §3.1, Eq. 5 | `infocse_term` |
+| InfoCSE auxiliary MLM network λ·L_MLM | InfoCSE §3.1, Eq. 5 | `training/infocse.py`: `infocse_term` |
 
 The pure formulas live in `micse_jax/losses/`; this file wires them to the networks.
 """
@@ -59,7 +59,7 @@ def reconstruction_term(z1, z2, config, row_mask=None):
   return r.weight * l_r, {"reconstruction": l_r}
 
 
-def _masked_copy(batch, key, nets, prob):
+def masked_copy(batch, key, nets, prob):
   """(masked ids, labels, weights) of an MLM copy; padding rows (`row_mask` 0) get weight 0."""
   t = nets.tokens
   ids, labels, weights = mlm_mask(key, batch["input_ids"], batch["attention_mask"], special_mask(batch, nets),
@@ -72,31 +72,9 @@ def _masked_copy(batch, key, nets, prob):
 def mlm_term(params, batch, key, nets, config):
   """SimCSE's `do_mlm`: β·MLM loss of the online encoder + BERT MLM head on a masked *copy*."""
   k_mask, k_drop = jax.random.split(key)
-  masked_ids, labels, weights = _masked_copy(batch, k_mask, nets, config.mlm.prob)
+  masked_ids, labels, weights = masked_copy(batch, k_mask, nets, config.mlm.prob)
   variables = {"params": {**params["encoder"], "cls": params["mlm_head"]}}
   out = nets.with_mlm_head.apply(variables, masked_ids, batch["attention_mask"], batch["token_type_ids"],
                                  deterministic=False, rngs={"dropout": k_drop})
   loss = mlm_loss(out.mlm_logits, labels, weights)
   return config.mlm.weight * loss, {"mlm": loss}
-
-
-def infocse_term(params, frozen, batch, cls_vector, key, nets, config, weight=None):
-  """InfoCSE: the auxiliary network predicts the masked tokens from the frozen lower half's
-  states with position 0 replaced by the online [CLS] (`cls_vector`, with gradient).
-
-  The frozen states and the tied decoder embeddings are `stop_gradient`-ed and come from
-  `frozen` (not `params`), so the trained encoder gets gradient only through `cls_vector`.
-  """
-  k_mask, k_drop = jax.random.split(key)
-  masked_ids, labels, weights = _masked_copy(batch, k_mask, nets, config.infocse.mask_prob)
-  lower = frozen["infocse_lower"]
-  out = nets.infocse_lower.apply({"params": lower}, masked_ids, batch["attention_mask"],
-                                 batch["token_type_ids"], deterministic=True)
-  hidden = jax.lax.stop_gradient(out.last_hidden_state)
-  hidden = hidden.at[:, 0].set(cls_vector.astype(hidden.dtype))
-  embeddings = jax.lax.stop_gradient(lower["embeddings"]["word_embeddings"]["embedding"])
-  logits = nets.infocse_aux.apply({"params": params["infocse"]}, hidden, batch["attention_mask"], embeddings,
-                                  deterministic=False, rngs={"dropout": k_drop})
-  loss = mlm_loss(logits, labels, weights)
-  weight = config.infocse.weight if weight is None else weight
-  return weight * loss, {"infocse_mlm": loss}
