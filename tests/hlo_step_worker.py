@@ -20,9 +20,11 @@ def compiled_step_text(config, mesh):
   tx = make_optimizer(config)
   abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
   sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), abstract)
-  step = trainer.jit_train_step(run, tx, mesh, sharding)
-  batch = run.batches.batch(0)
-  batch_abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
+  from micse_jax.data.packing import BatchLayout
+  layout = BatchLayout.of(run.batches.batch(0))
+  step = trainer.jit_train_step(run, tx, mesh, sharding, layout)
+  packed = layout.pack(run.batches.batch(0))
+  batch_abstract = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
   return step.lower(abstract, batch_abstract).compile().as_text(), run.bert_config.hidden_size
 
 

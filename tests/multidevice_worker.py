@@ -9,6 +9,7 @@ import numpy as np
 
 
 def main(tmp, tokenizer_dir):
+  from micse_jax.data.packing import BatchLayout
   from micse_jax.training import mesh as mesh_lib, setup, trainer
   from micse_jax.training.optim import make_optimizer
   from tests.train_utils import tiny_training_config
@@ -24,10 +25,11 @@ def main(tmp, tokenizer_dir):
     mesh = mesh_lib.data_mesh(devices)
     sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: setup.initial_state(run, tx)))
     state = jax.device_put(setup.initial_state(run, tx), sharding)
-    step = trainer.jit_train_step(run, tx, mesh, sharding)
+    layout = BatchLayout.of(run.batches.batch(0))
+    step = trainer.jit_train_step(run, tx, mesh, sharding, layout)
     losses = []
     for i in range(2):
-      state, metrics = step(state, mesh_lib.global_batch(run.batches.batch(i), mesh))
+      state, metrics = step(state, mesh_lib.global_batch(layout.pack(run.batches.batch(i)), mesh))
       losses.append(float(metrics["loss"]))
     finals.append((jax.device_get(state), losses))
   (s1, l1), (s4, l4) = finals

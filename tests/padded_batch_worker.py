@@ -29,13 +29,13 @@ def run_steps(run, tx, devices, steps, padded):
   mesh = mesh_lib.data_mesh(devices)
   sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: trainer.initial_state(run, tx)))
   state = jax.device_put(trainer.initial_state(run, tx), sharding)
-  step = trainer.jit_train_step(run, tx, mesh, sharding)
+  from micse_jax.data.packing import BatchLayout
+  host_batch = lambda i: run.batches.batch(i) if padded else unpadded(run.batches.batch(i))  # padded: 52 rows
+  layout = BatchLayout.of(host_batch(0))
+  step = trainer.jit_train_step(run, tx, mesh, sharding, layout)
   metrics = []
   for i in range(steps):
-    batch = run.batches.batch(i)  # padded to 52 rows: this process has 4 devices
-    if not padded:
-      batch = unpadded(batch)
-    state, m = step(state, mesh_lib.global_batch(batch, mesh))
+    state, m = step(state, mesh_lib.global_batch(layout.pack(host_batch(i)), mesh))
     metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
   return jax.device_get(state), metrics
 

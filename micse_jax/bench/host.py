@@ -5,7 +5,8 @@ to a temporary directory from the same sentences with the model's tokenizer, `ma
 BERT-base miCSE runs use), at batch 50 and 512:
 
   batch      `TrainBatches.batch(step)` (epoch permutation slice, this host's rows, row_mask);
-  placement  `mesh.global_batch` (the call that makes the device arrays);
+  placement  packing the keys into one array and `mesh.global_batch` (the device transfer), as
+             the trainer places each step's batch (`data/packing.py`);
   host       their sum per step: the JSON line's `host_ms_per_step`.
 
 Medians over `--host_steps` consecutive steps (epoch boundaries included: a new epoch's
@@ -48,13 +49,14 @@ def _corpus_file(directory: str, corpus: str, sentences: int) -> str:
 
 def _time_steps(batches, mesh, steps: int) -> dict[str, list[float]]:
   """Per-step seconds of `batch(step)`, of the placement, and of both, over `steps` steps."""
+  from micse_jax.data.packing import BatchLayout  # pylint: disable=import-outside-toplevel
   from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  times = {"batch": [], "placement": [], "host": []}
+  times, layout = {"batch": [], "placement": [], "host": []}, BatchLayout.of(batches.batch(0))
   for step in range(steps):
     t0 = time.perf_counter()
     local = batches.batch(step)
     t1 = time.perf_counter()
-    mesh_lib.global_batch(local, mesh)
+    mesh_lib.global_batch(layout.pack(local), mesh)
     t2 = time.perf_counter()
     times["batch"].append(t1 - t0)
     times["placement"].append(t2 - t1)

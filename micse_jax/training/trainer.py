@@ -22,6 +22,7 @@ from micse_jax.data.prefetch import Prefetcher
 from micse_jax.encoder import SentenceEncoder
 from micse_jax.errors import NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
 from micse_jax.evaluators import is_due
+from micse_jax.data.packing import BatchLayout
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
@@ -32,10 +33,12 @@ from micse_jax.training.setup import Run, initial_state, prepare
 from micse_jax.training.step import make_train_step
 
 
-def jit_train_step(run: Run, tx, mesh, state_sharding):
-  """The pure step jitted over `mesh`: state in/out on `state_sharding` (donated), batch sharded."""
+def jit_train_step(run: Run, tx, mesh, state_sharding, layout: BatchLayout):
+  """The pure step jitted over `mesh`: state in/out on `state_sharding` (donated); the batch comes
+  packed in one row-sharded array (`layout`, `data/packing.py`) and is unpacked inside the step."""
   step_fn = make_train_step(run.config, run.nets, tx, learning_rate_schedule(run.config), mesh)
-  return jax.jit(step_fn, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
+  packed_step = lambda state, packed: step_fn(state, layout.unpack(packed))
+  return jax.jit(packed_step, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
 
 
@@ -61,11 +64,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if jax.process_index() == 0:
     workdir_lib.write_run_config(workdir, {**config.to_dict(), "model_dir": run.model_dir,
                                           "bert_config": run.bert_config.to_dict()})
-  train_step = jit_train_step(run, tx, mesh, state_sharding)
+  layout = BatchLayout.of(run.batches.batch(int(state.step)))
+  train_step = jit_train_step(run, tx, mesh, state_sharding, layout)
   evaluators = _Evaluators.create(run, workdir)
   writer = _summary_writer(workdir)
   try:
-    state = _loop(run, state, train_step, mesh, rolling, evaluators, writer)
+    state = _loop(run, state, train_step, (mesh, layout), rolling, evaluators, writer)
   finally:
     rolling.wait_until_finished()
     evaluators.best.wait_until_finished()
@@ -124,9 +128,11 @@ def _final_evaluation(workdir: str, state, evaluators: _Evaluators) -> dict:
   return final_evaluation(evaluators.selection, workdir, params, which)
 
 
-def _prefetched_batches(run: Run, mesh, start: int) -> Prefetcher:
-  """Device-placed global batches of steps `start`.. made `data.prefetch` ahead on a background thread."""
-  place = lambda step: mesh_lib.global_batch(run.batches.batch(step), mesh)
+def _prefetched_batches(run: Run, placement, start: int) -> Prefetcher:
+  """Device-placed, packed global batches of steps `start`.. made `data.prefetch` ahead on a
+  background thread; `placement` is (mesh, `BatchLayout`)."""
+  mesh, layout = placement
+  place = lambda step: mesh_lib.global_batch(layout.pack(run.batches.batch(step)), mesh)
   return Prefetcher(place, range(start, run.config.num_train_steps), run.config.data.get("prefetch", 2))
 
 
@@ -147,14 +153,14 @@ def _log(bar, writer, metrics, done: int, every: int, tick: float) -> float:
   return now
 
 
-def _loop(run: Run, state, train_step, mesh, rolling, evaluators: _Evaluators, writer):
+def _loop(run: Run, state, train_step, placement, rolling, evaluators: _Evaluators, writer):
   """Steps without a per-step sync: finiteness is read only before logging, evaluating or saving."""
   c = run.config
   start = int(state.step)
   bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
              disable=jax.process_index() != 0, desc="train")
   watch, tick = FiniteWatch(), time.perf_counter()
-  with _prefetched_batches(run, mesh, start) as batches:
+  with _prefetched_batches(run, placement, start) as batches:
     for step, batch in zip(bar, batches):
       state, metrics = train_step(state, batch)
       watch.update(metrics, state.step)
