@@ -55,6 +55,7 @@ def test_rows_are_the_corpus_tokenized_in_order(prepared, tokenizer):
   ids[20] = ids[45] = 3
   np.testing.assert_array_equal(got["sentence_ids"], ids[::-1])
   assert rows._fast is not None  # rows came from the direct ArrayRecord decoder, not TFDS's
+  assert rows._fast._fixed is not None and rows.metadata["token_encoding"] == "bytes"  # batched decoding
   picks = np.array([40, 3, 40, 56, 0, 11, 12, 3])  # unsorted, repeated, across shards
   again = rows.gather(picks)
   for k in want:
