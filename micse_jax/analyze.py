@@ -1,7 +1,8 @@
 """Diagnostic figures of one model: `python -m micse_jax.analyze --model DIR_OR_WORKDIR --output DIR`.
 
 Writes attention_histograms.png (per-slice joint histograms of the log attention of two dropout
-views, with each slice's MI; miCSE App. D), sts_cosine_vs_gold.png (STS-B test; App. C),
+views, with each slice's MI; miCSE App. D; each slice's attention entropy goes to analysis.json),
+sts_cosine_vs_gold.png (STS-B test; App. C),
 alignment_uniformity.png (Wang & Isola) and analysis.json with the numbers.
 See micse_jax/studies/diagnostics.py.
 """
@@ -51,11 +52,13 @@ def main(argv):
                                      os.path.join(FLAGS.output, "alignment_uniformity.png"))
   att1, att2, mask = diagnostics.dropout_attention(encoder, sentences[:FLAGS.num_sentences], FLAGS.seed)
   mi = diagnostics.slice_mutual_information(att1, att2, mask, FLAGS.seed)
+  entropy = diagnostics.attention_entropy(*diagnostics.deterministic_attention(encoder, sentences[:FLAGS.num_sentences]))
   diagnostics.attention_histograms(att1, att2, mask, mi, os.path.join(FLAGS.output, "attention_histograms.png"))
   document = {"model": os.path.abspath(FLAGS.model) if os.path.exists(FLAGS.model) else FLAGS.model,
               "stsb_test_spearman": spearman, "alignment": align, "uniformity": uniform,
               "num_positive_pairs": int(positive.sum()), "num_sentences_uniformity": len(sentences),
-              "slice_mi": np.asarray(mi).tolist(), "mean_slice_mi": float(np.mean(mi))}
+              "slice_mi": np.asarray(mi).tolist(), "mean_slice_mi": float(np.mean(mi)),
+              "slice_entropy": entropy.tolist(), "mean_slice_entropy": float(np.mean(entropy))}
   report.write_json(os.path.join(FLAGS.output, "analysis.json"), document)
   print(f"STS-B test Spearman {spearman:.2f}, alignment {align:.3f}, uniformity {uniform:.3f}, "
         f"mean slice MI {float(np.mean(mi)):.3f}; figures in {FLAGS.output}")

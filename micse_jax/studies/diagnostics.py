@@ -4,6 +4,9 @@
   attention probabilities of the same sentences under two dropout masks, titled with the slice's
   mutual information (AMI's Gaussian estimate, Eq. 4, averaged over sentences).
 * miCSE App. C (Fig. 7): cosine similarity of the embeddings against the gold score on STS-B test.
+* attention entropy per slice: H = -Σ_k p_qk log p_qk over the valid keys k of each valid query
+  q, averaged over queries and sentences (deterministic forward): how peaked the attention AMI
+  acts on is (log T for uniform attention over T tokens, 0 for one-hot).
 * Wang & Isola (ICML 2020), as in SimCSE Fig. 2: on L2-normalised embeddings,
   alignment = E_(x,y)~pos ||f(x) - f(y)||^2 over STS-B test pairs with gold > 4, and
   uniformity = log E_(x,y)~data exp(-2 ||f(x) - f(y)||^2) over distinct STS-B test sentences.
@@ -17,7 +20,7 @@ from scipy import stats
 
 from micse_jax.losses.alignment import alignment, uniformity
 from micse_jax.losses.ami import attention_mutual_information
-from micse_jax.models.bert import BertModel, two_dropout_views
+from micse_jax.models.bert import BertModel, collect_attentions, two_dropout_views
 from micse_jax.optional import require
 from micse_jax.studies.plots import pyplot, save_figure
 
@@ -45,6 +48,27 @@ def slice_mutual_information(att1, att2, mask, seed: int = 0, num_samples: int =
   weight = np.asarray(result.weight)
   mi = np.sum(np.asarray(result.mi) * weight, axis=0) / np.maximum(weight.sum(0), 1)
   return mi.reshape(num_layers, heads)
+
+
+def attention_entropy(attention, mask) -> np.ndarray:
+  """`[L, H]` mean entropy (nats) of the attention rows `[L, B, H, T, T]` over valid queries/keys."""
+  att = np.asarray(attention, np.float64)
+  valid = np.asarray(mask).astype(bool)                                  # [B, T]
+  keys = valid[None, :, None, None, :]
+  p = np.where(keys, att, 0.0)
+  h = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)  # [L, B, H, T]
+  queries = np.broadcast_to(valid[None, :, None, :], h.shape)
+  return np.sum(np.where(queries, h, 0.0), axis=(1, 3)) / np.sum(queries, axis=(1, 3))
+
+
+def deterministic_attention(encoder, sentences: list[str], max_length: int = 32):
+  """Attention `[L, B, H, T, T]` of the eval-mode forward (no dropout) and the attention mask."""
+  config = encoder.model.config
+  model = BertModel(config, sow_attention_layers=tuple(range(config.num_hidden_layers)))
+  batch = {k: jnp.asarray(v) for k, v in encoder.tokenizer(sentences, max_length).items()}
+  _, state = model.apply({"params": encoder.params}, batch["input_ids"], batch["attention_mask"],
+                         batch["token_type_ids"], deterministic=True, mutable=["intermediates"])
+  return collect_attentions(state["intermediates"], tuple(range(config.num_hidden_layers))), batch["attention_mask"]
 
 
 def attention_histograms(att1, att2, mask, mi: np.ndarray, path: str) -> str:

