@@ -42,6 +42,7 @@ def get_config(arg=None):
       ("eval_every", 50),
       ("checkpoint_every", 50),
       ("log_every", 25),
+      ("analysis.enabled", False),        # held-out metrics: measured after training (docs/studies/ami)
   )
   c.axes = (
       ("method", CORE_METHODS),

@@ -113,7 +113,7 @@ def _tfds():
   """tensorflow_datasets, imported where used: it is optional and takes seconds to import."""
   return require("tensorflow_datasets", _PURPOSE)
 
-ROWS_PER_SHARD = 1_000_000  # about 0.25 GB of ArrayRecord per shard at max_length 32
+ROWS_PER_SHARD = 1_000_000  # about 0.55 GB of ArrayRecord per shard at max_length 32
 
 
 def _features(max_length: int):
