@@ -25,8 +25,9 @@ STRUCTURE = {"layers": ("ami.layers", ((1,),)),
 def get_config(arg=None):
   c = fewshot_tiny.get_config()
   c.name = "ami_tiny"
-  c.axes = (("method", AMI_METHODS), ("ami.weight", (2.5e-4, 2.5e-2)),
-            ("data.num_sentences", (64, 0)), ("seed", (0, 1, 2)))
+  # sizes and seeds outermost: every n = 64 cell runs before the first n = all one
+  c.axes = (("data.num_sentences", (64, 0)), ("seed", (0, 1, 2)), ("method", AMI_METHODS),
+            ("ami.weight", (2.5e-4, 2.5e-2)))
   if arg in STRUCTURE:
     c.name = f"ami_tiny_{arg}"
     c.axes = (("method", AMI_METHODS), STRUCTURE[arg], ("data.num_sentences", (64,)), ("seed", (0,)))
