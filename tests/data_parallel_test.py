@@ -116,6 +116,7 @@ def test_compiled_step_moves_no_activations(tmp_path, minilm_dir):
   assert table["all-gather"]["max_bytes"] <= result["z_bytes"], table
 
 
+@pytest.mark.slow  # train_test.test_four_cpu_devices_match_one_device covers 4 devices in the default run
 def test_batch_50_on_4_devices_equals_1_device(tmp_path, minilm_dir):
   """The trainer's batches padded to 52 rows on 4 devices against the unpadded 50 rows on one
   device: params, EMA, queue and every metric, 3 steps, to float32 reduction order."""

@@ -7,6 +7,7 @@ import subprocess
 
 import jax
 import numpy as np
+import pytest
 
 from micse_jax import convert, workdir as workdir_lib
 from micse_jax.models.loading import load_hf_state_dict
@@ -84,6 +85,7 @@ def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path
   _assert_close(c, a, RESUME_ATOL)
 
 
+@pytest.mark.slow  # the even split above stays in the default run
 def test_two_processes_with_an_odd_split_match_one_process(tmp_path, minilm_dir):
   # Global batch 7 on 2 processes x 2 devices: padded to 8 rows, host 0 holds 4 real rows, host 1
   # holds 3 real rows and 1 padding row (no anchor, no negative, never enqueued). The run must

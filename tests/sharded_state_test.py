@@ -80,6 +80,7 @@ def four_device_runs(tmp_path_factory, minilm_dir):
   return tmp, report["layout"]
 
 
+@pytest.mark.slow  # 4-device subprocess runs (about 2 min on 2 cores); the suite must stay under 15 min
 def test_sharded_state_equals_replicated_on_four_devices(four_device_runs):
   tmp, layout = four_device_runs
   replicated, sharded = np.load(tmp / "replicated_4dev.npz"), np.load(tmp / "sharded_4dev.npz")
