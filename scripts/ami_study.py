@@ -77,15 +77,21 @@ def reference_row(model: str, stsb, num_sentences: int) -> dict:
           "sts_avg": sts_avg, **measure(model, stsb, num_sentences), "run": model}
 
 
-def collect(sweeps: list[str], num_sentences: int, reference: str | None = None) -> list[dict]:
-  """One row per finished study run of `sweeps` (and the untrained `reference` model first)."""
+def collect(sweeps: list[str], num_sentences: int, reference: str | None = None,
+            known: dict | None = None) -> list[dict]:
+  """One row per finished study run of `sweeps` (and the untrained `reference` model first);
+  runs in `known` (run path → row, from an earlier runs.csv) are not measured again."""
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
   stsb = senteval_data.load_stsb(paths.senteval_dir())["test"]
-  rows = [reference_row(reference, stsb, num_sentences)] if reference else []
+  known = known or {}
+  rows = [known.get(reference) or reference_row(reference, stsb, num_sentences)] if reference else []
   for sweep in sweeps:
     for name in sorted(os.listdir(sweep)):
       run_dir = os.path.join(sweep, name)
       if not os.path.isfile(os.path.join(run_dir, "results.json")):
+        continue
+      if os.path.relpath(run_dir) in known:
+        rows.append(known[os.path.relpath(run_dir)])
         continue
       with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
         settings = run_settings(json.load(f))
@@ -108,7 +114,8 @@ def table(rows: list[dict]) -> str:
     cells.setdefault(key, []).append(row)
   lines = ["| objective | λ | AMI structure | n | seeds | STS7 avg | alignment | uniformity | attention MI | attention entropy |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-  order = lambda k: (k[0] != "untrained", k[0], k[3] != "64", k[3], k[2] != "-", k[1], k[2])
+  size = lambda n: int(n) if n.isdigit() else float("inf")
+  order = lambda k: (k[0] != "untrained", k[0], size(k[3]), k[2] != "-", k[1], k[2])
   for key in sorted(cells, key=order):
     group = cells[key]
     values = []
@@ -120,6 +127,17 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def read_known(output: str) -> dict:
+  """Rows of an earlier runs.csv in `output`, by run path (numbers parsed back)."""
+  path = os.path.join(output, "runs.csv")
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    rows = list(csv.DictReader(f))
+  numeric = ("ami_weight", "sts_avg", "stsb_test", "alignment", "uniformity", "attention_mi", "attention_entropy")
+  return {row["run"]: {**row, **{k: float(row[k]) for k in numeric}} for row in rows}
+
+
 def main() -> None:
   """Collects the rows, writes runs.csv and results.md."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -128,7 +146,7 @@ def main() -> None:
   parser.add_argument("--num_sentences", type=int, default=64, help="STS-B test sentences for MI / entropy")
   parser.add_argument("--reference", default=None, help="the untrained backbone (HF directory), as a first row")
   args = parser.parse_args()
-  rows = collect(args.sweeps, args.num_sentences, args.reference)
+  rows = collect(args.sweeps, args.num_sentences, args.reference, read_known(args.output))
   os.makedirs(args.output, exist_ok=True)
   with open(os.path.join(args.output, "runs.csv"), "w", newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=COLUMNS)
