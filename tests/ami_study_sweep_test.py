@@ -2,15 +2,9 @@
 import pytest
 
 from micse_jax.studies import spec
+from tests.micse_paper_sweep_test import _resolved  # a run's training config with its overrides
 
 SWEEP_FILE = "configs/sweeps/ami_tiny.py"
-
-
-def _resolved(run):
-  config = spec.load_config_file(run.config_file)
-  for key, value in run.overrides:
-    spec.set_field(config, key, value, run.config_file)
-  return config
 
 
 def _cells(variant, tmp_path):
