@@ -20,7 +20,7 @@ def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   for side in ("jax", "torch"):
     assert result[side]["step_ms"] > 0 and result[side]["sentences_per_s"] > 0
   assert result["speedup_vs_torch"] == result["torch"]["step_ms"] / result["jax"]["step_ms"]
-  assert result["step_flops"] > 0 and result["compile_s"] > 0
+  assert result["step_flops"] > 0 and result["compile_s"] > 0 and result["model_flops"] > 0
   assert set(result["breakdown_ms"]) == set(bench.PIECES)
   assert all(ms > 0 for ms in result["breakdown_ms"].values())
   assert result["jax"]["mfu"] is None if jax.devices()[0].platform == "cpu" else True
@@ -31,7 +31,7 @@ def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   printed = capsys.readouterr().out
   for text in ("micse_jax step", "PyTorch step", "ratio PyTorch / micse_jax", "separately jitted",
                "online forward+backward", "AMI term", "momentum forward", "optimizer + EMA",
-               "XLA op time per step"):
+               "XLA op time per step", "model FLOPs/step"):
     assert text in printed
 
 

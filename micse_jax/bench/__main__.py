@@ -106,14 +106,14 @@ def run(args, rows: Rows | None = None) -> dict:
     config.model.dropout_random_bits = args.dropout_random_bits
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
   compile_s, flops = step.compile()
-  rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops)
+  rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops)
   if not args.no_breakdown:  # before the full step: that one donates (consumes) the state
     rows.add("breakdown", breakdown_lines, breakdown_ms=breakdown(step, 1, args.piece_steps))
   times = time_steps(step.run_step, args.warmup, args.steps)
   seconds = statistics.median(times)
   rows.add("jax", jax_lines, jax={
       "step_ms": 1e3 * seconds, "sentences_per_s": args.batch_size / seconds,
-      "mfu": hardware.mfu(flops, seconds, args.dtype), "peak_device_bytes": hardware.peak_device_bytes(),
+      "mfu": hardware.mfu(step.model_flops, seconds, args.dtype), "peak_device_bytes": hardware.peak_device_bytes(),
       "peak_host_rss_bytes": hardware.peak_host_rss_bytes()})
   if args.profile:
     rows.add("profile", profile_lines, profile=profile(step, args.profile), profile_dir=args.profile)
@@ -149,9 +149,9 @@ def header_lines(r: dict) -> list[str]:
 
 
 def compile_lines(r: dict) -> list[str]:
-  """Compile time and XLA's FLOP count of the train step."""
+  """Compile time, the step's model FLOPs (bench/flops.py) and XLA's own count."""
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
-          f"(XLA FLOPs/step {r['step_flops'] or float('nan'):.3g})"]
+          f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})"]
 
 
 def jax_lines(r: dict) -> list[str]:
@@ -160,7 +160,7 @@ def jax_lines(r: dict) -> list[str]:
   mfu = "n/a (CPU, or no known peak for this device)" if j["mfu"] is None else f"{100 * j['mfu']:.1f}%"
   return [f"  micse_jax step               {j['step_ms']:.1f} ms   ({j['sentences_per_s']:.1f} sentences/s)",
           f"  peak memory: device {_gib(j['peak_device_bytes'])}, host RSS {_gib(j['peak_host_rss_bytes'])}",
-          f"  MFU (XLA FLOPs / step time / device peak)  {mfu}"]
+          f"  MFU (model FLOPs / step time / device peak)  {mfu}"]
 
 
 def torch_lines(r: dict) -> list[str]:

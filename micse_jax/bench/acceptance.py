@@ -67,8 +67,11 @@ class Part:
     return self.deadline - time.monotonic()
 
   def add(self, row: dict) -> None:
-    """Prints the row, appends it to acceptance.jsonl, rewrites the report."""
-    row = {"dry": self.dry, **row}
+    """Prints the row, appends it to acceptance.jsonl, rewrites the report.
+
+    `load_avg_1m`: the machine's 1-minute load average as the row is written (the measuring
+    process itself included), so a reader sees that nothing else ran beside the timings."""
+    row = {"dry": self.dry, "load_avg_1m": round(os.getloadavg()[0], 2), **row}
     print("acceptance row: " + json.dumps(row), flush=True)
     append_json_line(os.path.join(self.out, ROWS_FILE), row)
     acceptance_report.write(self.out, [os.path.join(self.out, ROWS_FILE)])

@@ -31,7 +31,7 @@ def peak_flops(dtype: str) -> float | None:
 
 
 def mfu(step_flops: float | None, step_seconds: float, dtype: str) -> float | None:
-  """Model FLOP utilisation: XLA's FLOP count of one step / step time / device peak."""
+  """Model FLOP utilisation: the step's model FLOPs (bench/flops.py) / step time / device peak."""
   peak = peak_flops(dtype)
   if not peak or not step_flops or step_flops != step_flops:
     return None
