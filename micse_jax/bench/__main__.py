@@ -3,7 +3,7 @@
     python -m micse_jax.bench --model minilm --batch_size 64
     python -m micse_jax.bench --model bert-base --batch_size 50 --dtype bfloat16 --profile /tmp/trace
 
-Prints: compile time and XLA FLOP count of the train step; the step time (median) of
+Prints: compile time, model FLOPs (bench/flops.py) and XLA's FLOP count of the train step; the step time (median) of
 micse_jax and of the PyTorch baseline and their ratio; the step broken down into separately
 jitted pieces (online forward+backward, AMI term, momentum forward, optimizer+EMA); peak
 memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
