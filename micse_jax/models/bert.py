@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.models.dropout import Dropout
+from micse_jax.models.embed import Embed
 from micse_jax.models.remat import remat_layer
 from micse_jax.tokenization import TOKEN_KEYS
 
@@ -114,22 +115,6 @@ def position_ids_for(input_ids: Array, attention_mask: Array, config: BertConfig
     not_pad = (input_ids != config.pad_token_id).astype(jnp.int32)
     return jnp.cumsum(not_pad, axis=1) * not_pad + config.pad_token_id
   return jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-
-
-class Embed(nn.Embed):
-  """`nn.Embed` whose lookup gathers rows of the float32 table and casts them afterwards.
-
-  Flax casts the whole table to the compute dtype before `take`, so the gradient's
-  scatter-add into the table runs in bfloat16/float16; on an H100 that scatter took 35 ms of a
-  55 ms BERT-base step at batch 50 (every token adds into row 0 of the token-type table), 0.08 ms
-  in float32 (BENCHMARKS.md, GPU acceptance run). Gathering in float32 gives the same forward
-  values (the cast commutes with the gather) and a float32 scatter-add.
-  """
-
-  def __call__(self, inputs: Array) -> Array:
-    if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      raise ValueError("Input type must be an integer or unsigned integer.")
-    return jnp.take(self.embedding, inputs, axis=0).astype(self.dtype or self.embedding.dtype)
 
 
 class BertEmbeddings(nn.Module):
