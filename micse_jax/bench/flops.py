@@ -16,7 +16,8 @@ The step (`training/step.py`): the online encoder and the MLP head on both dropo
 sentences, forward and backward (3 × forward); the momentum encoder and head on one view,
 forward only, when the momentum encoder is on; the similarity of B anchors to B positives and
 Q queued negatives, forward and backward. Embedding lookups, layer norms, softmaxes, dropout and
-the optimizer are not matrix products and are left out (under 2 % at BERT-base shapes).
+the optimizer are not matrix products and are left out: XLA's CPU count of a whole encoder
+forward is 4.7 % above this count at hidden 256 (`tests/flops_test.py`), less at wider shapes.
 """
 from __future__ import annotations
 

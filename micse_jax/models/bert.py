@@ -126,9 +126,9 @@ class BertEmbeddings(nn.Module):
     init = nn.initializers.normal(stddev=c.initializer_range)
     self.word_embeddings = Embed(c.vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype)
     self.position_embeddings = Embed(c.max_position_embeddings, c.hidden_size,
-                                        embedding_init=init, dtype=self.dtype)
+                                     embedding_init=init, dtype=self.dtype)
     self.token_type_embeddings = Embed(c.type_vocab_size, c.hidden_size,
-                                          embedding_init=init, dtype=self.dtype)
+                                       embedding_init=init, dtype=self.dtype)
     self.LayerNorm = _layer_norm(c, self.dtype)  # pylint: disable=invalid-name
     self.dropout = Dropout(c.hidden_dropout_prob, c.dropout_random_bits)
 
