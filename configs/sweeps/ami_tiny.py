@@ -12,8 +12,8 @@ this sweep adds the other weights and the structural variants:
 * `:official` — the public code's slicing (`ami.variant=official`), same cells (2 runs);
 * `:minilm` — the λ grid {0, 2.5e-3, 2.5e-2} on MiniLM (6 layers × 12 heads, AMI on the last
   four layers, two heads per slice, lr 3e-5, 300 steps), contrastive and positive-only, n = 64
-  and all, 3 seeds (36 runs; docs/studies/ami/minilm ran the n = 64, seed 0, λ 0 and 2.5e-3
-  cells).
+  and all, 3 seeds (36 runs; docs/studies/ami/minilm ran the contrastive n = 64, seed 0,
+  λ 0 and 2.5e-3 cells).
 
     python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --parallel 2
     python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --report
