@@ -13,9 +13,7 @@ CONFIG = BertConfig(vocab_size=64, hidden_size=256, num_hidden_layers=2, num_att
 
 
 def _xla_flops(fn, *args) -> float:
-  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost["flops"])
+  return float(flops.xla_flops(jax.jit(fn).lower(*args).compile()))
 
 
 def _encoder():

@@ -49,3 +49,10 @@ def step_flops_for(config, bert_config) -> int:
       config.batch_size, config.model.max_length, bert_config.num_hidden_layers,
       bert_config.hidden_size, bert_config.intermediate_size,
       queue=config.momentum.queue_size if momentum else 0, momentum=momentum)
+
+
+def xla_flops(compiled) -> float | None:
+  """XLA's own FLOP count of a compiled program (`jax.stages.Compiled`), or None if it gives none."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+  return cost.get("flops")

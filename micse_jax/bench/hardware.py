@@ -30,12 +30,12 @@ def peak_flops(dtype: str) -> float | None:
   return None
 
 
-def mfu(step_flops: float | None, step_seconds: float, dtype: str) -> float | None:
+def mfu(model_flops: float | None, step_seconds: float, dtype: str) -> float | None:
   """Model FLOP utilisation: the step's model FLOPs (bench/flops.py) / step time / device peak."""
   peak = peak_flops(dtype)
-  if not peak or not step_flops or step_flops != step_flops:
+  if not peak or not model_flops or model_flops != model_flops:
     return None
-  return step_flops / step_seconds / peak
+  return model_flops / step_seconds / peak
 
 
 def peak_device_bytes() -> int | None:

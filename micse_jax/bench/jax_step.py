@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from micse_jax.bench.flops import step_flops_for
+from micse_jax.bench.flops import step_flops_for, xla_flops
 from micse_jax.data.pipeline import SENTENCE_IDS_KEY
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
@@ -124,9 +124,7 @@ class JaxStep:
     t = time.perf_counter()
     self.compiled = self._step.lower(self.state, self.batch).compile()
     seconds = time.perf_counter() - t
-    cost = self.compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-    return seconds, cost.get("flops")
+    return seconds, xla_flops(self.compiled)
 
   def run_step(self) -> dict:
     """One full step (donating the state); blocks until done; returns the metrics."""
