@@ -72,6 +72,19 @@ def test_acceptance_report_projects_the_paper_run_and_survives_a_cut_last_line(t
   assert (tmp_path / "acceptance.md").read_text() == text
 
 
+def test_acceptance_report_shows_the_host_row(tmp_path):
+  rows = tmp_path / "acceptance.jsonl"
+  dev = {"dev_sentences": 2758, "dev_eval_ms": 400.0, "eval_every": 125, "step_ms": 16.0,
+         "fraction_of_step_time": 400.0 / (125 * 16.0)}
+  append_json_line(str(rows), {"row": "host", "ok": True, "returncode": 0, "result": {
+      "host_ms_per_step": {"text": {"50": 0.1, "512": 0.25}, "prepared": {"50": 0.5, "512": 2.25}},
+      "dev_selection": dev}})
+  text = acceptance_report.write(str(tmp_path), [str(rows)])
+  assert "| text corpus | 0.100 | 0.250 |" in text and "| prepared corpus | 0.500 | 2.250 |" in text
+  assert "400.0 ms against 125 train steps of 16.00 ms: **20.00 %** of step time" in text  # 400 / 2000
+  assert json.loads((tmp_path / "acceptance.json").read_text())["host"][0]["result"]["dev_selection"] == dev
+
+
 def test_bench_keeps_rows_measured_before_a_late_failure(tmp_path, monkeypatch):
   """The PyTorch baseline fails after the micse_jax step was measured: the rows file and the
   output file still hold the compile and step figures."""
@@ -120,7 +133,13 @@ def test_acceptance_kit_runs_to_the_end_in_cpu_dry_mode_in_an_image_like_venv(tm
   assert train["ok"] and len(train["sts"]) == 7
   assert all(-100 <= v <= 100 for v in train["sts"].values())
   assert report["kit_imports"][0]["ok"], report["kit_imports"]
-  assert len(read_json_lines(str(out / "acceptance.jsonl"))) == 6
+  (host,) = report["host"]
+  assert host["ok"], host["tail"]
+  per_step, dev = host["result"]["host_ms_per_step"], host["result"]["dev_selection"]
+  assert sorted(per_step) == ["prepared", "text"] and all(v > 0 for s in per_step.values() for v in s.values())
+  assert dev["fraction_of_step_time"] == pytest.approx(dev["dev_eval_ms"] / (dev["eval_every"] * dev["step_ms"]))
+  assert len(read_json_lines(str(out / "acceptance.jsonl"))) == 7
   md = (out / "acceptance.md").read_text()
   assert "CPU dry run" in md and "## miCSE training" in md and "| float16 | 4 | ok |" in md
+  assert "## Host side" in md and f"**{100 * dev['fraction_of_step_time']:.2f} %** of step time" in md
   assert (out / "acceptance.log").stat().st_size > 0

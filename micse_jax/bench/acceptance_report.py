@@ -44,7 +44,8 @@ def summary(rows: list[dict]) -> dict:
           "kit_imports": [r for r in rows if r.get("row") == "kit_imports"],
           "gpu_tests": [r for r in rows if r.get("row") == "gpu_tests"],
           "bench": [bench_point(r) for r in rows if r.get("row") == "bench"],
-          "train": [r for r in rows if r.get("row") == "train"], "rows": rows}
+          "train": [r for r in rows if r.get("row") == "train"],
+          "host": [r for r in rows if r.get("row") == "host"], "rows": rows}
 
 
 def _f(x, fmt: str) -> str:
@@ -88,11 +89,30 @@ def markdown(rows: list[dict]) -> str:
               f"{'ok' if t['ok'] else 'FAILED (' + str(t['returncode']) + ')'}: {t['seconds']:.0f} s wall "
               f"(start-up, compile, dev evaluation and STS7 included); STS7 Spearman x100: "
               f"{tasks or '—'}; avg {_f(t['sts_avg'], '.2f')}"]
+  for h in s["host"]:
+    lines += ["", "## Host side (this machine's CPU; batches placed on its accelerator)", ""] + host_lines(h)
   failed = [r for r in rows if not r.get("ok") and r.get("tail")]
   if failed:
     lines += ["", "## Failures (output tails in acceptance.json)", ""]
     lines += [f"- {r.get('row')} {r.get('dtype', '')} {r.get('batch_size', '')}: {r.get('returncode')}" for r in failed]
   return "\n".join(lines) + "\n"
+
+
+def host_lines(row: dict) -> list[str]:
+  """The host row (`python -m micse_jax.bench --host`'s output file) as Markdown lines."""
+  result = row.get("result") or {}
+  per_step, dev = result.get("host_ms_per_step") or {}, result.get("dev_selection")
+  if not row.get("ok"):
+    return [f"FAILED ({row.get('returncode')})"]
+  lines = ["| host ms per step (batch + placement) | " + " | ".join(f"batch {b}" for b in next(iter(per_step.values()))) + " |",
+           "|---|" + "---|" * len(next(iter(per_step.values())))]
+  lines += [f"| {source} corpus | " + " | ".join(f"{ms:.3f}" for ms in sizes.values()) + " |"
+            for source, sizes in per_step.items()]
+  if dev:
+    lines += ["", f"Dev selection: one STS-B dev evaluation ({dev['dev_sentences']} sentences) "
+              f"{dev['dev_eval_ms']:.1f} ms against {dev['eval_every']} train steps of {dev['step_ms']:.2f} ms: "
+              f"**{100 * dev['fraction_of_step_time']:.2f} %** of step time."]
+  return lines
 
 
 def write(out: str, jsonl_paths: list[str]) -> str:

@@ -10,7 +10,10 @@ BERT-base miCSE runs use), at batch 50 and 512:
   host       their sum per step: the JSON line's `host_ms_per_step`.
 
 Medians over `--host_steps` consecutive steps (epoch boundaries included: a new epoch's
-permutation is drawn inside the step that starts it, so the mean is printed too).
+permutation is drawn inside the step that starts it, so the mean is printed too). The prepared
+corpus is read through once before its steps are timed, so its rows come from the page cache, as
+they do for a corpus read before (an earlier epoch, or preparation on this host) or held in
+memory: the figures are the host's CPU work, not the storage's latency (`_read_through`).
 
 Dev selection: one STS-B dev evaluation (`evaluators.dev_selection.PlannedPairs`, tokenized once,
 compiled on a first untimed call) with the `--model` weights, against `eval_every` steps of the
@@ -45,6 +48,20 @@ def _corpus_file(directory: str, corpus: str, sentences: int) -> str:
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
   return path
+
+
+def _read_through(directory: str) -> int:
+  """Reads every file of `directory` once (into the OS page cache); returns the bytes read.
+
+  The timings are of the host's CPU work: a row read from storage instead of the page cache
+  adds the storage's latency (BENCHMARKS.md: 0.18 ms a row on this project's CPU machine after
+  dropping the caches), which the prefetch thread overlaps with the device step."""
+  total = 0
+  for name in sorted(os.listdir(directory)):
+    with open(os.path.join(directory, name), "rb") as f:
+      while chunk := f.read(1 << 24):
+        total += len(chunk)
+  return total
 
 
 def _time_steps(batches, mesh, steps: int) -> dict[str, list[float]]:
@@ -83,6 +100,8 @@ def measure_host(model_dir: str, corpus: str, sentences: int, steps: int,
       for size in batch_sizes:
         batches = build_train_batches(path, tokenizer, max_length=MAX_LENGTH, global_batch_size=size, seed=0,
                                       process_index=0, process_count=1, show_progress=False)
+        if source == "prepared":
+          _read_through(path)
         _time_steps(batches, mesh, 2)  # warm-up: first permutation, reader caches
         times = _time_steps(batches, mesh, steps)
         result[source][str(size)] = {part: {"median_ms": 1e3 * statistics.median(t),

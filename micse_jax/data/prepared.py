@@ -16,7 +16,7 @@ and normalizer), `max_length`, the row count and the source file.
 
 Reading opens the directory with `tfds.builder_from_directory` (metadata, shard lengths; no
 TensorFlow) and reads rows straight from the ArrayRecord shards (`micse_jax.data.records`:
-sorted reads, C protobuf parsing; TFDS's data source is the fallback). `PreparedRows.gather(indices)`
+one range read per row, batched decoding; TFDS's data source is the fallback). `PreparedRows.gather(indices)`
 reads only the requested rows, so each host reads just its share of each step's global batch.
 """
 from __future__ import annotations
@@ -216,10 +216,11 @@ def prepare_corpus(corpus: str, tokenizer, tokenizer_name: str, max_length: int,
 class PreparedRows:
   """Random-access token rows of a prepared directory; `gather(indices)` reads only those rows.
 
-  Rows are read straight from the ArrayRecord shards (`RecordDecoder`: sorted reads, one
-  C++ call per shard, tf.Example parsed by protobuf's C parser, zlib-decoded), several times
-  faster than TFDS's per-row NumPy decoding. At open, a few rows decoded both ways must agree;
-  otherwise (an unexpected layout) TFDS's data source decodes every row.
+  Rows are read straight from the ArrayRecord shards (`RecordDecoder`: one range read per row,
+  whose cost does not grow with the shard; a batch's rows decoded together by NumPy index
+  arithmetic, or per row by protobuf's C parser), several times faster than TFDS's data source.
+  At open, a few rows decoded both ways must agree; otherwise (an unexpected layout) TFDS's
+  data source decodes every row.
   """
 
   def __init__(self, path: str):

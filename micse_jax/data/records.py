@@ -3,10 +3,16 @@
 A prepared row (`micse_jax.data.prepared`) is a serialized `tf.train.Example` whose three token
 features are zlib-compressed int32 bytes (TFDS `Tensor(encoding=ZLIB)`) and whose `sentence_id` is
 an int64. TFDS decodes each row through several layers of Python (about 50 µs a row); here a
-batch's rows are read with one `ArrayRecordReader.read(sorted indices)` per shard, parsed with
+batch's rows are read one range read `ArrayRecordReader.read(i, i + 1)` each, parsed with
 protobuf's C parser, and the token bytes of all rows joined into one buffer per key. Attention
 masks and token type ids take few distinct values (a run of ones, all zeros), so their
 decompressed bytes are memoised.
+
+Why one range read per row: `ArrayRecordReader.read(list_of_indices)` (also behind TFDS's and
+grain's data sources) costs time in proportion to the shard's record count on every call, even
+for one row: 3.6 ms per call on a 1M-row shard (`prepared.ROWS_PER_SHARD`), 0.06 ms on a
+20k-row one. A range read of one record costs about 3 µs at any shard size (issue 18, measured
+with array-record 0.8.6).
 
 Corpora written since issue 18 store the token arrays as raw bytes (TFDS `Encoding.BYTES`) and
 serialize each Example deterministically (map keys sorted), so every row has the same layout:
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 import zlib
 
 import numpy as np
@@ -29,7 +36,7 @@ SENTENCE_IDS_KEY = "sentence_ids"
 ID_FEATURE = "sentence_id"
 _MEMOISED = ("attention_mask", "token_type_ids")
 _MEMO_LIMIT = 4096  # distinct compressed values kept per key
-_RANDOM_ACCESS = "readahead_buffer_size:0"  # ArrayRecord's setting for random reads
+_RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"  # ArrayRecord's setting for random reads
 
 
 def _varint(value: int) -> bytes:
@@ -130,6 +137,7 @@ class RecordDecoder:
     self._memo = {k: {} for k in _MEMOISED}
     self._unpack = zlib.decompress if compressed else (lambda raw: raw)  # token bytes: ZLIB or BYTES
     self._fixed: FixedLayout | None = None  # set by `use_fixed_layout`
+    self._lock = threading.Lock()
 
   @classmethod
   def open(cls, directory: str, shard_lengths: list[int], compressed: bool = True) -> "RecordDecoder | None":
@@ -144,13 +152,12 @@ class RecordDecoder:
     return decoder
 
   def read_sorted(self, indices: np.ndarray) -> list[bytes]:
-    """Serialized rows of ascending global `indices`, one read call per shard touched."""
+    """Serialized rows of ascending global `indices`, one range read per row (module doc)."""
     shard_of = np.searchsorted(self._starts, indices, side="right") - 1
-    records = []
-    for shard in np.unique(shard_of):
-      local = indices[shard_of == shard] - self._starts[shard]
-      records.extend(self._readers[shard].read(local.tolist()))
-    return records
+    local = indices - self._starts[shard_of]
+    readers = self._readers
+    with self._lock:  # a reader is not shared between threads mid-read
+      return [readers[s].read(i, i + 1)[0] for s, i in zip(shard_of.tolist(), local.tolist())]
 
   def _remember(self, memo: dict, compressed: bytes) -> bytes:
     """Decodes a memoised key's value and keeps it (up to `_MEMO_LIMIT` values)."""

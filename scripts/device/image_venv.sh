@@ -28,7 +28,7 @@ pip=("$dir/bin/python" -m pip install -q)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" "jax==0.11.2" "jaxlib==0.11.2" "numpy==2.5.2" flax optax orbax-checkpoint \
   "transformers==5.17.0" tokenizers safetensors scipy scikit-learn matplotlib tqdm \
-  absl-py etils fsspec protobuf pyarrow pyyaml requests psutil wrapt attrs cloudpickle einops \
+  absl-py etils fsspec protobuf pyarrow pyyaml requests psutil wrapt attrs cloudpickle einops six \
   pytest pytest-timeout
 "${pip[@]}" "torch==2.11.0"
 # The image holds none of what the kit brings: fail if a dependency pulled one in.
