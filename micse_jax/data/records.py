@@ -3,7 +3,7 @@
 A prepared row (`micse_jax.data.prepared`) is a serialized `tf.train.Example` whose three token
 features are zlib-compressed int32 bytes (TFDS `Tensor(encoding=ZLIB)`) and whose `sentence_id` is
 an int64. TFDS decodes each row through several layers of Python (about 50 µs a row); here a
-batch's rows are read one range read `ArrayRecordReader.read(i, i + 1)` each, parsed with
+batch's rows are read with one range read `ArrayRecordReader.read(i, i + 1)` each, parsed with
 protobuf's C parser, and the token bytes of all rows joined into one buffer per key. Attention
 masks and token type ids take few distinct values (a run of ones, all zeros), so their
 decompressed bytes are memoised.
