@@ -47,6 +47,7 @@ def test_forward_and_backward_is_three_forwards():
 def test_train_step_by_hand():
   # B=2, T=3, one layer, H=4, I=8, Q=5. Layer: 8·3·16 + 4·3·4·8 + 4·9·4 = 384 + 384 + 144 = 912;
   # with the head (2·16) 944 per sequence. Online 2 views fwd+bwd: 3·2·2·944 = 11,328;
-  # momentum forward: 2·944 = 1,888; similarity 2×(2+5)×4 fwd+bwd ×... = 3·2·2·7·4 = 336.
+  # momentum forward: 2·944 = 1,888; similarity: 2 anchors × (2 positives + 5 queued) × 4 wide,
+  # 2 FLOPs a multiply-add, fwd+bwd ×3: 3·2·2·7·4 = 336.
   assert flops.train_step_flops(2, 3, 1, 4, 8, queue=5) == 11_328 + 1_888 + 336
   assert flops.train_step_flops(2, 3, 1, 4, 8, queue=0, momentum=False) == 11_328 + 3 * 2 * 2 * 2 * 4

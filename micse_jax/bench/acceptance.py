@@ -65,6 +65,7 @@ class Part:
   def __init__(self, out: str, dry: bool, budget_s: float):
     self.out, self.dry, self.deadline = out, dry, time.monotonic() + budget_s
     self.scratch = tempfile.mkdtemp(prefix="micse_acceptance_")
+    self.model_dir: str | None = None  # bench_model_dir
 
   def left_s(self) -> float:
     """Seconds left of the budget."""
@@ -112,9 +113,12 @@ def run_gpu_tests(part: Part) -> None:
 
 
 def bench_model_dir(part: Part) -> str:
-  """Random BERT-base weights (tiny in the dry run), saved once per part."""
-  from micse_jax.bench import jax_step  # pylint: disable=import-outside-toplevel
-  return jax_step.model_dir_for("tiny" if part.dry else "bert-base")
+  """Random BERT-base weights (tiny in the dry run), saved once per part (the grid points and
+  the host row share them)."""
+  if part.model_dir is None:
+    from micse_jax.bench import jax_step  # pylint: disable=import-outside-toplevel
+    part.model_dir = jax_step.model_dir_for("tiny" if part.dry else "bert-base")
+  return part.model_dir
 
 
 def part_points(part_number: int, batches: tuple[int, ...]) -> list[tuple[str, int]]:

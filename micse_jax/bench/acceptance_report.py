@@ -100,12 +100,12 @@ def markdown(rows: list[dict]) -> str:
 
 def host_lines(row: dict) -> list[str]:
   """The host row (`python -m micse_jax.bench --host`'s output file) as Markdown lines."""
-  result = row.get("result") or {}
-  per_step, dev = result.get("host_ms_per_step") or {}, result.get("dev_selection")
   if not row.get("ok"):
     return [f"FAILED ({row.get('returncode')})"]
-  lines = ["| host ms per step (batch + placement) | " + " | ".join(f"batch {b}" for b in next(iter(per_step.values()))) + " |",
-           "|---|" + "---|" * len(next(iter(per_step.values())))]
+  per_step, dev = row["result"]["host_ms_per_step"], row["result"].get("dev_selection")
+  batches = next(iter(per_step.values()))
+  lines = ["| host ms per step (batch + placement) | " + " | ".join(f"batch {b}" for b in batches) + " |",
+           "|---|" + "---|" * len(batches)]
   lines += [f"| {source} corpus | " + " | ".join(f"{ms:.3f}" for ms in sizes.values()) + " |"
             for source, sizes in per_step.items()]
   if dev:

@@ -50,18 +50,16 @@ def _corpus_file(directory: str, corpus: str, sentences: int) -> str:
   return path
 
 
-def _read_through(directory: str) -> int:
-  """Reads every file of `directory` once (into the OS page cache); returns the bytes read.
+def _read_through(directory: str) -> None:
+  """Reads every file of `directory` once, into the OS page cache.
 
   The timings are of the host's CPU work: a row read from storage instead of the page cache
   adds the storage's latency (BENCHMARKS.md: 0.18 ms a row on this project's CPU machine after
   dropping the caches), which the prefetch thread overlaps with the device step."""
-  total = 0
   for name in sorted(os.listdir(directory)):
     with open(os.path.join(directory, name), "rb") as f:
-      while chunk := f.read(1 << 24):
-        total += len(chunk)
-  return total
+      while f.read(1 << 24):
+        pass
 
 
 def _time_steps(batches, mesh, steps: int) -> dict[str, list[float]]:
@@ -97,11 +95,11 @@ def measure_host(model_dir: str, corpus: str, sentences: int, steps: int,
     result = {}
     for source, path in (("text", text), ("prepared", prepared)):
       result[source] = {}
+      if source == "prepared":
+        _read_through(path)
       for size in batch_sizes:
         batches = build_train_batches(path, tokenizer, max_length=MAX_LENGTH, global_batch_size=size, seed=0,
                                       process_index=0, process_count=1, show_progress=False)
-        if source == "prepared":
-          _read_through(path)
         _time_steps(batches, mesh, 2)  # warm-up: first permutation, reader caches
         times = _time_steps(batches, mesh, steps)
         result[source][str(size)] = {part: {"median_ms": 1e3 * statistics.median(t),
