@@ -54,8 +54,8 @@ def _read_through(directory: str) -> None:
   """Reads every file of `directory` once, into the OS page cache.
 
   The timings are of the host's CPU work: a row read from storage instead of the page cache
-  adds the storage's latency (BENCHMARKS.md: 0.18 ms a row on this project's CPU machine after
-  dropping the caches), which the prefetch thread overlaps with the device step."""
+  adds the storage's latency (BENCHMARKS.md: 0.07 ms a row on this project's CPU machine after
+  dropping the page cache), which the prefetch thread overlaps with the device step."""
   for name in sorted(os.listdir(directory)):
     with open(os.path.join(directory, name), "rb") as f:
       while f.read(1 << 24):

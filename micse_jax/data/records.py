@@ -10,9 +10,9 @@ decompressed bytes are memoised.
 
 Why one range read per row: `ArrayRecordReader.read(list_of_indices)` (also behind TFDS's and
 grain's data sources) costs time in proportion to the shard's record count on every call, even
-for one row: 3.6 ms per call on a 1M-row shard (`prepared.ROWS_PER_SHARD`), 0.06 ms on a
-20k-row one. A range read of one record costs about 3 µs at any shard size (issue 18, measured
-with array-record 0.8.6).
+for one row: 4.1 ms per call on a 1M-row shard (`prepared.ROWS_PER_SHARD`), 0.06 ms on a
+20k-row one. A range read of one record costs 2-3 µs at any shard size (array-record 0.8.6;
+`scripts/array_record_reads.py`, BENCHMARKS.md).
 
 Corpora written since issue 18 store the token arrays as raw bytes (TFDS `Encoding.BYTES`) and
 serialize each Example deterministically (map keys sorted), so every row has the same layout:
@@ -36,7 +36,7 @@ SENTENCE_IDS_KEY = "sentence_ids"
 ID_FEATURE = "sentence_id"
 _MEMOISED = ("attention_mask", "token_type_ids")
 _MEMO_LIMIT = 4096  # distinct compressed values kept per key
-_RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"  # ArrayRecord's setting for random reads
+RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"  # ArrayRecord's setting for random reads
 
 
 def _varint(value: int) -> bytes:
@@ -130,7 +130,7 @@ class RecordDecoder:
   def __init__(self, paths: list[str], shard_lengths: list[int], compressed: bool = True):
     reader_class = require("array_record.python.array_record_module",
                            "a prepared (pre-tokenized) corpus").ArrayRecordReader
-    self._readers = [reader_class(p, _RANDOM_ACCESS) for p in paths]
+    self._readers = [reader_class(p, RANDOM_ACCESS) for p in paths]
     self._starts = np.concatenate([[0], np.cumsum(shard_lengths)]).astype(np.int64)
     self._example = require("tensorflow_datasets.proto",
                             "a prepared (pre-tokenized) corpus").tf_example_pb2.Example
