@@ -70,6 +70,25 @@ def flag_error_line(e: BaseException) -> str:
   return one_line(e) if text else type(e).__name__
 
 
+def resolve_config_argument(argv: Sequence[str]) -> list[str]:
+  """argv with a `--config` value that is no file replaced by the packaged config it names
+  (`micse:demo` → `.../micse_jax/configs/micse.py:demo`; `micse_jax.configs.resolve`)."""
+  from micse_jax import configs  # pylint: disable=import-outside-toplevel
+  argv = list(argv)
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      argv[i] = "--config=" + configs.resolve(arg[len("--config="):])
+    elif arg == "--config" and i + 1 < len(argv):
+      argv[i + 1] = configs.resolve(argv[i + 1])
+  return argv
+
+
+def _list_configs_and_exit() -> NoReturn:
+  from micse_jax import configs  # pylint: disable=import-outside-toplevel
+  print(configs.listing())
+  sys.exit(0)
+
+
 def flags_parser(materialize: Callable[[], object] | None = None):
   """An `app.run(..., flags_parser=)` that reports a bad flag or override as one line (exit 2).
 
@@ -78,14 +97,19 @@ def flags_parser(materialize: Callable[[], object] | None = None):
   """
   def parse(argv: Sequence[str]) -> list[str]:
     from absl import flags  # pylint: disable=import-outside-toplevel
+    takes_config = "config" in flags.FLAGS
+    if takes_config and "--list_configs" in argv:
+      _list_configs_and_exit()
     try:
-      rest = flags.FLAGS(list(argv))
+      rest = flags.FLAGS(resolve_config_argument(argv) if takes_config else list(argv))
       if materialize is not None:
         materialize()
     except flags.Error as e:
       fail(flag_error_line(e), USAGE_EXIT)
+    except MicseError as e:  # a --config that names no file and no packaged config
+      fail(one_line(e), USAGE_EXIT)
     except (AttributeError, KeyError, TypeError, ValueError, OSError, ImportError) as e:
-      fail(f"invalid --config: {flag_error_line(e)} (see configs/default.py for the fields)",
+      fail(f"invalid --config: {flag_error_line(e)} (see micse_jax/configs/default.py for the fields)",
            USAGE_EXIT)
     return rest
   return parse

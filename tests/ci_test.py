@@ -2,19 +2,19 @@
 import importlib.util
 import os
 
-from micse_jax import paths
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout under test
 
 
 def _readme_commands():
   spec = importlib.util.spec_from_file_location("readme_commands",
-                                                os.path.join(paths.REPO, ".ci", "readme_commands.py"))
+                                                os.path.join(REPO, ".ci", "readme_commands.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
 def test_readme_setup_has_the_main_and_test_commands():
-  with open(os.path.join(paths.REPO, "README.md"), encoding="utf-8") as f:
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
     commands = _readme_commands().setup_commands(f.read())
   assert commands["main"].startswith("pip install -r requirements.txt")
   assert "python -m micse_jax.main --config configs/micse.py:demo" in commands["main"]
@@ -29,7 +29,7 @@ def test_parser_reads_only_the_setup_section():
 
 
 def test_ci_script_builds_a_fresh_venv_and_runs_both_commands():
-  with open(os.path.join(paths.REPO, ".ci", "run"), encoding="utf-8") as f:
+  with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
     script = f.read()
   assert "python3 -m venv" in script and "mktemp -d" in script
   assert "readme_commands.py main" in script and "readme_commands.py test" in script

@@ -88,7 +88,7 @@ def test_run_summary_names_best_score_paths_and_export(tmp_path):
 # ------------------------------------------------------------------ config checks
 
 def _config(**changes):
-  from configs import default
+  from micse_jax.configs import default
   config = default.get_config()
   for key, value in changes.items():
     set_dotted(config, key, value)
@@ -96,7 +96,7 @@ def _config(**changes):
 
 
 def test_the_shipped_configs_pass_the_field_checks():
-  from configs import ami_simcse, micse, moco_simcse, simcse
+  from micse_jax.configs import ami_simcse, micse, moco_simcse, simcse
   for module in (ami_simcse, micse, moco_simcse, simcse):
     config_checks.check_fields(module.get_config())
 

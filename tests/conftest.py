@@ -6,8 +6,8 @@ import pytest
 
 from micse_jax import paths
 
-REPO = paths.REPO
-SHARED_DATA = paths.shared_data_dir()  # $MICSE_DATA_DIR, else ../shared/data beside the repo
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tests live in
+SHARED_DATA = paths.shared_data_dir()  # $MICSE_DATA_DIR, else shared/data in or above the cwd
 
 
 def _package_dir(package: str, sub: str) -> str | None:

@@ -1,6 +1,6 @@
 """Every third-party import is declared (issue 16): a newcomer's `pip install` brings it.
 
-Walks every module of `micse_jax/` and `configs/` (imports inside functions too),
+Walks every module of `micse_jax/` (its `configs/` too; imports inside functions too),
 maps each third-party top-level import to its distribution with the installed packages'
 metadata, and checks it against `requirements.txt` (the tested pins) and `pyproject.toml`.
 
@@ -21,10 +21,12 @@ import tomllib
 
 import pytest
 
-from micse_jax import optional, paths
+from micse_jax import optional
 
-FIRST_PARTY = {"micse_jax", "configs", "tests", "__future__"}
-SOURCE_DIRS = ("micse_jax", "configs")  # scripts/device/ runs on the GPU image's own Python
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout under test
+
+FIRST_PARTY = {"micse_jax", "tests", "__future__"}  # a top-level `configs` would be third party
+SOURCE_DIRS = ("micse_jax",)  # configs included (micse_jax/configs); scripts/device/ runs on the GPU image's own Python
 
 
 def _normalize(name: str) -> str:
@@ -89,7 +91,7 @@ def third_party(found: dict[str, bool]) -> dict[str, bool]:
 def _python_files(*dirs: str) -> list[str]:
   out = []
   for d in dirs:
-    for root, _, files in os.walk(os.path.join(paths.REPO, d)):
+    for root, _, files in os.walk(os.path.join(REPO, d)):
       out.extend(os.path.join(root, f) for f in files if f.endswith(".py"))
   return sorted(out)
 
@@ -101,14 +103,14 @@ def _imports_under(*dirs: str, with_require: bool = True) -> dict[str, dict[str,
   for path in _python_files(*dirs):
     with open(path, encoding="utf-8") as f:
       for module, is_optional in third_party(imports_of(f.read(), with_require)).items():
-        table.setdefault(module, {})[os.path.relpath(path, paths.REPO)] = is_optional
+        table.setdefault(module, {})[os.path.relpath(path, REPO)] = is_optional
   return table
 
 
 def read_requirements(name: str) -> set[str]:
   """Normalised distribution names pinned in a requirements file (following `-r`)."""
   names = set()
-  with open(os.path.join(paths.REPO, name), encoding="utf-8") as f:
+  with open(os.path.join(REPO, name), encoding="utf-8") as f:
     for line in f:
       line = line.split("#")[0].strip()
       if line.startswith("-r"):
@@ -119,7 +121,7 @@ def read_requirements(name: str) -> set[str]:
 
 
 def _pyproject() -> dict:
-  with open(os.path.join(paths.REPO, "pyproject.toml"), "rb") as f:
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
     return tomllib.load(f)["project"]
 
 

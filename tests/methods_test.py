@@ -29,7 +29,7 @@ def _config(tmp_path, model_dir, variant, arg=None, **overrides):
   if not corpus.exists():
     corpus.write_text("\n".join(f"sentence number {i} talks about topic {i % 7} and more {i * 3}"
                                 for i in range(96)) + "\n", encoding="utf-8")
-  c = importlib.import_module(f"configs.{variant}").get_config(arg)
+  c = importlib.import_module(f"micse_jax.configs.{variant}").get_config(arg)
   c.model.name_or_path, c.data.corpus = model_dir, str(corpus)
   c.model.max_length, c.batch_size, c.num_train_steps = 16, 8, 4
   c.optim.warmup_steps, c.optim.learning_rate = 0, 1e-3
@@ -213,7 +213,7 @@ def test_infocse_pretraining_leaves_the_encoder_alone(tmp_path, tiny_real_dir):
     ({"infocse.enabled": True, "infocse.pretrain_steps": 10**9}, "pretrain_steps"),
 ])
 def test_bad_combinations_raise_one_clear_error(change, message):
-  c = importlib.import_module("configs.micse").get_config()
+  c = importlib.import_module("micse_jax.configs.micse").get_config()
   for key, value in change.items():
     group, field = key.split(".")
     c[group][field] = value

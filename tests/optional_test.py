@@ -59,7 +59,7 @@ def test_each_optional_path_reports_its_package(monkeypatch, tmp_path):
   from micse_jax import config_checks
   from micse_jax.data import prepared
   from micse_jax.studies import plots
-  from configs import micse
+  from micse_jax.configs import micse
   config = micse.get_config()
   config.model.dtype = "float16"
   cases = [("jmp", lambda: config_checks.check_packages(config)),

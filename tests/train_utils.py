@@ -14,7 +14,7 @@ def tiny_training_config(tmp_path, tokenizer_dir, variant="micse", **overrides):
   if not corpus.exists():
     corpus.write_text("\n".join(f"sentence number {i} talks about topic {i % 7} and more {i * 3}"
                                 for i in range(96)) + "\n", encoding="utf-8")
-  config = importlib.import_module(f"configs.{variant}").get_config()
+  config = importlib.import_module(f"micse_jax.configs.{variant}").get_config()
   config.model.name_or_path = model_dir
   config.model.max_length = 16
   config.data.corpus = str(corpus)

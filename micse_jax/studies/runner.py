@@ -15,7 +15,7 @@ import sys
 import time
 
 from micse_jax.optional import require
-from micse_jax.studies.spec import REPO, RunSpec, main_command
+from micse_jax.studies.spec import RunSpec, main_command
 
 STATUS_FILE = "sweep_status.json"
 LOG_FILE = "train.log"
@@ -74,7 +74,7 @@ def run_training(run: RunSpec) -> dict:
   with open(log_path, "a", encoding="utf-8") as log:
     log.write(f"$ {' '.join(main_command(run))}\n")
     log.flush()
-    returncode = subprocess.call(main_command(run), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    returncode = subprocess.call(main_command(run), stdout=log, stderr=subprocess.STDOUT)
   elapsed = time.perf_counter() - start
   if returncode != 0:
     error = _error_line(log_path)
@@ -85,15 +85,9 @@ def run_training(run: RunSpec) -> dict:
   return {"name": run.name, "seconds": elapsed}
 
 
-def _environment_setup() -> list[str]:
-  """Shell lines that make this repository importable in a job (it is not pip-installed)."""
-  return [f"export PYTHONPATH={REPO}${{PYTHONPATH:+:$PYTHONPATH}}", f"cd {REPO}"]
-
-
 def local_executor(folder: str, timeout_min: int):
-  """A submitit executor running jobs as local processes (the repository on PYTHONPATH)."""
+  """A submitit executor running jobs as local processes (this Python, its installed micse_jax)."""
   submitit = require("submitit", "running a sweep (micse_jax.sweep)")
-  os.environ["PYTHONPATH"] = REPO + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
   executor = submitit.LocalExecutor(folder=folder)
   executor.update_parameters(timeout_min=timeout_min)
   return executor
@@ -104,7 +98,7 @@ def slurm_parameters(*, partition: str | None, gpus_per_run: int, cpus_per_run: 
   """submitit SlurmExecutor parameters of a sweep: one task per run, `max_parallel` array tasks at once."""
   params = dict(time=timeout_min, gpus_per_node=gpus_per_run, cpus_per_task=cpus_per_run, ntasks_per_node=1,
                 nodes=1, array_parallelism=max_parallel, job_name="micse_sweep",
-                setup=_environment_setup() + list(extra_setup))
+                setup=list(extra_setup))
   if partition:
     params["partition"] = partition
   if account:

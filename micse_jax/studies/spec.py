@@ -3,7 +3,7 @@
 A sweep config (`configs/sweeps/*.py`, `get_config(arg)`) is an ml_collections ConfigDict:
 
     name             study name (default sweep directory: runs/sweeps/<name>)
-    base_config      training config used when there is no `method` axis ("configs/micse.py")
+    base_config      training config used when there is no `method` axis ("micse", or a file)
     overrides        ((field, value), ...) applied to every run
     axes             ((key, (value, ...)), ...), expanded as a Cartesian product in this order
     num_train_steps  held constant across sizes (the paper's protocol); an axis may override it
@@ -11,7 +11,7 @@ A sweep config (`configs/sweeps/*.py`, `get_config(arg)`) is an ml_collections C
     step_ms          optional: assumed milliseconds per training step, for `--dry_run`'s GPU-hours
     step_ms_note     optional: where that figure comes from (printed with the estimate)
 
-Axis keys: `method` (a config name in configs/, or `path.py[:variant]`), `seed` (sets `seed`
+Axis keys: `method` (a packaged config's name, e.g. `simcse`, or `path.py[:variant]`), `seed` (sets `seed`
 and `data.subset_seed` together), or any training-config field such as `data.num_sentences`
 (absolute sizes; a float in (0, 1] is a fraction of the corpus, 0 means all of it),
 `ami.weight`, `batch_size`, `model.name_or_path`.
@@ -27,6 +27,7 @@ and is an ordinary `python -m micse_jax.main --config FILE --workdir DIR --confi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import itertools
@@ -36,8 +37,8 @@ import sys
 
 import ml_collections
 
+from micse_jax import configs
 from micse_jax.errors import ConfigError, MicseError
-from micse_jax.paths import REPO
 
 SPECIAL_AXES = ("method", "seed")
 
@@ -65,13 +66,12 @@ class RunSpec:
 
 
 def load_config_file(spec: str, arg_default: str | None = None) -> ml_collections.ConfigDict:
-  """`get_config(arg)` of a config file `path.py[:arg]` (paths relative to the repository)."""
-  path, _, arg = spec.partition(":")
-  full = path if os.path.isabs(path) else os.path.join(REPO, path)
-  if not os.path.isfile(full):
-    raise SweepError(f"config file not found: {path}")
-  if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # configs import `from configs import default`
+  """`get_config(arg)` of `path.py[:arg]`: a file, else a packaged config (`micse_jax.configs.resolve`)."""
+  try:
+    path, _, arg = configs.resolve(spec).partition(":")
+  except ConfigError as e:
+    raise SweepError(str(e)) from e
+  full = os.path.abspath(path)
   module_spec = importlib.util.spec_from_file_location(f"_sweep_cfg_{abs(hash(full))}", full)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
@@ -79,8 +79,8 @@ def load_config_file(spec: str, arg_default: str | None = None) -> ml_collection
 
 
 def method_config_file(method: str) -> str:
-  """'simcse' → 'configs/simcse.py'; a 'path.py[:variant]' is kept."""
-  return method if ".py" in method else os.path.join("configs", f"{method}.py")
+  """'simcse' → 'simcse' (a packaged config's name); a 'path.py[:variant]' is kept as written."""
+  return method
 
 
 def method_name(config_file: str) -> str:
@@ -96,7 +96,7 @@ def set_field(config: ml_collections.ConfigDict, key: str, value, source: str) -
   for i, part in enumerate(parts):
     if not isinstance(node, ml_collections.ConfigDict) or part not in node:
       raise SweepError(f"unknown axis/override key {key!r}: {'.'.join(parts[:i + 1])} is not a field "
-                       f"of {source} (see configs/default.py)")
+                       f"of {source} (see micse_jax/configs/default.py)")
     if i < len(parts) - 1:
       node = node[part]
   try:
@@ -193,7 +193,7 @@ def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
     config_file = method_config_file(str(values["method"])) if "method" in values else sweep.base_config
     if config_file not in loaded:
       loaded[config_file] = load_config_file(config_file)
-    config = loaded[config_file].copy_and_resolve_references()
+    config = copy.deepcopy(loaded[config_file])  # keeps FieldReferences: derived fields follow overrides
     overrides = list(sweep.overrides) + [("num_train_steps", sweep.num_train_steps),
                                          ("eval.final_tasks", sweep.eval_tasks)]
     for key, value in labels:
@@ -210,7 +210,7 @@ def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
       resolved = _resolve_size(dict(overrides)["data.num_sentences"], config.data.corpus, sizes_cache)
       overrides = [(k, resolved if k == "data.num_sentences" else v) for k, v in overrides]
       set_field(config, "data.num_sentences", resolved, config_file)
-    _check_run_config(config, config_file)
+    _check_run_config(config.copy_and_resolve_references(), config_file)
     name = _safe("__".join(f"{k}={_format(v)}" for k, v in labels)) or "run"
     runs.append(RunSpec(name=name, config_file=config_file, overrides=tuple(overrides), labels=labels,
                         workdir=os.path.join(sweep_dir, name)))
@@ -247,9 +247,17 @@ def check_data(runs: list[RunSpec]) -> None:
       raise SweepError(f"run {run.name}: {e}") from e
 
 
+def _portable_config(config_file: str) -> str:
+  """A config file that exists here as an absolute path (a job may start elsewhere); a packaged
+  config's name as it is (the job's own installed micse_jax resolves it)."""
+  path, sep, variant = config_file.partition(":")
+  return os.path.abspath(path) + sep + variant if os.path.isfile(path) else config_file
+
+
 def main_command(run: RunSpec, python: str = sys.executable) -> list[str]:
-  """The `micse_jax.main` command line of a run."""
-  return [python, "-m", "micse_jax.main", f"--config={run.config_file}", f"--workdir={run.workdir}",
+  """The `python -m micse_jax.main` command line of a run (no cwd or PYTHONPATH needed)."""
+  return [python, "-m", "micse_jax.main", f"--config={_portable_config(run.config_file)}",
+          f"--workdir={run.workdir}",
           *(f"--config.{k}={_format(v)}" for k, v in run.overrides)]
 
 

@@ -25,7 +25,7 @@ def get_config(arg=None):
   """The sweep of one variant: '' (queue methods), 'baselines' or 'n1024'."""
   c = ml_collections.ConfigDict()
   c.name = "fewshot_queue"
-  c.base_config = "configs/micse.py"
+  c.base_config = "micse"
   c.num_train_steps = 400
   c.eval_tasks = "sts"
   c.overrides = (

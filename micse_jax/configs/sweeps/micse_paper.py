@@ -101,8 +101,9 @@ def _official(c: ml_collections.ConfigDict) -> None:
 
 
 def get_config(arg=None):
+  """The config of this file; `arg` names a variant (see the module docstring)."""
   c = ml_collections.ConfigDict()
-  c.base_config = "configs/micse.py"
+  c.base_config = "micse"
   c.num_train_steps = PAPER_STEPS
   c.eval_tasks = "sts"
   c.step_ms = STEP_MS_ESTIMATE

@@ -6,7 +6,7 @@ queue of 384 negatives. Variants: `get_config("demo")` runs offline on CPU in mi
 """
 import ml_collections
 
-from configs.methods import add_method_fields
+from micse_jax.configs.methods import add_method_fields
 from micse_jax import paths
 
 
@@ -16,6 +16,7 @@ def shipped_minilm_dir() -> str:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The config of this file; `arg` names a variant (see the module docstring)."""
   c = ml_collections.ConfigDict()
   c.seed = 42
   c.num_train_steps = 20_000          # 1M wiki sentences / batch 50: one epoch

@@ -18,7 +18,7 @@ this sweep adds the other weights and the structural variants:
     python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --parallel 2
     python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --report
 """
-from configs.sweeps import fewshot_tiny
+from micse_jax.configs.sweeps import fewshot_tiny
 from micse_jax import paths
 
 AMI_METHODS = ("ami_simcse", "ami_positive_only")
@@ -28,6 +28,7 @@ STRUCTURE = {"layers": ("ami.layers", ((1,),)),
 
 
 def get_config(arg=None):
+  """The config of this file; `arg` names a variant (see the module docstring)."""
   c = fewshot_tiny.get_config()
   c.name = "ami_tiny"
   # sizes and seeds outermost: every n = 64 cell runs before the first n = all one

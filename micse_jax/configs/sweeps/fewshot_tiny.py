@@ -24,9 +24,10 @@ RELATIVES = ("add", "informin", "infocse")
 
 
 def get_config(arg=None):
+  """The config of this file; `arg` names a variant (see the module docstring)."""
   c = ml_collections.ConfigDict()
   c.name = "fewshot_tiny"
-  c.base_config = "configs/micse.py"
+  c.base_config = "micse"
   c.num_train_steps = 250
   c.eval_tasks = "sts"
   c.overrides = (
