@@ -11,11 +11,13 @@ import os
 from absl import flags
 
 from micse_jax import cli
+from micse_jax.optional import require
 
 flags.DEFINE_string("model", None, "HF directory, hub name or training workdir.")
 flags.DEFINE_string("checkpoint", "best", "For a workdir: best | latest | a step.")
 flags.DEFINE_string("output", None, "Directory for the PNGs and analysis.json.")
-flags.DEFINE_string("senteval_dir", None, "SentEval data (default ../shared/data/senteval).")
+flags.DEFINE_string("senteval_dir", None, "SentEval data (default: $MICSE_DATA_DIR/senteval, "
+                    "else shared/data/senteval in or above the working directory).")
 flags.DEFINE_integer("num_sentences", 64, "STS-B test sentences whose attention is histogrammed.")
 flags.DEFINE_integer("seed", 0, "Dropout / sampling seed.")
 flags.DEFINE_string("pooler", "cls_before_pooler", "Embedding pooler.")
@@ -26,6 +28,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   """Writes the diagnostic figures and analysis.json of `--model` (absl main)."""
   cli.reject_extra_args(argv)
+  require("matplotlib", "drawing figures (analyze)")  # before any file is written
   # pylint: disable=import-outside-toplevel
   import numpy as np
   from micse_jax.encoder import load_encoder

@@ -8,17 +8,20 @@ Every program (`micse-train`, `micse-evaluate`, `micse-convert`, `micse-sweep`,
 The rule: bad input (a `MicseError`, or a flag/override that does not parse) is reported as
 one `error: ...` line on stderr with a non-zero exit; anything else is a bug and keeps its
 traceback. Errors are caught only while flags are parsed and around the `MicseError`-raising
-library call, never around the whole program.
+library call, never around the whole program, with one exception: a `MissingDependencyError`
+(an optional package that is not installed, `micse_jax.optional.require`) is never a bug, so
+`run_program` turns it into one line (exit 1) wherever in the program it is raised.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
 from typing import Callable, Iterator, NoReturn, Sequence
 
-from micse_jax.errors import MicseError, one_line
+from micse_jax.errors import MicseError, MissingDependencyError, one_line
 
 USAGE_EXIT = 2  # a flag or --config override that does not parse
 INPUT_EXIT = 1  # a MicseError: bad config value, corpus, model, checkpoint, data, output
@@ -121,12 +124,24 @@ def reject_extra_args(argv: Sequence[str]) -> None:
     fail(f"unexpected arguments: {' '.join(argv[1:])}", USAGE_EXIT)
 
 
+def missing_packages_as_one_line(main: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
+  """`main` with a `MissingDependencyError`, wherever raised, as one `error:` line and exit 1."""
+  @functools.wraps(main)
+  def guarded(argv):
+    try:
+      return main(argv)
+    except MissingDependencyError as e:
+      fail(one_line(e))
+  return guarded
+
+
 def run_program(main: Callable[[list[str]], object], define_flags: Callable[[], None] | None = None,
                 materialize: Callable[[], object] | None = None) -> None:
   """The one skeleton of every program: quiet start-up, flags defined and parsed (a bad flag or
-  override: one line, exit 2), then `main(argv)` under absl."""
+  override: one line, exit 2), then `main(argv)` under absl (a missing optional package: one
+  line, exit 1)."""
   from absl import app  # pylint: disable=import-outside-toplevel
   quiet_startup()
   if define_flags is not None:
     define_flags()
-  app.run(main, flags_parser=flags_parser(materialize))
+  app.run(missing_packages_as_one_line(main), flags_parser=flags_parser(materialize))

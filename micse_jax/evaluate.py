@@ -106,7 +106,7 @@ def define_flags() -> None:
   flags.DEFINE_string("model", None, "HF model directory, hub name or training workdir.")
   flags.DEFINE_string("senteval_dir", None,
                       "SentEval data/downstream directory (default: $MICSE_DATA_DIR/senteval, "
-                      "else ../shared/data/senteval beside the repository).")
+                      "else shared/data/senteval in or above the working directory).")
   flags.DEFINE_string("tasks", "sts", "sts, transfer, all, or a comma list of task names.")
   flags.DEFINE_string("pooler", "cls_before_pooler", f"One of {', '.join(POOLERS)}.")
   flags.DEFINE_string("output", None, "Write the JSON report here (atomically).")

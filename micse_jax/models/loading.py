@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from micse_jax.errors import ModelLoadError  # re-exported
+from micse_jax.optional import require
 from micse_jax.models import weights
 from micse_jax.models.bert import BertConfig, BertModel
 
@@ -86,10 +87,7 @@ def _to_numpy(x) -> np.ndarray:
 
 
 def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise ModelLoadError(f"{path} is a PyTorch pickle; install torch or convert it to safetensors") from e
+  torch = require("torch", f"reading {path} (a PyTorch pickle; or convert it to safetensors)")
   try:
     state = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:
