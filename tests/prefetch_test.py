@@ -16,20 +16,39 @@ def test_yields_every_result_in_order(depth):
   assert not batches.alive
 
 
-def test_stays_at_most_depth_ahead():
-  produced, depth = [], 3
+def _produced_after_each_next(depth: int, steps: int = 5, expected=None) -> list[int]:
+  """How many items `produce` has been called on after 0, 1, ..., `steps` `next()` calls, each
+  read once the producer has caught up with `expected(consumed)` (2 s at most) and 50 ms more."""
+  produced = []
   def produce(i):
     produced.append(i)
     return i
+  counts = []
   with Prefetcher(produce, itertools.count(), depth) as batches:
-    for consumed, value in enumerate(batches, start=1):
-      assert value == consumed - 1
-      time.sleep(0.05)  # let the producer run ahead as far as it may
-      # `depth` waiting in the queue plus one produced and blocked on put()
-      assert consumed <= len(produced) <= consumed + depth + 1
-      if consumed == 6:
-        break
+    for consumed in range(steps + 1):
+      if consumed:
+        assert next(batches) == consumed - 1
+      deadline = time.monotonic() + 2.0
+      while expected and len(produced) < expected(consumed) and time.monotonic() < deadline:
+        time.sleep(0.005)
+      time.sleep(0.05)  # room to run further ahead than it may
+      counts.append(len(produced))
   assert not batches.alive
+  return counts
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_reads_exactly_depth_ahead(depth):
+  """`depth` results wait in the queue and one more is produced and blocked on put(): after c
+  next() calls, c + depth + 1 items were produced, not fewer (no read-ahead) and not more."""
+  ahead = lambda consumed: consumed + depth + 1
+  assert _produced_after_each_next(depth, expected=ahead) == [ahead(c) for c in range(6)]
+
+
+def test_depth_zero_produces_only_on_demand():
+  """Inline production: exactly one item per next() (what a prefetcher that never reads ahead
+  does, which the test above rejects)."""
+  assert _produced_after_each_next(0) == list(range(6))
 
 
 def _explode_at_three(i):
