@@ -19,8 +19,16 @@ from typing import Any, Callable
 import ml_collections
 
 from micse_jax import paths, workdir as workdir_lib
+from micse_jax.augmentation.add import ADD_MODES
+from micse_jax.data.pipeline import SHUFFLE_SCHEMES
 from micse_jax.errors import ConfigError
+from micse_jax.losses.ami import AMI_VARIANTS
+from micse_jax.models.bert import ATTENTION_KERNELS
+from micse_jax.models.dtypes import DTYPES
+from micse_jax.models.remat import REMAT_POLICIES
 from micse_jax.optional import require
+from micse_jax.training.terms import OBJECTIVES
+from micse_jax.training.views import ADD_IMPORTANCE, SECOND_VIEWS
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
 # and saves; how the same step is laid out in memory: remat, attention kernel, sharded state);
@@ -28,10 +36,6 @@ from micse_jax.optional import require
 # config.json is such a difference unless it is listed here.
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
                      "eval_every", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.")
-SHUFFLE_SCHEMES = ("numpy-pcg64-epoch-permutation",)  # micse_jax.data.pipeline.SHUFFLE_SCHEME
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION = ("fused", "explicit")
-REMAT = ("none", "layer", "full")
 
 
 def _is_int(v) -> bool:
@@ -91,8 +95,8 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "model.dtype": _choice(*DTYPES),
     "model.loss_scale_init": _real(0, lo_open=True),  # float16 dynamic loss scaling (precision.py)
     "model.loss_scale_period": _int(1),
-    "model.attention": _choice(*ATTENTION),
-    "model.remat": _choice(*REMAT),
+    "model.attention": _choice(*ATTENTION_KERNELS),
+    "model.remat": _choice(*REMAT_POLICIES),
     "mesh.shard_state": _bool,
     "mesh.shard_min_elements": _int(1),
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",
@@ -200,8 +204,8 @@ def _require(condition: bool, message: str) -> None:
 def _check_view(config) -> None:
   v = config.view
   if v.kind == "add":
-    _one_of("view.add_importance", v.add_importance, ("naive", "rollout"))
-    _one_of("view.add_mode", v.add_mode, ("static", "dynamic"))
+    _one_of("view.add_importance", v.add_importance, tuple(ADD_IMPORTANCE))
+    _one_of("view.add_mode", v.add_mode, ADD_MODES)
     _require(v.add_threshold > 2, f"view.add_threshold={v.add_threshold} must be > 2 (ADD uses t in 8, 10, 12): "
              "with t <= 2 even [CLS] x [SEP] sentences would lose tokens")
     if v.add_mode == "static":
@@ -214,9 +218,9 @@ def _check_view(config) -> None:
 
 def check_methods(config) -> None:
   """The method fields of `configs/methods.py` (views, terms) and how they combine."""
-  _one_of("loss.objective", config.loss.objective, ("infonce", "positive_only"))
-  _one_of("view.kind", config.view.kind, ("dropout", "add", "span_mask"))
-  _one_of("ami.variant", config.ami.variant, ("paper", "official"))
+  _one_of("loss.objective", config.loss.objective, OBJECTIVES)
+  _one_of("view.kind", config.view.kind, tuple(SECOND_VIEWS))
+  _one_of("ami.variant", config.ami.variant, AMI_VARIANTS)
   _check_view(config)
   if config.ami.enabled and config.ami.variant == "official":
     _require(len(config.ami.layers) % 2 == 0, f"ami.variant='official' pairs layers by parity; "

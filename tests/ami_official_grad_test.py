@@ -1,4 +1,4 @@
-"""The *gradient* of the official-code AMI term (`ami_loss(..., variant="official")`) with respect to
+"""The *gradient* of the official-code AMI term (`official_ami_loss`) with respect to
 both views' attention maps, against torch autograd on an independent transcription of the term in
 SAP-samples/acl2023-micse (`model/models.py`, `cl_forward`), on a fixed sample of cells.
 
@@ -65,8 +65,8 @@ def _torch_official(att1, att2, cells_of_row, weight=LAMBDA):
 
 
 def _jax_official(att1, att2, mask, key, num_samples):
-  fn = lambda a1, a2: ami.ami_loss(a1, a2, mask, key, weight=LAMBDA, num_samples=num_samples,
-                                   variant="official")[0]
+  del mask  # the official variant needs none: padding keys are exact zeros
+  fn = lambda a1, a2: ami.official_ami_loss(a1, a2, key, weight=LAMBDA, num_samples=num_samples)[0]
   loss, grads = jax.value_and_grad(fn, argnums=(0, 1))(att1, att2)
   return float(loss), np.asarray(grads[0]), np.asarray(grads[1])
 

@@ -1,17 +1,17 @@
-"""The official-code AMI variant (`ami_loss(..., variant="official")`) against an independent
+"""The official-code AMI variant (`official_ami_loss`) against an independent
 NumPy transcription of the recipe in SAP-samples/acl2023-micse (`model/models.py`), and a
 check that the paper variant is unchanged."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from micse_jax.losses import ami
 
 LAMBDA = 2.5e-3
-_loss = jax.jit(ami.ami_loss, static_argnames=('num_samples', 'variant', 'heads_per_slice',
+_loss = jax.jit(ami.ami_loss, static_argnames=('num_samples', 'heads_per_slice',
                                                 'pool_layers', 'require_positive', 'min_valid'))
+_official_loss = jax.jit(ami.official_ami_loss, static_argnames=('num_samples',))
 _paper_ami = jax.jit(ami.attention_mutual_information,
                      static_argnames=('num_samples', 'heads_per_slice', 'pool_layers', 'min_valid'))
 _official = jax.jit(ami.official_attention_mutual_information, static_argnames=('num_samples',))
@@ -82,8 +82,7 @@ def test_drops_slices_below_m_and_scales_by_valid_fraction():
   att2[3, 2, 0, :, 1] = 0.0  # layer 3 (parity 1), sentence 2, head 0
   cells = (num_layers // 2) * t * t  # every slice is complete otherwise: m = C uses all cells
   want, want_mi, want_scale = _np_official_deterministic(att1, att2, cells)
-  loss, metrics = _loss(att1, att2, np.ones((3, t), np.int32), jax.random.PRNGKey(0),
-                        weight=LAMBDA, num_samples=cells, variant='official')
+  loss, metrics = _official_loss(att1, att2, jax.random.PRNGKey(0), weight=LAMBDA, num_samples=cells)
   np.testing.assert_allclose(float(loss), want, rtol=1e-4)
   np.testing.assert_allclose(float(metrics['ami_mi']), want_mi, rtol=1e-4)
   np.testing.assert_allclose(float(metrics['ami_scale']), want_scale, rtol=1e-6)
@@ -105,8 +104,7 @@ def test_fallback_lowers_m_and_counts_padding_rows():
   np.testing.assert_array_equal(np.asarray(res.num_valid), np.full((2, 2 * heads), t * n))
   assert int(res.num_used) == t * n
   want, want_mi, want_scale = _np_official_deterministic(att1, att2, 150)
-  loss, metrics = _loss(att1, att2, mask, jax.random.PRNGKey(3), weight=LAMBDA, num_samples=150,
-                        variant='official')
+  loss, metrics = _official_loss(att1, att2, jax.random.PRNGKey(3), weight=LAMBDA, num_samples=150)
   np.testing.assert_allclose(float(loss), want, rtol=1e-4)
   np.testing.assert_allclose(float(metrics['ami_scale']), (n / t) ** 2 + 1e-6, rtol=1e-6)
   assert float(metrics['ami_pairs']) == 1.0
@@ -139,8 +137,7 @@ def test_random_sampling_matches_numpy_on_returned_cells():
     np.testing.assert_allclose(mi[r], -0.5 * np.log(1 - cos ** 2), rtol=2e-4, atol=1e-6)
   scale = (valid[kept].sum() / valid[kept].size) ** 2 + 1e-6
   np.testing.assert_allclose(float(res.scale), scale, rtol=1e-6)
-  loss, _ = _loss(att1, att2, mask, jax.random.PRNGKey(5), weight=LAMBDA, num_samples=m,
-                  variant='official')
+  loss, _ = _official_loss(att1, att2, jax.random.PRNGKey(5), weight=LAMBDA, num_samples=m)
   np.testing.assert_allclose(float(loss), -LAMBDA * scale * mi[kept].mean(), rtol=1e-4)
 
 
@@ -149,8 +146,7 @@ def test_no_usable_cells_gives_zero_loss_and_finite_gradient():
   att1, mask = _attention(rng, 2, [4, 4], 2, 4)
   att2, _ = _attention(rng, 2, [4, 4], 2, 4)
   att1[:, 1, 0] = 0.0  # one slice pair without a single valid cell: m falls to 0
-  fn = lambda a: _loss(a, att2, mask, jax.random.PRNGKey(0), weight=LAMBDA, num_samples=150,
-                       variant='official')[0]
+  fn = lambda a: _official_loss(a, att2, jax.random.PRNGKey(0), weight=LAMBDA, num_samples=150)[0]
   assert float(fn(att1)) == 0.0
   grad = jax.grad(fn)(jnp.asarray(att1))
   assert np.all(np.isfinite(np.asarray(grad)))
@@ -160,22 +156,18 @@ def test_no_usable_cells_gives_zero_loss_and_finite_gradient():
   assert np.all(np.isfinite(grad_b)) and np.any(grad_b != 0)
 
 
-def test_paper_variant_is_the_default_and_unchanged():
+def test_paper_variant_is_unchanged():
   options = dict(heads_per_slice=2, pool_layers=False, min_valid=3)
   rng = np.random.default_rng(4)
   att1, mask = _attention(rng, 2, [6, 3, 5], 4, 6)
   att2, _ = _attention(rng, 2, [6, 3, 5], 4, 6)
   key = jax.random.PRNGKey(9)
-  default, m_default = _loss(att1, att2, mask, key, num_samples=20, **options)
-  paper, m_paper = _loss(att1, att2, mask, key, num_samples=20, variant='paper', **options)
-  assert float(default) == float(paper)
-  assert set(m_paper) == set(m_default) and 'ami_scale' not in m_paper
+  paper, m_paper = _loss(att1, att2, mask, key, num_samples=20, **options)
+  assert 'ami_scale' not in m_paper
   # The paper loss is -lambda * mean MI over counted pairs of the per-pair result.
   res = _paper_ami(att1, att2, mask, key, num_samples=20, **options)
   w = np.asarray(res.weight)
   np.testing.assert_allclose(float(paper), -2.5e-3 * (np.asarray(res.mi) * w).sum() / w.sum(),
                              rtol=1e-6)
-  official, _ = _loss(att1, att2, mask, key, num_samples=20, variant='official')
+  official, _ = _official_loss(att1, att2, key, num_samples=20)
   assert float(official) != float(paper)
-  with pytest.raises(ValueError, match='variant'):
-    ami.ami_loss(att1, att2, mask, key, variant='github')

@@ -98,6 +98,9 @@ def token_importance_rollout(att: jax.Array, attention_mask: jax.Array, *,
   return jnp.sum(rolled, axis=(0, 2))
 
 
+ADD_MODES = ("static", "dynamic")  # `view.add_mode`'s choices (config_checks reads this)
+
+
 def num_tokens_to_drop(lengths: jax.Array, *, mode: str, k: int, threshold: int) -> jax.Array:
   """How many tokens ADD removes per sentence (ADD's static vs. dynamic dropout rate).
 
@@ -126,7 +129,7 @@ def num_tokens_to_drop(lengths: jax.Array, *, mode: str, k: int, threshold: int)
     return jnp.where(lengths >= threshold, k, 0).astype(jnp.int32)
   if mode == 'dynamic':
     return lengths // threshold
-  raise ValueError(f'ADD mode must be "static" or "dynamic", got {mode!r}')
+  raise ValueError(f'ADD mode must be one of {ADD_MODES}, got {mode!r}')
 
 
 def drop_least_attended(batch: Mapping[str, jax.Array], importance: jax.Array,

@@ -48,6 +48,7 @@ from micse_jax.tokenization import TOKEN_KEYS, Tokenizer
 SENTENCE_IDS_KEY = "sentence_ids"
 ROW_MASK_KEY = "row_mask"
 SHUFFLE_SCHEME = "numpy-pcg64-epoch-permutation"  # config data.shuffle; see module docstring
+SHUFFLE_SCHEMES = (SHUFFLE_SCHEME,)  # the schemes `data.shuffle` may name (config_checks reads this)
 PADDING_SENTENCE_ID = -1
 DEFAULT_MAX_LENGTH = 32
 

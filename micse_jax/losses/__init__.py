@@ -5,6 +5,7 @@ from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.ami import attention_mutual_information
 from micse_jax.losses.ami import fold_layer_parity
 from micse_jax.losses.ami import mi_from_samples
+from micse_jax.losses.ami import official_ami_loss
 from micse_jax.losses.ami import official_attention_mutual_information
 from micse_jax.losses.ami import sample_cells
 from micse_jax.losses.ami import slice_attention
@@ -17,6 +18,7 @@ __all__ = [
     'fold_layer_parity',
     'info_nce_loss',
     'mi_from_samples',
+    'official_ami_loss',
     'official_attention_mutual_information',
     'sample_cells',
     'slice_attention',

@@ -13,13 +13,13 @@ without replacement, with the same draw for both views (Alg. 1). The training
 loss adds -lambda * mean I to InfoNCE (Eq. 5), so minimizing it maximizes the
 agreement of the two views' attention.
 
-Two variants (`ami_loss(..., variant=...)`):
+Two variants (`ami.variant`; `AMI_VARIANTS`), one function each:
 
-* "paper" (default): Alg. 1 as written. Slices are (layer, group of heads);
+* "paper" (`ami_loss`, the default): Alg. 1 as written. Slices are (layer, group of heads);
   cells are (real query, real key) pairs, optionally only those > 0 in both
   views; a (sentence, slice) pair counts when it has >= `min_valid` valid
   samples; loss = -lambda * mean MI.
-* "official": what SAP-samples/acl2023-micse (`model/models.py`, `cl_forward`)
+* "official" (`official_ami_loss`): what SAP-samples/acl2023-micse (`model/models.py`, `cl_forward`)
   computes. It differs from the paper variant in four ways:
   1. slicing: one slice per (sentence, head, layer parity), pooling the chosen
      layers of equal parity (`fold_layer_parity`, `heads_per_slice=1`,
@@ -214,7 +214,7 @@ def _real_row_mean(x: jax.Array, row_mask: jax.Array | None) -> jax.Array:
   return _weighted_mean(x, rows)
 
 
-AMI_VARIANTS = ('paper', 'official')
+AMI_VARIANTS = ('paper', 'official')  # `ami.variant`: `ami_loss`, `official_ami_loss`
 _OFFICIAL_SCALE_EPS = 1e-6
 
 
@@ -295,10 +295,18 @@ def official_attention_mutual_information(att1: jax.Array, att2: jax.Array, rng:
   return OfficialAMIResult(mi, rho, weight, num_valid, num_used, scale, indices, sample_weight)
 
 
-def _official_ami_loss(att1: jax.Array, att2: jax.Array, rng: jax.Array, *, weight: float,
-                       num_samples: int, rho2_eps: float, row_mask: jax.Array | None,
-                       map_rows: Callable) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """-lambda * scale * mean MI over the kept slices (0 when none is kept)."""
+def official_ami_loss(att1: jax.Array, att2: jax.Array, rng: jax.Array, *, weight: float = 2.5e-3,
+                      num_samples: int = 150, rho2_eps: float = 1e-4, row_mask: jax.Array | None = None,
+                      map_rows: Callable = all_rows_here) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The AMI term as the official miCSE code computes it (module docstring, "official"):
+  loss = -weight * ((fraction of valid cells)^2 + 1e-6) * mean MI over the kept slices (0 when
+  none is kept). Its slices are (head, layer parity), so `att1`/`att2` hold an even number of
+  layers; padding keys are exact zeros, so it needs no attention mask.
+
+  Returns:
+    (loss, metrics) with the metrics of `ami_loss` (`ami_samples`: samples per kept slice)
+    plus `ami_scale`.
+  """
   res = official_attention_mutual_information(att1, att2, rng, num_samples=num_samples,
                                               rho2_eps=rho2_eps, row_mask=row_mask,
                                               map_rows=map_rows)
@@ -319,20 +327,13 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
              weight: float = 2.5e-3, num_samples: int = 150, heads_per_slice: int = 2,
              pool_layers: bool = False, require_positive: bool = True,
              log_eps: float = 1e-12, rho2_eps: float = 1e-4,
-             min_valid: int = 3,
-             variant: str = 'paper', row_mask: jax.Array | None = None,
+             min_valid: int = 3, row_mask: jax.Array | None = None,
              map_rows: Callable = all_rows_here) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """AMI term of the miCSE objective (Eq. 5): loss = -weight * mean MI.
+  """AMI term of the miCSE objective (Eq. 5), the paper's variant: loss = -weight * mean MI.
 
-  variant="paper" (default): the mean runs over (sentence, slice) pairs with at
-  least `min_valid` valid samples (0 when there are none). Arguments as in
-  `attention_mutual_information`; `weight` is lambda of Eq. 5.
-
-  variant="official": the official code's recipe (module docstring), loss =
-  -weight * ((fraction of valid cells)^2 + 1e-6) * mean MI over the kept
-  slices. It has its own slicing and validity rules, so `attention_mask`,
-  `heads_per_slice`, `pool_layers`, `require_positive`, `log_eps` and
-  `min_valid` do not apply; `att1`/`att2` must hold an even number of layers.
+  The mean runs over (sentence, slice) pairs with at least `min_valid` valid samples (0 when
+  there are none). Arguments as in `attention_mutual_information`; `weight` is lambda of
+  Eq. 5. The official code's variant is `official_ami_loss`.
 
   `row_mask` (`[B]`, 0 for the padding rows of a padded batch) leaves those rows out of the
   term and of every metric; `map_rows` runs the per-sentence work per device (see
@@ -341,14 +342,8 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
   Returns:
     (loss, metrics) with metrics `ami` (the loss), `ami_mi` (mean MI), `ami_rho`
     (mean rho), `ami_pairs` (fraction of pairs that counted) and `ami_samples`
-    (mean valid samples per counted pair; official: samples per kept slice),
-    plus `ami_scale` for the official variant.
+    (mean valid samples per counted pair).
   """
-  if variant not in AMI_VARIANTS:
-    raise ValueError(f'ami variant must be one of {AMI_VARIANTS}, got {variant!r}')
-  if variant == 'official':
-    return _official_ami_loss(att1, att2, rng, weight=weight, num_samples=num_samples,
-                              rho2_eps=rho2_eps, row_mask=row_mask, map_rows=map_rows)
   res = attention_mutual_information(
       att1, att2, attention_mask, rng, num_samples=num_samples,
       heads_per_slice=heads_per_slice, pool_layers=pool_layers,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 
 AUTO = "auto"
+DTYPES = (AUTO, "float32", "bfloat16", "float16")  # `model.dtype`'s choices (config_checks reads this)
 
 
 def auto_dtype(platform: str, compute_capability: str | None = None) -> str:

@@ -18,13 +18,15 @@ import jax.numpy as jnp
 
 from micse_jax.losses.alignment import positive_only_loss
 from micse_jax.data.pipeline import ROW_MASK_KEY
-from micse_jax.losses.ami import ami_loss
+from micse_jax.losses.ami import ami_loss, official_ami_loss
 from micse_jax.losses.ami_cells import all_rows_here
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize, row_mean
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.losses.reconstruction import reconstruction_loss
 from micse_jax.training.views import special_mask
 from micse_jax.augmentation import mlm_mask
+
+OBJECTIVES = ("infonce", "positive_only")  # `loss.objective`'s choices (config_checks reads this)
 
 
 def contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=None, queue_ids=None, row_mask=None):
@@ -46,10 +48,12 @@ def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=al
   Each sentence is sampled where `map_rows` puts it (per device on a mesh); padding rows
   (`row_mask` 0) are left out."""
   a = config.ami
+  if a.variant == "official":
+    return official_ami_loss(att1, att2, key, weight=a.weight, num_samples=a.num_samples,
+                             row_mask=row_mask, map_rows=map_rows)
   return ami_loss(att1, att2, attention_mask, key, weight=a.weight, num_samples=a.num_samples,
                   heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
-                  require_positive=a.require_positive, variant=a.variant, row_mask=row_mask,
-                  map_rows=map_rows)
+                  require_positive=a.require_positive, row_mask=row_mask, map_rows=map_rows)
 
 
 def reconstruction_term(z1, z2, config, row_mask=None):

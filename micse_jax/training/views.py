@@ -63,15 +63,16 @@ def add_view(params, batch, key, nets, config) -> dict:
                                    mutable=["intermediates"])
   layers = tuple(range(nets.importance.config.num_hidden_layers))
   att = jax.lax.stop_gradient(collect_attentions(state["intermediates"], layers).astype(jnp.float32))
-  importance_fn = {"naive": augmentation.token_importance_naive,
-                   "rollout": augmentation.token_importance_rollout}[v.add_importance]
-  importance = importance_fn(att, batch["attention_mask"])
+  importance = ADD_IMPORTANCE[v.add_importance](att, batch["attention_mask"])
   num_drop = augmentation.num_tokens_to_drop(batch["attention_mask"].sum(axis=1), mode=v.add_mode,
                                          k=v.add_k, threshold=v.add_threshold)
   return augmentation.drop_least_attended(tokens, importance, num_drop, special_mask(batch, nets))
 
 
+# The choices of `view.kind` and `view.add_importance` (config_checks reads their keys).
 SECOND_VIEWS: dict[str, Callable] = {"dropout": dropout_view, "add": add_view, "span_mask": span_mask_view}
+ADD_IMPORTANCE: dict[str, Callable] = {"naive": augmentation.token_importance_naive,
+                                       "rollout": augmentation.token_importance_rollout}
 
 
 class Encoded(NamedTuple):
