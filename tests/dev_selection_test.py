@@ -26,3 +26,28 @@ def test_planned_dev_split_scores_like_sts_and_tokenizes_once(encoder, senteval_
   assert changed != want and np.isfinite(changed)  # scores follow the params, not a cache
   assert changed == sts.stsb_dev_spearman(params_encode_fn(encoder, other, 64), senteval_dir)
   assert len(calls) == 1  # only the independent reference above tokenized again
+
+
+def test_each_evaluator_tags_its_own_scalars():
+  """TensorBoard tags come from the evaluator that made the value (`DevSelection.PREFIX`,
+  `heldout.PREFIX`), not from its name: a training metric named like `dev...` stays `train/`."""
+  from micse_jax.evaluators.dev_selection import DevSelection
+  from micse_jax.training import trainer
+
+  class Writer:
+    def __init__(self):
+      self.tags = []
+
+    def add_scalar(self, tag, value, step):
+      self.tags.append((tag, value, step))
+
+    def flush(self):
+      pass
+
+  selection = DevSelection.__new__(DevSelection)  # tagging needs no data
+  writer = Writer()
+  scalars = {**selection.tagged({"stsb_dev_spearman": 80.0, "sickr_dev": 70.0}), "devices_seen": 4.0,
+             "loss": 1.5, "analysis/alignment": 0.25}
+  trainer._write_scalars(writer, 7, scalars)  # pylint: disable=protected-access
+  assert writer.tags == [("eval/stsb_dev_spearman", 80.0, 7), ("eval/sickr_dev", 70.0, 7),
+                         ("train/devices_seen", 4.0, 7), ("train/loss", 1.5, 7), ("analysis/alignment", 0.25, 7)]

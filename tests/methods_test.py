@@ -243,7 +243,7 @@ def test_analysis_uniformity_matches_torch_embeddings(tmp_path, tiny_real_dir):
   batch = _batch(run)
   layers = analysis_layers(config.ami.layers, 2)
   model = BertModel(run.bert_config, sow_attention_layers=layers)
-  out = jax.device_get(analysis_metrics(model, layers, config.ami, run.initial_params["encoder"], batch,
+  out = jax.device_get(analysis_metrics(model, config.ami, run.initial_params["encoder"], batch,
                                         jax.random.PRNGKey(0)))
   cls = _torch(_torch_model(tiny_real_dir), tokens_of(batch)).last_hidden_state[:, 0].numpy()
   z = cls / np.linalg.norm(cls, axis=1, keepdims=True)

@@ -53,8 +53,11 @@ class DevSelection:
   """Scores STS-B dev (and optionally SICK-R dev) of explicit params with [CLS] before the MLP.
 
   The SentEval directory and its tasks were checked once before the run (`config_checks.check_senteval`);
-  a missing default directory only turns selection off, with a warning.
+  a missing default directory only turns selection off, with a warning. Its scores are logged
+  under `PREFIX` (`tagged`).
   """
+
+  PREFIX = "eval"  # the TensorBoard tag prefix of its scores
 
   def __init__(self, encoder: SentenceEncoder, eval_config: ml_collections.ConfigDict, eval_every: int):
     self.dir = eval_config.senteval_dir
@@ -84,6 +87,10 @@ class DevSelection:
   def __call__(self, params) -> dict[str, float]:
     """`{BEST_METRIC: STS-B dev Spearman x100}` (+ `sickr_dev` when `eval.sickr_dev`)."""
     return {name: split.spearman(params) for name, split in self.splits.items()}
+
+  def tagged(self, scores: dict[str, float]) -> dict[str, float]:
+    """`scores` keyed by their TensorBoard tags (`eval/<name>`)."""
+    return {f"{self.PREFIX}/{name}": value for name, value in scores.items()}
 
 
 def final_evaluation(selection: DevSelection, workdir: str, params, which: str) -> dict:

@@ -42,9 +42,12 @@ def read_heldout(path: str, first_line: int, num_sentences: int) -> list[str]:
   return sentences
 
 
-def analysis_metrics(model: BertModel, layers, ami_config, params, batch, key) -> dict[str, jax.Array]:
-  """alignment / uniformity / attention MI of `params` on one token batch (see module doc)."""
-  del layers  # the model sows them
+PREFIX = "analysis"  # the TensorBoard tag prefix of these metrics
+
+
+def analysis_metrics(model: BertModel, ami_config, params, batch, key) -> dict[str, jax.Array]:
+  """alignment / uniformity / attention MI of `params` on one token batch (see module doc);
+  `model` sows the attention of the layers the MI reads."""
   k_drop, k_ami = jax.random.split(key)
   h1, h2, att1, att2 = two_dropout_views(model, params, batch, batch, k_drop)
   x1, x2 = (l2_normalize(h[:, 0].astype(jnp.float32)) for h in (h1, h2))
@@ -54,8 +57,8 @@ def analysis_metrics(model: BertModel, layers, ami_config, params, batch, key) -
                     require_positive=a.require_positive)
   clean = model.apply({"params": params}, *(batch[k] for k in TOKEN_KEYS), deterministic=True)
   z = l2_normalize(clean.last_hidden_state[:, 0].astype(jnp.float32))
-  return {"analysis/alignment": alignment(x1, x2), "analysis/uniformity": uniformity(z),
-          "analysis/attention_mi": ami["ami_mi"]}
+  return {f"{PREFIX}/alignment": alignment(x1, x2), f"{PREFIX}/uniformity": uniformity(z),
+          f"{PREFIX}/attention_mi": ami["ami_mi"]}
 
 
 def analysis_layers(layers, num_layers: int) -> tuple[int, ...]:
@@ -67,7 +70,10 @@ def analysis_layers(layers, num_layers: int) -> tuple[int, ...]:
 
 
 class HeldoutMetrics:
-  """Callable on the encoder params → host floats; `create` returns None when disabled/no data."""
+  """Callable on the encoder params → host floats tagged `analysis/...`; `create` returns None
+  when disabled/no data."""
+
+  PREFIX = PREFIX
 
   def __init__(self, encoder, config, sentences: list[str]):
     bert_config = encoder.model.config
@@ -76,7 +82,7 @@ class HeldoutMetrics:
     length = config.model.max_length
     self.batch = {k: jnp.asarray(v) for k, v in encoder.tokenizer(sentences, length, pad_to=length).items()}
     self.seed = config.seed
-    self.fn = jax.jit(functools.partial(analysis_metrics, model, layers, config.ami))
+    self.fn = jax.jit(functools.partial(analysis_metrics, model, config.ami))
 
   @classmethod
   def create(cls, encoder, config) -> "HeldoutMetrics | None":

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 
 class MLPHead(nn.Module):
+  """h = tanh(W·[CLS] + b), W ~ N(0, initializer_range²): SimCSE's train-time pooler (§3)."""
+
   hidden_size: int
   initializer_range: float = 0.02
   dtype: object = jnp.float32

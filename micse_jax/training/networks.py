@@ -59,8 +59,8 @@ def compute_dtype(config):
 
 def model_options(config) -> dict:
   """BertModel keyword arguments from `config.model`: compute dtype, attention kernel, remat."""
-  return {"dtype": compute_dtype(config), "attention": config.model.get("attention", "fused"),
-          "remat": config.model.get("remat", "none")}
+  return {"dtype": compute_dtype(config), "attention": config.model.attention,
+          "remat": config.model.remat}
 
 
 def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None = None) -> Networks:

@@ -109,7 +109,7 @@ class _Evaluators:
       if scores[workdir_lib.BEST_METRIC] > self.best_score:
         self.best_score = scores[workdir_lib.BEST_METRIC]
         checkpoint.save_best(self.best, done, state.params, self.best_score, wait=False)  # waited for at the end
-      _write_scalars(writer, done, scores)
+      _write_scalars(writer, done, self.selection.tagged(scores))
       bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
     if self.heldout is not None:
       stats = self.heldout(state.params["encoder"])  # alignment, uniformity, attention MI
@@ -133,7 +133,7 @@ def _prefetched_batches(run: Run, placement, start: int) -> Prefetcher:
   background thread; `placement` is (mesh, `BatchLayout`)."""
   mesh, layout = placement
   place = lambda step: mesh_lib.global_batch(layout.pack(run.batches.batch(step)), mesh)
-  return Prefetcher(place, range(start, run.config.num_train_steps), run.config.data.get("prefetch", 2))
+  return Prefetcher(place, range(start, run.config.num_train_steps), run.config.data.prefetch)
 
 
 def _due(c: ml_collections.ConfigDict, evaluators: _Evaluators, done: int) -> tuple[bool, bool, bool]:
@@ -188,6 +188,6 @@ def _write_scalars(writer, step: int, scalars: dict) -> None:
   if writer is None:
     return
   for k, v in scalars.items():
-    tag = k if "/" in k else f"train/{k}" if "dev" not in k else f"eval/{k}"
+    tag = k if "/" in k else f"train/{k}"  # evaluators tag their own (DevSelection.PREFIX, ...)
     writer.add_scalar(tag, float(np.asarray(v)), step)
   writer.flush()
