@@ -33,3 +33,7 @@ def test_ci_script_builds_a_fresh_venv_and_runs_both_commands():
     script = f.read()
   assert "python3 -m venv" in script and "mktemp -d" in script
   assert "readme_commands.py main" in script and "readme_commands.py test" in script
+  # lint runs after the test command, inside the same venv, with the pinned ruff
+  assert script.index('bash -c "$test_cmd"') < script.index("\nruff check .\n")
+  with open(os.path.join(REPO, "requirements-test.txt"), encoding="utf-8") as f:
+    assert any(line.startswith("ruff==") for line in f)
