@@ -66,6 +66,21 @@ def _print_cost(sweep, todo) -> None:
         f"= {hours:,.1f} GPU-hours (training steps only; evaluations not counted). Step time: {source}")
 
 
+def _dry_run(sweep, todo, sweep_dir: str, folder: str, slurm_params: dict | None) -> None:
+  """Prints each run's command and the cost; for SLURM, writes (and prints) the sbatch script."""
+  from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
+  for run in todo:
+    print(shlex.join(spec.main_command(run)))
+  _print_cost(sweep, todo)
+  if slurm_params is not None and todo:
+    os.makedirs(sweep_dir, exist_ok=True)
+    path = os.path.join(sweep_dir, "sweep.sbatch")
+    script = runner.slurm_script(folder, slurm_params, len(todo))
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(script)
+    print(f"[sweep] sbatch script (not submitted): {path}\n{script}")
+
+
 def check_packages(executor: str, dry_run: bool, report: bool) -> None:
   """The optional packages this invocation needs (submitit to run or write an sbatch script,
   matplotlib for the report's figures), checked before anything runs or is written."""
@@ -99,23 +114,14 @@ def main(argv):
         f"in {sweep_dir}")
   for run in runs:
     print(f"[sweep]   {plans[run.name]:<22} {run.name}")
-  folder = os.path.join(sweep_dir, "submitit")
+  folder, params = os.path.join(sweep_dir, "submitit"), None
   if FLAGS.executor == "slurm":
     params = runner.slurm_parameters(partition=FLAGS.partition, gpus_per_run=FLAGS.gpus_per_run,
                                      cpus_per_run=FLAGS.cpus_per_run, timeout_min=FLAGS.timeout_min,
                                      max_parallel=FLAGS.max_parallel, account=FLAGS.account,
                                      extra_setup=tuple(FLAGS.setup))
   if FLAGS.dry_run:
-    for run in todo:
-      print(shlex.join(spec.main_command(run)))
-    _print_cost(sweep, todo)
-    if FLAGS.executor == "slurm" and todo:
-      os.makedirs(sweep_dir, exist_ok=True)
-      path = os.path.join(sweep_dir, "sweep.sbatch")
-      script = runner.slurm_script(folder, params, len(todo))
-      with open(path, "w", encoding="utf-8") as f:
-        f.write(script)
-      print(f"[sweep] sbatch script (not submitted): {path}\n{script}")
+    _dry_run(sweep, todo, sweep_dir, folder, params)
     return
   if not todo:
     _report(runs, sweep_dir, sweep.name)
