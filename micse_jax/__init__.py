@@ -9,6 +9,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
   if name == "SentenceEncoder":
-    from micse_jax.encoder import SentenceEncoder  # pylint: disable=import-outside-toplevel
+    from micse_jax.encoder import SentenceEncoder
     return SentenceEncoder
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

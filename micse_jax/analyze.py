@@ -29,13 +29,13 @@ def main(argv):
   """Writes the diagnostic figures and analysis.json of `--model` (absl main)."""
   cli.reject_extra_args(argv)
   require("matplotlib", "drawing figures (analyze)")  # before any file is written
-  # pylint: disable=import-outside-toplevel
   import numpy as np
+
+  from micse_jax import paths
   from micse_jax.encoder import load_encoder
   from micse_jax.evaluation import report, senteval_data
   from micse_jax.evaluation.sts import cosine_rows, encode_unique
   from micse_jax.studies import diagnostics
-  from micse_jax import paths
   senteval_dir = FLAGS.senteval_dir or paths.senteval_dir()
   with cli.input_errors_as_one_line():  # bad input only (MicseError); anything else keeps its traceback
     stsb = senteval_data.load_stsb(senteval_dir)["test"]

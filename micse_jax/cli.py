@@ -76,7 +76,7 @@ def flag_error_line(e: BaseException) -> str:
 def resolve_config_argument(argv: Sequence[str]) -> list[str]:
   """argv with a `--config` value that is no file replaced by the packaged config it names
   (`micse:demo` → `.../micse_jax/configs/micse.py:demo`; `micse_jax.configs.resolve`)."""
-  from micse_jax import configs  # pylint: disable=import-outside-toplevel
+  from micse_jax import configs
   argv = list(argv)
   for i, arg in enumerate(argv):
     if arg.startswith("--config="):
@@ -87,7 +87,7 @@ def resolve_config_argument(argv: Sequence[str]) -> list[str]:
 
 
 def _list_configs_and_exit() -> NoReturn:
-  from micse_jax import configs  # pylint: disable=import-outside-toplevel
+  from micse_jax import configs
   print(configs.listing())
   sys.exit(0)
 
@@ -99,7 +99,7 @@ def flags_parser(materialize: Callable[[], object] | None = None):
   access), so that their errors are reported here and not later, mid-program.
   """
   def parse(argv: Sequence[str]) -> list[str]:
-    from absl import flags  # pylint: disable=import-outside-toplevel
+    from absl import flags
     takes_config = "config" in flags.FLAGS
     if takes_config and "--list_configs" in argv:
       _list_configs_and_exit()
@@ -140,7 +140,7 @@ def run_program(main: Callable[[list[str]], object], define_flags: Callable[[], 
   """The one skeleton of every program: quiet start-up, flags defined and parsed (a bad flag or
   override: one line, exit 2), then `main(argv)` under absl (a missing optional package: one
   line, exit 1)."""
-  from absl import app  # pylint: disable=import-outside-toplevel
+  from absl import app
   quiet_startup()
   if define_flags is not None:
     define_flags()

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import ml_collections
 
-from micse_jax import paths, workdir as workdir_lib
+from micse_jax import paths
+from micse_jax import workdir as workdir_lib
 from micse_jax.augmentation.add import ADD_MODES
 from micse_jax.data.pipeline import SHUFFLE_SCHEMES
 from micse_jax.errors import ConfigError
@@ -178,7 +179,7 @@ def check_combinations(config: ml_collections.ConfigDict) -> None:
 
 
 def _final_tasks(config: ml_collections.ConfigDict) -> list[str]:
-  from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import senteval_data
   if not config.eval.final_tasks:
     return []
   try:
@@ -259,7 +260,7 @@ def check_senteval(config: ml_collections.ConfigDict) -> None:
   A missing default dir only disables selection (with a warning, see `evaluators.dev_selection.DevSelection`); a missing
   dir that the config names explicitly is an error.
   """
-  from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import senteval_data
   directory = config.eval.senteval_dir
   if config.eval_every <= 0 and not config.eval.final_tasks:
     return
@@ -332,7 +333,7 @@ def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> 
 
 def check_packages(config: ml_collections.ConfigDict) -> None:
   """The optional packages this config's paths need are installed (`micse_jax/optional.py`)."""
-  from micse_jax.models.dtypes import dtype_name  # pylint: disable=import-outside-toplevel
+  from micse_jax.models.dtypes import dtype_name
   if dtype_name(config) == "float16":
     require("jmp", "float16 training (model.dtype=float16, dynamic loss scaling)")
 
@@ -355,7 +356,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
   """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
-  from micse_jax.models.bert import resolve_layers  # pylint: disable=import-outside-toplevel (JAX)
+  from micse_jax.models.bert import resolve_layers  # imports JAX: only when needed
   if config.ami.enabled:
     try:
       resolve_layers(config.ami.layers, bert_config.num_hidden_layers)

@@ -84,7 +84,7 @@ def load_model_dir(path_or_name: str) -> dict:
   A checkpoint without pooler weights (e.g. a `BertForMaskedLM`) loads with a random pooler;
   that one is dropped so the export gets the documented all-zero pooler instead.
   """
-  from micse_jax.models.loading import load_pretrained  # pylint: disable=import-outside-toplevel
+  from micse_jax.models.loading import load_pretrained
   _, params, config, model_dir = load_pretrained(path_or_name)
   if not _has_pooler_weights(model_dir):
     params = {k: v for k, v in params.items() if k != "pooler"}
@@ -93,10 +93,10 @@ def load_model_dir(path_or_name: str) -> dict:
 
 def _has_pooler_weights(model_dir: str) -> bool:
   """Whether the checkpoint in `model_dir` stores pooler weights (safetensors: names only)."""
-  from micse_jax.models import loading, weights  # pylint: disable=import-outside-toplevel
+  from micse_jax.models import loading, weights
   st_path = os.path.join(model_dir, "model.safetensors")
   if os.path.isfile(st_path):
-    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    from safetensors import safe_open
     with safe_open(st_path, framework="numpy") as f:
       names = list(f.keys())
   else:
@@ -108,7 +108,7 @@ def convert(*, output: str, workdir: str | None = None, model: str | None = None
             best: bool = False, mlp_as_pooler: bool = False, overwrite: bool = False,
             max_seq_length: int | None = None) -> str:
   """Checks everything cheap first, then restores/loads and exports; returns the output path."""
-  from micse_jax import export  # pylint: disable=import-outside-toplevel
+  from micse_jax import export
   which = check_args(output=output, workdir=workdir, model=model, step=step, best=best,
                      mlp_as_pooler=mlp_as_pooler)
   output = os.path.abspath(os.path.expanduser(output))

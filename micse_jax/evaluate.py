@@ -63,7 +63,7 @@ def _check_inputs(flags_values) -> tuple[list[str], str]:
 
 def _encode_fn(flags_values):
   """Loads the encoder and returns its encode function."""
-  from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
+  from micse_jax.encoder import load_encoder
   checkpoint = flags_values.checkpoint
   checkpoint = int(checkpoint) if checkpoint.isdigit() else checkpoint
   encoder = load_encoder(os.path.expanduser(flags_values.model), checkpoint=checkpoint)
@@ -74,7 +74,7 @@ def _encode_fn(flags_values):
 
 def main(argv: Sequence[str]) -> None:
   """Evaluates the model the flags name and reports the scores (absl main)."""
-  from absl import flags, logging  # pylint: disable=import-outside-toplevel
+  from absl import flags, logging
   logging.set_verbosity(logging.WARNING)
   cli.reject_extra_args(argv)
   evaluate_and_report(flags.FLAGS)
@@ -83,7 +83,7 @@ def main(argv: Sequence[str]) -> None:
 def evaluate_and_report(values) -> dict:
   """Validates the flag values, loads the model, evaluates, writes the JSON and prints the
   tables; bad input is one `error:` line and exit 1 (nothing written)."""
-  from micse_jax.evaluation import report  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import report
   with cli.input_errors_as_one_line():
     tasks, senteval_dir = _check_inputs(values)
     results = run_evaluation(_encode_fn(values), senteval_dir, tasks, fast=values.fast,
@@ -102,7 +102,7 @@ def evaluate_and_report(values) -> dict:
 
 def define_flags() -> None:
   """The CLI flags (defined on demand so that importing this module defines none)."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import flags
   flags.DEFINE_string("model", None, "HF model directory, hub name or training workdir.")
   flags.DEFINE_string("senteval_dir", None,
                       "SentEval data/downstream directory (default: $MICSE_DATA_DIR/senteval, "

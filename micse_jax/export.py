@@ -111,9 +111,10 @@ def _max_seq_length(config: BertConfig, requested: int | None) -> int:
 
 def _expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
   """Flax path → shape of every `BertModel` parameter (with pooler, no MLM head)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from micse_jax.models.bert import BertModel  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+
+  from micse_jax.models.bert import BertModel
   dummy = jnp.zeros((1, 2), jnp.int32)
   tree = jax.eval_shape(lambda: BertModel(config).init(jax.random.PRNGKey(0), dummy, dummy))["params"]
   return {path: tuple(leaf.shape) for path, leaf in weights.flatten(tree)}
@@ -198,7 +199,7 @@ def write_config(directory: str, config: BertConfig) -> None:
 
 def write_weights(directory: str, state: dict[str, np.ndarray]) -> None:
   """`model.safetensors` with the `format: pt` metadata transformers checks for."""
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import save_file
   save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()},
             os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
 

@@ -27,8 +27,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains with bad input reported as one line (exit 1); returns the final results."""
   # Imported here so `--help` and flag errors stay fast.
-  from micse_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
-  from micse_jax.training import mesh, trainer  # pylint: disable=import-outside-toplevel
+  from micse_jax import workdir as workdir_lib
+  from micse_jax.training import mesh, trainer
   with cli.input_errors_as_one_line():
     mesh.maybe_initialize_distributed()
     results = trainer.train_and_evaluate(config, workdir)

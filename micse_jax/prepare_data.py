@@ -25,9 +25,9 @@ FLAGS = flags.FLAGS
 def main(argv):
   """Tokenizes `--corpus` into a prepared directory `--output` (absl main)."""
   cli.reject_extra_args(argv)
-  from micse_jax.data.prepared import prepare_corpus  # pylint: disable=import-outside-toplevel
-  from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel
-  from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
+  from micse_jax.data.prepared import prepare_corpus
+  from micse_jax.models.loading import resolve_model_dir
+  from micse_jax.tokenization import Tokenizer
   start = time.perf_counter()
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   with cli.input_errors_as_one_line():  # bad input only (MicseError); anything else keeps its traceback

@@ -6,9 +6,9 @@ machine (`--parallel` at a time) or `--executor slurm` as one array job. Re-runn
 runs and resumes interrupted ones. `--report` writes results.{json,md,csv} and the figures in the
 sweep directory. `--dry_run` prints the plan (and, for SLURM, writes the sbatch script) only.
 """
+import logging
 import os
 import shlex
-import logging
 import sys
 
 from absl import flags
@@ -39,7 +39,7 @@ FLAGS = flags.FLAGS
 
 
 def _report(runs, sweep_dir, name) -> None:
-  from micse_jax.studies import aggregate, plots  # pylint: disable=import-outside-toplevel
+  from micse_jax.studies import aggregate, plots
   document = aggregate.write_reports(runs, sweep_dir, name)
   figures = plots.write_plots(document["rows"], sweep_dir)
   with open(os.path.join(sweep_dir, "results.md"), encoding="utf-8") as f:
@@ -50,7 +50,7 @@ def _report(runs, sweep_dir, name) -> None:
 
 def _print_cost(sweep, todo) -> None:
   """Dry run: training steps left and GPU-hours of the runs still to do, with the step time's source."""
-  from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
+  from micse_jax.studies import runner, spec
   step_ms = FLAGS.step_ms if FLAGS.step_ms is not None else sweep.get("step_ms")
   if step_ms is None:
     print("[sweep] GPU-hours: unknown (no step time: pass --step_ms or set step_ms in the sweep config)")
@@ -68,7 +68,7 @@ def _print_cost(sweep, todo) -> None:
 
 def _dry_run(sweep, todo, sweep_dir: str, folder: str, slurm_params: dict | None) -> None:
   """Prints each run's command and the cost; for SLURM, writes (and prints) the sbatch script."""
-  from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
+  from micse_jax.studies import runner, spec
   for run in todo:
     print(shlex.join(spec.main_command(run)))
   _print_cost(sweep, todo)
@@ -94,7 +94,7 @@ def main(argv):
   """Expands the sweep config and submits, reports or plots its runs (absl main)."""
   cli.reject_extra_args(argv)
   check_packages(FLAGS.executor, FLAGS.dry_run, FLAGS.report)
-  from micse_jax.studies import runner, spec  # pylint: disable=import-outside-toplevel
+  from micse_jax.studies import runner, spec
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   sweep = FLAGS.config
   if FLAGS.step_ms is not None and FLAGS.step_ms <= 0:

@@ -155,7 +155,7 @@ def newest_readable(steps, restore_fn, directory: str):
   for step in sorted(steps, reverse=True):
     try:
       result = restore_fn(step)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       failures.append(f"step {step}: {unreadable_reason(e)}")
       logging.warning("checkpoint step %d in %s is unreadable (%s); trying an older one",
                       step, directory, unreadable_reason(e))

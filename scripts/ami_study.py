@@ -27,8 +27,8 @@ from scipy import stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from micse_jax import paths  # noqa: E402  pylint: disable=wrong-import-position
-from micse_jax.studies import diagnostics  # noqa: E402  pylint: disable=wrong-import-position
+from micse_jax import paths  # noqa: E402
+from micse_jax.studies import diagnostics  # noqa: E402
 
 STUDY_VIEWS = "dropout"
 COLUMNS = ("objective", "ami_weight", "structure", "num_sentences", "seed", "sts_avg", "stsb_test",
@@ -51,8 +51,8 @@ def run_settings(config: dict) -> dict | None:
 
 def measure(run_dir: str, stsb, num_sentences: int) -> dict:
   """Alignment, uniformity, attention MI and entropy of the run's best checkpoint."""
-  from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluation.sts import cosine_rows, encode_unique  # pylint: disable=import-outside-toplevel
+  from micse_jax.encoder import load_encoder
+  from micse_jax.evaluation.sts import cosine_rows, encode_unique
   encoder = load_encoder(run_dir, "best")  # a HF directory loads as it is
   sentences = list(dict.fromkeys(stsb.sentences1 + stsb.sentences2))
   embeddings, index = encode_unique(lambda s: encoder.encode(s, "cls_before_pooler"), sentences)
@@ -69,8 +69,8 @@ def measure(run_dir: str, stsb, num_sentences: int) -> dict:
 
 def reference_row(model: str, stsb, num_sentences: int) -> dict:
   """The untrained backbone's row: STS7 by `run_evaluation` and the same diagnostics."""
-  from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluation.runner import run_evaluation  # pylint: disable=import-outside-toplevel
+  from micse_jax.encoder import load_encoder
+  from micse_jax.evaluation.runner import run_evaluation
   encoder = load_encoder(model)
   sts_avg = run_evaluation(lambda s: encoder.encode(s, "cls_before_pooler"), paths.senteval_dir(), "sts")["sts"]["avg"]
   return {"objective": "untrained", "ami_weight": 0.0, "structure": "-", "num_sentences": "-", "seed": 0,
@@ -81,7 +81,7 @@ def collect(sweeps: list[str], num_sentences: int, reference: str | None = None,
             known: dict | None = None) -> list[dict]:
   """One row per finished study run of `sweeps` (and the untrained `reference` model first);
   runs in `known` (run path → row, from an earlier runs.csv) are not measured again."""
-  from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import senteval_data
   stsb = senteval_data.load_stsb(paths.senteval_dir())["test"]
   known = known or {}
   rows = [known.get(reference) or reference_row(reference, stsb, num_sentences)] if reference else []

@@ -48,7 +48,7 @@ def _range_reads(reader, rows):
 
 
 def measure(shard: str, rows: int, drop_caches: bool) -> dict:
-  from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=import-outside-toplevel
+  from array_record.python.array_record_module import ArrayRecordReader
   reader = ArrayRecordReader(shard, RANDOM_ACCESS)
   rng = np.random.default_rng(0)
   batches = [np.sort(rng.choice(rows, BATCH, replace=False)).tolist() for _ in range(100)]
@@ -79,11 +79,11 @@ def main() -> None:
   model_dir = jax_step.model_dir_for("minilm")
   directory = tempfile.mkdtemp(prefix="micse_array_record_reads_")
   try:
-    text = host._corpus_file(directory, paths.corpus_path("english_mix.txt"), args.rows)  # pylint: disable=protected-access
+    text = host._corpus_file(directory, paths.corpus_path("english_mix.txt"), args.rows)
     prepared = os.path.join(directory, "prepared")
     prepare_corpus(text, Tokenizer.from_pretrained(model_dir), model_dir, host.MAX_LENGTH, prepared,
                    rows_per_shard=args.rows)
-    host._read_through(prepared)  # pylint: disable=protected-access
+    host._read_through(prepared)
     (shard,) = glob.glob(os.path.join(prepared, "*.array_record-*"))
     before = os.getloadavg()[0]
     result = measure(shard, args.rows, args.drop_caches)

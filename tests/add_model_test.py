@@ -4,10 +4,10 @@ update that the public ADD code omits."""
 import jax
 import numpy as np
 
-from micse_jax.models import collect_attentions, load_pretrained
-from micse_jax.tokenization import Tokenizer
 from micse_jax.augmentation import add
 from micse_jax.augmentation.special_tokens import special_token_mask
+from micse_jax.models import collect_attentions, load_pretrained
+from micse_jax.tokenization import Tokenizer
 from tests.helpers import SENTENCES
 
 

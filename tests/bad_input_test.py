@@ -276,9 +276,10 @@ def test_convert_workdir_without_checkpoint(base, tmp_path, capsys):
 
 
 def test_convert_truncated_checkpoint(base, tmp_path, capsys):
+  import orbax.checkpoint as ocp
+
   from micse_jax import convert
   from micse_jax.models.loading import load_pretrained
-  import orbax.checkpoint as ocp
   workdir = _existing_workdir(tmp_path)
   _, params, bert_config, _ = load_pretrained(base["model"])
   workdir_lib.write_run_config(workdir, {"model_dir": base["model"], "bert_config": bert_config.to_dict()})

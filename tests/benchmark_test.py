@@ -64,6 +64,7 @@ def test_encode_comparison_agrees_with_sentence_transformers():
 
 def test_trace_summary_sums_op_events_by_kind_without_containers(tmp_path):
   import gzip
+
   from micse_jax.bench import trace_summary
   run = tmp_path / "plugins" / "profile" / "2026_01_01"
   run.mkdir(parents=True)

@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from micse_jax import cli, config_checks, errors, workdir as workdir_lib
+from micse_jax import cli, config_checks, errors
+from micse_jax import workdir as workdir_lib
 from tests.train_utils import set_dotted
 
 

@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
   gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
   if not gpu_tests:
     return
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   if jax.default_backend() != "gpu":
     skip = pytest.mark.skip(reason=f"needs a GPU (JAX backend here: {jax.default_backend()})")
     for item in gpu_tests:

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from micse_jax import convert, workdir as workdir_lib
+from micse_jax import convert
+from micse_jax import workdir as workdir_lib
 from micse_jax.export import ExportError, export_hf
 from micse_jax.models import load_pretrained, weights
 from micse_jax.models.loading import load_config, load_hf_state_dict, state_dict_to_params

@@ -12,9 +12,9 @@ import pytest
 
 from micse_jax.losses import ami
 from micse_jax.losses.infonce import info_nce_loss
+from micse_jax.models.bert import interleave_views, split_views
 from micse_jax.training.mesh import padded_batch_size
 from micse_jax.training.momentum import empty_queue, empty_queue_ids, enqueue, enqueue_ids
-from micse_jax.models.bert import interleave_views, split_views
 from tests.infonce_test import _np_infonce
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,8 +4,15 @@ import threading
 import numpy as np
 import pytest
 
-from micse_jax.data import (CorpusError, TrainBatches, build_train_batches, read_corpus, select_subset,
-                            subset_indices, tokenize_corpus)
+from micse_jax.data import (
+  CorpusError,
+  TrainBatches,
+  build_train_batches,
+  read_corpus,
+  select_subset,
+  subset_indices,
+  tokenize_corpus,
+)
 from micse_jax.tokenization import Tokenizer
 
 
@@ -287,7 +294,7 @@ def test_negative_step_rejected():
 
 
 def test_tokenize_corpus_matches_hf(tokenizer, minilm_dir):
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  from transformers import AutoTokenizer
   sentences = ["Hello world.", "A", "The quick brown fox jumps over the lazy dog " * 5,
                "unbelievably tokenization-heavy words", "x y"]
   length = 16

@@ -199,8 +199,8 @@ def _reference_pairs(root):
 
 def _torch_embeddings(model_dir, sentences, max_length=128):
   """transformers + torch: {'avg': ..., 'cls_before_pooler': ...} for `sentences`."""
-  import torch  # pylint: disable=import-outside-toplevel
-  from transformers import AutoModel, AutoTokenizer  # pylint: disable=import-outside-toplevel
+  import torch
+  from transformers import AutoModel, AutoTokenizer
   tokenizer = AutoTokenizer.from_pretrained(model_dir)
   model = AutoModel.from_pretrained(model_dir).eval()
   out = {"avg": [], "cls_before_pooler": []}
@@ -221,7 +221,7 @@ def _spearman(e1, e2, gold):
 
 
 def test_sts_parity_with_transformers(senteval_dir, minilm_dir, tmp_path):
-  from micse_jax.encoder import SentenceEncoder  # pylint: disable=import-outside-toplevel
+  from micse_jax.encoder import SentenceEncoder
   root = _subset_dir(senteval_dir, str(tmp_path))
   pairs = _reference_pairs(root)
   sentences = sorted({s for a, b, _ in pairs.values() for s in a + b})

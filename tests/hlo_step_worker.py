@@ -9,12 +9,12 @@ import json
 import pathlib
 
 import jax
-import numpy as np
 
 
 def compiled_step_text(config, mesh):
   """The optimised HLO text of the jitted, sharded train step on `mesh`."""
-  from micse_jax.training import mesh as mesh_lib, trainer
+  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training import trainer
   from micse_jax.training.optim import make_optimizer
   run = trainer.prepare(config)
   tx = make_optimizer(config)

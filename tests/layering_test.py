@@ -92,7 +92,7 @@ def test_nothing_imports_a_top_level_configs_package():
 
 
 def test_configs_use_the_resolver(monkeypatch, tmp_path):
-  from micse_jax.configs import default  # pylint: disable=import-outside-toplevel
+  from micse_jax.configs import default
   monkeypatch.setenv(paths.DATA_DIR_ENV, str(tmp_path))
   c = default.get_config()
   assert c.eval.senteval_dir == os.path.join(str(tmp_path), "senteval")
@@ -106,10 +106,10 @@ def test_missing_checkpoint_package_is_an_error_not_a_path(monkeypatch):
 
 
 def test_error_types_share_one_base():
-  from micse_jax.data.corpus import CorpusError  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluation.senteval_data import SentEvalDataError  # pylint: disable=import-outside-toplevel
-  from micse_jax.export import ExportError  # pylint: disable=import-outside-toplevel
-  from micse_jax.models.loading import ModelLoadError  # pylint: disable=import-outside-toplevel
+  from micse_jax.data.corpus import CorpusError
+  from micse_jax.evaluation.senteval_data import SentEvalDataError
+  from micse_jax.export import ExportError
+  from micse_jax.models.loading import ModelLoadError
   for cls in (CorpusError, SentEvalDataError, ExportError, ModelLoadError, errors.ConfigError):
     assert issubclass(cls, errors.MicseError)
 
@@ -260,7 +260,7 @@ def test_size_and_docstring_checkers_can_fail():
 
 def test_design_map_matches_the_tree():
   """docs/DESIGN.md names every module of the package once in its map, and only modules that exist."""
-  import re  # pylint: disable=import-outside-toplevel
+  import re
   with open(os.path.join(REPO, "docs", "DESIGN.md"), encoding="utf-8") as f:
     rows = re.findall(r"^\| `(micse_jax/[\w/]+\.py)` \|", f.read(), flags=re.M)
   tree = sorted(os.path.relpath(p, REPO).replace(os.sep, "/") for p in _modules_under("")

@@ -49,8 +49,8 @@ def test_main_trains_selects_evaluates_and_exports(tmp_path, minilm_dir, senteva
   results = json.loads((workdir / "results.json").read_text())
   assert "STS-B" in out.stdout  # the Markdown table
 
+  from micse_jax import workdir as workdir_lib
   from micse_jax.encoder import load_encoder
-  from micse_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
   best = workdir_lib.best_manager(str(workdir), read_only=True)
   best_step = best.best_step()
   assert best_step in (2, 4)

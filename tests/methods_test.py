@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from micse_jax.models.bert import BertModel
-from micse_jax.training.infocse import infocse_term, lower_half_layers
-from micse_jax.training import setup, terms
 from micse_jax.config_checks import MethodConfigError, check_methods
+from micse_jax.models.bert import BertModel
+from micse_jax.training import setup, terms
+from micse_jax.training.infocse import infocse_term, lower_half_layers
 from micse_jax.training.networks import build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_loss_fn, make_train_step, step_keys
@@ -115,8 +115,8 @@ def test_mlm_term_is_torch_masked_lm_cross_entropy(tmp_path, tiny_real_dir):
   key = jax.random.PRNGKey(3)
   weighted, metrics = terms.mlm_term(params, batch, key, nets, config)
   # the same masked copy, from the same key, fed to torch
-  from micse_jax.training.views import special_mask
   from micse_jax.augmentation import mlm_mask
+  from micse_jax.training.views import special_mask
   masked, labels, w = mlm_mask(jax.random.split(key)[0], batch["input_ids"], batch["attention_mask"],
                                special_mask(batch, nets), vocab_size=nets.tokens.vocab_size,
                                mask_token_id=nets.tokens.mask_id, prob=config.mlm.prob)
@@ -237,7 +237,7 @@ def test_infocse_without_mlm_head_is_one_error_line_before_compiling(tmp_path, m
 
 @pytest.mark.slow
 def test_analysis_uniformity_matches_torch_embeddings(tmp_path, tiny_real_dir):
-  from micse_jax.evaluators.heldout import analysis_metrics, analysis_layers
+  from micse_jax.evaluators.heldout import analysis_layers, analysis_metrics
   config = _config(tmp_path, tiny_real_dir, "simcse")
   run = setup.prepare(config)
   batch = _batch(run)

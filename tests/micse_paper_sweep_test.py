@@ -131,7 +131,7 @@ def test_dry_run_counts_only_the_steps_left_of_a_resumed_run(tmp_path):
 
 
 def test_dry_run_default_step_time_is_the_stated_estimate(tmp_path):
-  from micse_jax.configs.sweeps import micse_paper  # pylint: disable=import-outside-toplevel
+  from micse_jax.configs.sweeps import micse_paper
   out = _dry_run(tmp_path)
   hours = 100 * 20_000 * micse_paper.STEP_MS_ESTIMATE / 3.6e6
   assert f"× {micse_paper.STEP_MS_ESTIMATE:g} ms/step × 1 GPU/run = {hours:,.1f} GPU-hours" in out

@@ -10,7 +10,8 @@ import numpy as np
 
 def main(tmp, tokenizer_dir):
   from micse_jax.data.packing import BatchLayout
-  from micse_jax.training import mesh as mesh_lib, setup, trainer
+  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training import setup, trainer
   from micse_jax.training.optim import make_optimizer
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
@@ -33,7 +34,8 @@ def main(tmp, tokenizer_dir):
       losses.append(float(metrics["loss"]))
     finals.append((jax.device_get(state), losses))
   (s1, l1), (s4, l4) = finals
-  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) if np.size(a) else 0.0, s1, s4))
+  max_abs = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: max_abs(a, b) if np.size(a) else 0.0, s1, s4))
   print(json.dumps({"max_state_diff": max(diffs), "loss_1dev": l1, "loss_4dev": l4,
                     "num_devices": len(jax.devices())}))
 

@@ -9,10 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from micse_jax import convert, workdir as workdir_lib
-from micse_jax.models.loading import load_hf_state_dict
-from micse_jax.models import weights
+from micse_jax import convert
+from micse_jax import workdir as workdir_lib
 from micse_jax.data import subset_indices
+from micse_jax.models import weights
+from micse_jax.models.loading import load_hf_state_dict
 from micse_jax.training import checkpoint, setup, trainer
 from micse_jax.training.optim import make_optimizer
 from tests.portable_checkpoint_test import EXPORT_ATOL, RESUME_ATOL, drop_steps_after

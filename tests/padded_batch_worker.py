@@ -25,7 +25,8 @@ def unpadded(batch: dict) -> dict:
 
 def run_steps(run, tx, devices, steps, padded):
   """`steps` steps on a mesh of `devices` from the initial state; (host state, metrics list)."""
-  from micse_jax.training import mesh as mesh_lib, trainer
+  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training import trainer
   mesh = mesh_lib.data_mesh(devices)
   sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: trainer.initial_state(run, tx)))
   state = jax.device_put(trainer.initial_state(run, tx), sharding)

@@ -93,7 +93,7 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=3, checkpoint_every=3)
   config.model.dtype, config.model.loss_scale_init = "float16", 2.0 ** 40
   logged = {}
-  real_write = trainer._write_scalars  # pylint: disable=protected-access
+  real_write = trainer._write_scalars
   monkeypatch.setattr(trainer, "_write_scalars",
                       lambda writer, step, scalars: (logged.setdefault(step, dict(scalars)),
                                                      real_write(writer, step, scalars)))
@@ -134,7 +134,7 @@ def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
 @pytest.mark.parametrize("field,value", [("dtype", "float8"), ("loss_scale_init", 0.0),
                                          ("loss_scale_period", 0), ("dropout_random_bits", 8)])
 def test_bad_precision_config_is_a_config_error(tmp_path, minilm_dir, field, value):
-  from micse_jax import config_checks  # pylint: disable=import-outside-toplevel
+  from micse_jax import config_checks
   from micse_jax.errors import ConfigError
   config = tiny_training_config(tmp_path, minilm_dir)
   config.model[field] = value

@@ -102,8 +102,8 @@ def test_sharded_checkpoint_resumes_and_exports_on_one_device(four_device_runs, 
   from micse_jax import convert
   from micse_jax.models.loading import load_pretrained
   from micse_jax.training import trainer
-  from tests.sharded_state_worker import final_state, flat_state
   from micse_jax.training.optim import make_optimizer
+  from tests.sharded_state_worker import final_state, flat_state
   tmp, _ = four_device_runs
   assert jax.device_count() == 1
   config = run_config(tmp, minilm_dir, shard_state=True)

@@ -18,7 +18,8 @@ def flat_state(state) -> dict:
 def final_state(run, tx, workdir, shard_state: bool):
   """The workdir's latest state restored onto this mesh with the trainer's shardings."""
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint, mesh as mesh_lib, trainer
+  from micse_jax.training import checkpoint, trainer
+  from micse_jax.training import mesh as mesh_lib
   abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
   shardings = mesh_lib.state_sharding(abstract, mesh_lib.data_mesh(), shard_state,
                                       run.config.mesh.shard_min_elements)

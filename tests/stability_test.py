@@ -30,7 +30,7 @@ def test_long_run_loss_stays_finite(tmp_path, minilm_dir, monkeypatch, case):
   config.checkpoint_every = STEPS
   config.log_every = 1  # every step's loss is pulled to the host and checked for finiteness
   logged = []
-  write = trainer._write_scalars  # pylint: disable=protected-access
+  write = trainer._write_scalars
   monkeypatch.setattr(trainer, "_write_scalars",
                       lambda writer, step, scalars: (logged.append((step, dict(scalars))),
                                                      write(writer, step, scalars)))

@@ -13,7 +13,8 @@ import numpy as np
 def state_on_this_topology(run, tx, workdir):
   """The latest TrainState, replicated over this process's 4-device mesh (the trainer's target)."""
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint, mesh as mesh_lib, setup
+  from micse_jax.training import checkpoint, setup
+  from micse_jax.training import mesh as mesh_lib
   mesh = mesh_lib.data_mesh()
   abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=mesh_lib.replicated(mesh)),
                           jax.eval_shape(lambda: setup.initial_state(run, tx)))
@@ -21,7 +22,8 @@ def state_on_this_topology(run, tx, workdir):
 
 
 def main(tmp, tokenizer_dir, one_device_workdir):
-  from micse_jax import convert, workdir as workdir_lib
+  from micse_jax import convert
+  from micse_jax import workdir as workdir_lib
   from micse_jax.training import checkpoint, setup, trainer
   from micse_jax.training.optim import make_optimizer
   from tests.portable_checkpoint_test import drop_steps_after, steps_config

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.training import checkpoint, setup, trainer
-from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-from micse_jax.training.momentum import ema_update, empty_queue, empty_queue_ids, enqueue, enqueue_ids
 from micse_jax.models.bert import resolve_layers
+from micse_jax.training import checkpoint, setup, trainer
+from micse_jax.training.momentum import ema_update, empty_queue, empty_queue_ids, enqueue, enqueue_ids
+from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -46,7 +46,7 @@ def set_dotted(config, key: str, value) -> None:
 
 def train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, workdir) -> None:
   """Runs training until its first checkpoint is committed, then stops it (a simulated preemption)."""
-  import pytest  # pylint: disable=import-outside-toplevel
+  import pytest
   real_save = checkpoint.save_state
 
   def save_then_preempt(manager, state, metrics=None):

@@ -13,9 +13,9 @@ place (the MLM loss runs on a copy of the batch).
 """
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _maskable(attention_mask: jax.Array, special_mask: jax.Array) -> jax.Array:

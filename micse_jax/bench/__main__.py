@@ -93,7 +93,7 @@ def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> dict:
 
 def run(args, rows: Rows | None = None) -> dict:
   """Measures everything `args` asks for; each part goes to `rows` as soon as it is measured."""
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   model_dir = jax_step.model_dir_for(args.model)
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
   batch = jax_step.random_batch(args.batch_size, args.max_length, vocab)
@@ -119,13 +119,13 @@ def run(args, rows: Rows | None = None) -> dict:
     rows.add("profile", profile_lines, profile=profile(step, args.profile), profile_dir=args.profile)
   del step
   if not args.no_torch:
-    from micse_jax.bench.torch_step import torch_benchmark  # pylint: disable=import-outside-toplevel
+    from micse_jax.bench.torch_step import torch_benchmark
     t_times, t_peak = torch_benchmark(model_dir, batch, args.dtype, args.warmup, args.steps)
     t = {"step_ms": _ms(t_times), "sentences_per_s": args.batch_size / statistics.median(t_times),
          "peak_device_bytes": t_peak}
     rows.add("torch", torch_lines, torch=t, speedup_vs_torch=t["step_ms"] / rows.result["jax"]["step_ms"])
   if args.encode:
-    from micse_jax.bench import encode  # pylint: disable=import-outside-toplevel
+    from micse_jax.bench import encode
     corpus = args.encode_corpus or _default_corpus()
     sentences, source = encode.sentences_for_benchmark(args.encode_sentences, corpus)
     rows.add("encode", encode_lines, encode=dict(
@@ -134,7 +134,7 @@ def run(args, rows: Rows | None = None) -> dict:
 
 
 def _default_corpus() -> str:
-  from micse_jax.paths import corpus_path  # pylint: disable=import-outside-toplevel
+  from micse_jax.paths import corpus_path
   return corpus_path("wiki1m_head.txt")
 
 

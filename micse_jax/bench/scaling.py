@@ -33,7 +33,7 @@ MIB = 2 ** 20
 
 def bench_config(batch_size: int, max_length: int, dtype: str, shard_state: bool, remat: str):
   """The paper's miCSE config (AMI on the last four layers, momentum + queue) at this shape."""
-  from configs import micse  # pylint: disable=import-outside-toplevel
+  from configs import micse
   c = micse.get_config()
   c.batch_size, c.model.max_length, c.model.dtype = batch_size, max_length, dtype
   c.model.remat, c.mesh.shard_state = remat, shard_state
@@ -43,8 +43,8 @@ def bench_config(batch_size: int, max_length: int, dtype: str, shard_state: bool
 
 def abstract_state(config, bert_config, nets, tx):
   """The train state's shapes and dtypes (random init, never materialised)."""
-  from micse_jax.training.precision import initial_loss_scale_state  # pylint: disable=import-outside-toplevel
-  from micse_jax.training.state import create_train_state  # pylint: disable=import-outside-toplevel
+  from micse_jax.training.precision import initial_loss_scale_state
+  from micse_jax.training.state import create_train_state
   ids = jnp.zeros((1, config.model.max_length), jnp.int32)
 
   def init():
@@ -58,7 +58,7 @@ def abstract_state(config, bert_config, nets, tx):
 
 def abstract_batch(batch_size: int, max_length: int, mesh) -> dict:
   """A token batch's shapes, split over the data axis."""
-  from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from micse_jax.training import mesh as mesh_lib
   sharding = mesh_lib.batch_sharded(mesh)
   tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32, sharding=sharding)
   return {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens,
@@ -67,11 +67,11 @@ def abstract_batch(batch_size: int, max_length: int, mesh) -> dict:
 
 def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert_config=None):
   """The compiled step of one layout ("replicated|sharded" / "none|layer|full"); BERT-base by default."""
-  from micse_jax.models.bert import BertConfig  # pylint: disable=import-outside-toplevel
-  from micse_jax.training import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  from micse_jax.training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
-  from micse_jax.training.networks import build_networks  # pylint: disable=import-outside-toplevel
-  from micse_jax.training.step import make_train_step  # pylint: disable=import-outside-toplevel
+  from micse_jax.models.bert import BertConfig
+  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training.networks import build_networks
+  from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+  from micse_jax.training.step import make_train_step
   placement, remat = layout.split("/")
   config = bench_config(batch_size, max_length, dtype, placement == "sharded", remat)
   bert_config = bert_config or BertConfig()  # bert-base-uncased

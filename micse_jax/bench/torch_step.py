@@ -47,7 +47,7 @@ def _torch_ami(torch, att, mask, n: int):
 
 def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps: int):
   """Median-able step times (s) of the PyTorch miCSE step, and peak CUDA memory (None on CPU)."""
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   torch = require("torch", "the PyTorch baseline of the bench")
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.BertModel.from_pretrained(model_dir, attn_implementation="eager").to(device).train()

@@ -6,8 +6,8 @@ queue of 384 negatives. Variants: `get_config("demo")` runs offline on CPU in mi
 """
 import ml_collections
 
-from micse_jax.configs.methods import add_method_fields
 from micse_jax import paths
+from micse_jax.configs.methods import add_method_fields
 
 
 def shipped_minilm_dir() -> str:

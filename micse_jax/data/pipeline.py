@@ -294,7 +294,7 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
   """
   corpus_path = os.fspath(corpus_path)
   if os.path.isdir(corpus_path):  # pre-tokenized (python -m micse_jax.prepare_data): rows read on demand
-    from micse_jax.data import prepared  # pylint: disable=import-outside-toplevel
+    from micse_jax.data import prepared
     tokens = prepared.open_prepared(corpus_path, tokenizer, max_length, num_sentences, subset_seed)
     count, sentence_ids = len(tokens), None
   else:

@@ -56,7 +56,7 @@ class Prefetcher:
         if self._stop.is_set() or not self._put(self._produce(item)):
           return
       self._put(_END)
-    except BaseException as error:  # pylint: disable=broad-except  (re-raised in the consumer)
+    except BaseException as error:  # re-raised in the consumer
       self._put(_Failed(error))
 
   def __iter__(self) -> Iterator:

@@ -22,7 +22,7 @@ def run_evaluation(encode_fn: Callable[[list[str]], np.ndarray], senteval_dir: s
   `sts` / `transfer` (present when such tasks ran) are `{'tasks': {name: result}, 'avg': x}`
   with Spearman x100 (`spearman`) and accuracy x100 (`acc`) as the headline numbers.
   """
-  from micse_jax.evaluation import sts, transfer  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import sts, transfer
   names = senteval_data.resolve_tasks(tasks)
   senteval_data.check_senteval_dir(senteval_dir)
   start = time.perf_counter()

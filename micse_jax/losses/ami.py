@@ -54,8 +54,14 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.losses.ami_cells import (  # noqa: F401 (re-exported: the cells of Alg. 1)
-    all_rows_here, cell_validity, fold_layer_parity, row_gumbel_noise, sample_cells,
-    slice_attention, top_k_cells)
+  all_rows_here,
+  cell_validity,
+  fold_layer_parity,
+  row_gumbel_noise,
+  sample_cells,
+  slice_attention,
+  top_k_cells,
+)
 
 # Sums of squared log-deviations at or below this count as a constant view
 # (undefined rho); float32 rounding of a constant slice stays far below it.

@@ -129,7 +129,7 @@ class BertEmbeddings(nn.Module):
                                      embedding_init=init, dtype=self.dtype)
     self.token_type_embeddings = Embed(c.type_vocab_size, c.hidden_size,
                                        embedding_init=init, dtype=self.dtype)
-    self.LayerNorm = _layer_norm(c, self.dtype)  # pylint: disable=invalid-name
+    self.LayerNorm = _layer_norm(c, self.dtype)
     self.dropout = Dropout(c.hidden_dropout_prob, c.dropout_random_bits)
 
   def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool):

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from micse_jax.errors import ModelLoadError  # re-exported
-from micse_jax.optional import require
 from micse_jax.models import weights
 from micse_jax.models.bert import BertConfig, BertModel
+from micse_jax.optional import require
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 HUB_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json",
@@ -42,7 +42,7 @@ def resolve_model_dir(path_or_name: str) -> str:
   if _looks_like_local_path(path_or_name):
     raise ModelLoadError(f"model directory does not exist: {path}")
   try:
-    from huggingface_hub import snapshot_download  # pylint: disable=import-outside-toplevel
+    from huggingface_hub import snapshot_download
     return snapshot_download(repo_id=path_or_name, allow_patterns=HUB_FILES)
   except Exception as e:  # offline, unknown repo, auth: all reported the same way
     raise ModelLoadError(
@@ -74,7 +74,7 @@ def load_hf_state_dict(model_dir: str) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  from safetensors import safe_open
   try:
     with safe_open(path, framework="flax") as f:  # flax framework reads bf16 too
       return {k: _to_numpy(f.get_tensor(k)) for k in f.keys()}
@@ -170,7 +170,7 @@ def has_mlm_head(model_dir: str) -> bool:
 def _safetensors_names(path: str):
   if not os.path.isfile(path):
     return None
-  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  from safetensors import safe_open
   try:
     with safe_open(path, framework="flax") as f:
       return list(f.keys())

@@ -50,7 +50,7 @@ def _run_corpus_size(run: RunSpec, cache: dict) -> int | None:
   with open(path, encoding="utf-8") as f:
     corpus = json.load(f)["data"]["corpus"]
   if corpus not in cache:
-    from micse_jax.data.prepared import corpus_size  # pylint: disable=import-outside-toplevel
+    from micse_jax.data.prepared import corpus_size
     cache[corpus] = corpus_size(corpus) if os.path.exists(corpus) else None
   return cache[corpus]
 

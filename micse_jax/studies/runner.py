@@ -118,7 +118,7 @@ def slurm_script(folder: str, params: dict, num_runs: int) -> str:
   """The sbatch script submitit would submit for `num_runs` runs (for --dry_run; no cluster needed)."""
   slurm = require("submitit.slurm.slurm", "writing a sweep's sbatch script (micse_jax.sweep --dry_run)")
   command = " ".join([sys.executable, "-u -m submitit.core._submit", str(folder)])
-  return slurm._make_sbatch_string(command=command, folder=folder, map_count=num_runs, **params)  # pylint: disable=protected-access
+  return slurm._make_sbatch_string(command=command, folder=folder, map_count=num_runs, **params)
 
 
 def _outcome(job, run: RunSpec) -> tuple[str, str]:
@@ -126,7 +126,7 @@ def _outcome(job, run: RunSpec) -> tuple[str, str]:
   try:
     job.result()
     return "done", ""
-  except Exception as e:  # pylint: disable=broad-except  # submitit wraps the job's exception
+  except Exception as e:  # submitit wraps the job's exception
     status = read_status(run.workdir)
     return "failed", status.get("error") or str(e).strip().splitlines()[-1]
 

@@ -172,7 +172,7 @@ def _resolve_size(value, corpus: str, sizes_cache: dict) -> int:
     if value == 1.0:
       return 0
     if corpus not in sizes_cache:
-      from micse_jax.data.prepared import corpus_size  # pylint: disable=import-outside-toplevel
+      from micse_jax.data.prepared import corpus_size
       try:
         sizes_cache[corpus] = corpus_size(corpus)
       except MicseError as e:
@@ -219,7 +219,7 @@ def expand(sweep: ml_collections.ConfigDict, sweep_dir: str) -> list[RunSpec]:
 
 def _check_run_config(config: ml_collections.ConfigDict, source: str) -> None:
   """All the trainer's config checks (`config_checks.check_config`), before any run starts."""
-  from micse_jax import config_checks  # pylint: disable=import-outside-toplevel
+  from micse_jax import config_checks
   try:
     config_checks.check_config(config)
   except ConfigError as e:
@@ -228,7 +228,7 @@ def _check_run_config(config: ml_collections.ConfigDict, source: str) -> None:
 
 def check_data(runs: list[RunSpec]) -> None:
   """Prepared corpora must match each run's tokenizer and max_length (SweepError otherwise)."""
-  from micse_jax.data import prepared  # pylint: disable=import-outside-toplevel
+  from micse_jax.data import prepared
   seen = set()
   for run in runs:
     config = load_config_file(run.config_file)
@@ -238,8 +238,8 @@ def check_data(runs: list[RunSpec]) -> None:
     if (corpus, model, length) in seen or not os.path.isdir(corpus):
       continue
     seen.add((corpus, model, length))
-    from micse_jax.models.loading import resolve_model_dir  # pylint: disable=import-outside-toplevel
-    from micse_jax.tokenization import Tokenizer  # pylint: disable=import-outside-toplevel
+    from micse_jax.models.loading import resolve_model_dir
+    from micse_jax.tokenization import Tokenizer
     try:
       rows = prepared.PreparedRows(corpus)
       prepared.check_compatible(rows.metadata, corpus, Tokenizer.from_pretrained(resolve_model_dir(model)), length)

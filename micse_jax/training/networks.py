@@ -53,7 +53,7 @@ class Networks:
 
 def compute_dtype(config):
   """The config's compute dtype (`model.dtype`) as a jnp dtype."""
-  from micse_jax.training import precision  # pylint: disable=import-outside-toplevel
+  from micse_jax.training import precision
   return precision.compute_dtype(config.model.dtype)
 
 

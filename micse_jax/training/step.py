@@ -19,9 +19,10 @@ import optax
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import infocse, mesh as mesh_lib, precision, terms
-from micse_jax.training.networks import Networks
+from micse_jax.training import infocse, precision, terms
+from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import ema_update, enqueue, enqueue_ids, momentum_embeddings
+from micse_jax.training.networks import Networks
 from micse_jax.training.state import TrainState
 from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from micse_jax.losses.alignment import positive_only_loss
+from micse_jax.augmentation import mlm_mask
 from micse_jax.data.pipeline import ROW_MASK_KEY
+from micse_jax.losses.alignment import positive_only_loss
 from micse_jax.losses.ami import ami_loss, official_ami_loss
 from micse_jax.losses.ami_cells import all_rows_here
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize, row_mean
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.losses.reconstruction import reconstruction_loss
 from micse_jax.training.views import special_mask
-from micse_jax.augmentation import mlm_mask
 
 OBJECTIVES = ("infonce", "positive_only")  # `loss.objective`'s choices (config_checks reads this)
 

@@ -17,16 +17,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from micse_jax import config_checks, workdir as workdir_lib
+from micse_jax import config_checks
+from micse_jax import workdir as workdir_lib
+from micse_jax.data.packing import BatchLayout
 from micse_jax.data.prefetch import Prefetcher
 from micse_jax.encoder import SentenceEncoder
 from micse_jax.errors import NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
 from micse_jax.evaluators import is_due
-from micse_jax.data.packing import BatchLayout
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, mesh as mesh_lib, precision
+from micse_jax.training import checkpoint, precision
+from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.finite import FiniteWatch
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.setup import Run, initial_state, prepare
@@ -180,7 +182,7 @@ def _loop(run: Run, state, train_step, placement, rolling, evaluators: _Evaluato
 def _summary_writer(workdir: str):
   if jax.process_index() != 0:
     return None
-  from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  from tensorboardX import SummaryWriter
   return SummaryWriter(os.path.join(workdir, workdir_lib.TENSORBOARD_DIR))
 
 

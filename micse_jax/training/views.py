@@ -19,7 +19,6 @@ from micse_jax.models.bert import collect_attentions, two_dropout_views
 from micse_jax.tokenization import TOKEN_KEYS
 
 
-
 def tokens_of(batch: dict) -> dict:
   """The `TOKEN_KEYS` entries of a batch (drops `sentence_ids` and the like)."""
   return {k: batch[k] for k in TOKEN_KEYS}

@@ -18,8 +18,8 @@ this sweep adds the other weights and the structural variants:
     python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --parallel 2
     python -m micse_jax.sweep --config configs/sweeps/ami_tiny.py --report
 """
-from micse_jax.configs.sweeps import fewshot_tiny
 from micse_jax import paths
+from micse_jax.configs.sweeps import fewshot_tiny
 
 AMI_METHODS = ("ami_simcse", "ami_positive_only")
 STRUCTURE = {"layers": ("ami.layers", ((1,),)),
