@@ -65,3 +65,15 @@ def test_list_configs_names_every_config_file(tmp_path):
 def test_checkout_configs_is_the_package_folder():
   """The repository's top-level configs/ is the package's folder, not a copy that could drift."""
   assert os.path.realpath(os.path.join(REPO, "configs")) == os.path.join(REPO, "micse_jax", "configs")
+
+
+def test_the_programs_resolve_only_the_config_flag(tmp_path, monkeypatch):
+  """`--config NAME` and `--config=NAME` become the packaged file; overrides and other flags
+  are left as they are."""
+  from micse_jax import cli
+  monkeypatch.chdir(tmp_path)
+  micse = os.path.join(os.path.dirname(configs.__file__), "micse.py")
+  argv = ["prog", "--config", "micse:demo", "--config.batch_size=4", "--workdir", "micse"]
+  assert cli.resolve_config_argument(argv) == ["prog", "--config", micse + ":demo", "--config.batch_size=4",
+                                               "--workdir", "micse"]
+  assert cli.resolve_config_argument(["prog", "--config=micse"]) == ["prog", f"--config={micse}"]
