@@ -27,7 +27,7 @@ import jax
 from micse_jax.bench import hardware, host, jax_step, scaling, trace_summary
 from micse_jax.bench.rows import Rows, write_json_atomically
 from micse_jax.bench.torch_step import time_steps
-from micse_jax.config_checks import DTYPES
+from micse_jax.models.dtypes import DTYPES
 
 PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
 PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",

@@ -79,7 +79,7 @@ def random_batch(batch_size: int, length: int, vocab: int, seed: int = 0) -> dic
 
 def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: int, dtype: str):
   """The miCSE config (AMI on the last four layers, momentum + queue) at the given shape."""
-  from configs import micse
+  from micse_jax.configs import micse
   c = micse.get_config()
   c.ami.layers = tuple(range(-min(4, num_layers), 0))
   c.model.name_or_path, c.model.dtype = model_dir, dtype

@@ -33,7 +33,7 @@ MIB = 2 ** 20
 
 def bench_config(batch_size: int, max_length: int, dtype: str, shard_state: bool, remat: str):
   """The paper's miCSE config (AMI on the last four layers, momentum + queue) at this shape."""
-  from configs import micse
+  from micse_jax.configs import micse
   c = micse.get_config()
   c.batch_size, c.model.max_length, c.model.dtype = batch_size, max_length, dtype
   c.model.remat, c.mesh.shard_state = remat, shard_state

@@ -26,9 +26,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from micse_jax.config_checks import DTYPES
 from micse_jax.errors import ConfigError
-from micse_jax.models.dtypes import AUTO, auto_dtype, device_dtype, dtype_name  # noqa: F401 (re-export)
+from micse_jax.models.dtypes import AUTO, DTYPES, auto_dtype, device_dtype, dtype_name  # noqa: F401 (re-export)
 from micse_jax.optional import require
 
 COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
