@@ -175,6 +175,9 @@ def check_combinations(config: ml_collections.ConfigDict) -> None:
 
 def _final_tasks(config: ml_collections.ConfigDict) -> list[str]:
   from micse_jax.evaluation import senteval_data  # pylint: disable=import-outside-toplevel
+  if config.eval.get("transfer_protocol", "senteval") not in ("senteval", "logreg"):
+    raise ConfigError(f"eval.transfer_protocol must be senteval or logreg, "
+                      f"not {config.eval.transfer_protocol!r}")
   if not config.eval.final_tasks:
     return []
   try:
