@@ -36,14 +36,20 @@ def _looks_local(path: str) -> bool:
   return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
 
 
+def _transfer_protocol(values) -> str:
+  """`--transfer_protocol` (`senteval` where the caller's namespace has none)."""
+  return getattr(values, "transfer_protocol", "senteval")
+
+
 def _check_inputs(flags_values) -> tuple[list[str], str]:
   """Validates tasks, pooler, checkpoint, output folder and data dir; returns (tasks, dir)."""
   try:
     tasks = senteval_data.resolve_tasks(flags_values.tasks)
   except ValueError as e:
     raise ConfigError(f"--tasks: {e}") from e
-  if flags_values.transfer_protocol not in PROTOCOLS:
-    raise ConfigError(f"unknown --transfer_protocol {flags_values.transfer_protocol!r}; "
+  protocol = _transfer_protocol(flags_values)
+  if protocol not in PROTOCOLS:
+    raise ConfigError(f"unknown --transfer_protocol {protocol!r}; "
                       f"expected one of {', '.join(PROTOCOLS)}")
   if flags_values.pooler not in POOLERS:
     raise ConfigError(f"unknown pooler {flags_values.pooler!r}; expected one of "
@@ -94,7 +100,7 @@ def evaluate_and_report(values) -> dict:
   with cli.input_errors_as_one_line():
     tasks, senteval_dir = _check_inputs(values)
     results = run_evaluation(_encode_fn(values), senteval_dir, tasks, fast=values.fast,
-                             seed=values.seed, transfer_protocol=values.transfer_protocol)
+                             seed=values.seed, transfer_protocol=_transfer_protocol(values))
   document = report.build_report(
       results, model=values.model, pooler=values.pooler,
       settings={**results["settings"], "batch_size": values.batch_size,

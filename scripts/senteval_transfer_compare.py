@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -111,7 +112,7 @@ def _reference_once(args, task: str, seed: int, out: str) -> None:
                PYTHONPATH=os.pathsep.join(filter(None, [args.extra_path,
                                                         os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "evaluation.py", "--model_name_or_path", model_dir(args.model),
-               "--pooler", args.pooler, "--mode", "test", "--tasks", task]
+               "--pooler", args.pooler, "--mode", "test", "--task_set", "na", "--tasks", task]
     subprocess.run(command, cwd=root, env=env, check=True)
   os.replace(out + ".partial", out)
 
@@ -126,27 +127,45 @@ def _seeds(text: str) -> list[int]:
 
 
 def run_ours(args) -> None:
-  """Our `senteval` protocol (micse_jax.evaluation.transfer) on the same model and seeds."""
-  from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
+  """Our protocol (micse_jax.evaluation.transfer) on the same model, seeds and tasks; one JSON
+  file per (seed, task). `--embedding_cache` (a pickle of {sentence: vector}) skips encoding."""
   from micse_jax.evaluation import transfer  # pylint: disable=import-outside-toplevel
-  from micse_jax.evaluation.sts import encode_unique  # pylint: disable=import-outside-toplevel
   os.makedirs(args.out_dir, exist_ok=True)
-  encoder = load_encoder(model_dir(args.model))
-  cache: dict[str, np.ndarray] = {}
+  encode = _cached_encoder(args)
+  for seed in _seeds(args.seeds):
+    for task in args.tasks.split(","):
+      out = os.path.join(args.out_dir, f"ours-{args.protocol}_{args.model}_{seed}_{task}.json")
+      if os.path.exists(out):
+        continue
+      start = time.perf_counter()
+      result = transfer.evaluate_transfer_task(encode, args.senteval_dir, task, seed=seed,
+                                               protocol=args.protocol)
+      result["seconds"] = time.perf_counter() - start
+      result["loadavg"] = os.getloadavg()
+      with open(out, "w") as f:
+        json.dump({task: result}, f, default=float, indent=1)
 
-  def encode(sentences):  # every seed re-uses the embeddings
+
+def _cached_encoder(args):
+  """encode(sentences) of `--model` (cls_before_pooler by default), memoised per sentence."""
+  cache: dict[str, np.ndarray] = {}
+  if args.embedding_cache:
+    import pickle  # pylint: disable=import-outside-toplevel
+    with open(args.embedding_cache, "rb") as f:
+      cache.update(pickle.load(f))
+  encoder = []
+
+  def encode(sentences):
     missing = [s for s in dict.fromkeys(sentences) if s not in cache]
     if missing:
-      vectors, row = encode_unique(lambda b: encoder.encode(b, pooler=args.pooler), missing)
+      from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
+      from micse_jax.evaluation.sts import encode_unique  # pylint: disable=import-outside-toplevel
+      if not encoder:
+        encoder.append(load_encoder(model_dir(args.model)))
+      vectors, row = encode_unique(lambda b: encoder[0].encode(b, pooler=args.pooler), missing)
       cache.update({s: vectors[row[s]] for s in missing})
     return np.stack([cache[s] for s in sentences])
-
-  for seed in _seeds(args.seeds):
-    out = os.path.join(args.out_dir, f"ours-{args.protocol}_{args.model}_{seed}.json")
-    results = transfer.evaluate_transfer(encode, args.senteval_dir, TASKS, seed=seed,
-                                         protocol=args.protocol)
-    with open(out, "w") as f:
-      json.dump(results, f, default=float, indent=1)
+  return encode
 
 
 def _load(out_dir: str, prefix: str, model: str) -> dict[int, dict]:
@@ -206,6 +225,7 @@ def main() -> None:
   parser.add_argument("--senteval_dir", default=None)
   parser.add_argument("--extra_path", default="", help="PYTHONPATH entry for the reference "
                       "(e.g. where prettytable is installed)")
+  parser.add_argument("--embedding_cache", default="", help="ours: pickle {sentence: vector}")
   parser.add_argument("--out_dir", default=os.path.join(REPO, "runs", "transfer-compare"))
   args = parser.parse_args()
   args.senteval_dir = args.senteval_dir or paths.senteval_dir()

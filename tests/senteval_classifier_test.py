@@ -77,8 +77,8 @@ def test_holdout_and_pass_orders_are_sentevals_numpy_draws():
   rows_of = np.arange(1000, 1000 + n)  # the fit's training rows, as global row ids
   orders = sc._Orders([sc.FitSpec(rows_of, None, 1e-3)], seed)  # pylint: disable=protected-access
   np.testing.assert_array_equal(orders.devs[0], rows_of[expected_dev])
-  rows = orders.next_round(2, batch_size=16)
-  rows = np.concatenate([rows[0], orders.next_round(1, batch_size=16)[0]])
+  rows = orders.next_round(2, batch_size=16, fits=np.array([0]))
+  rows = np.concatenate([rows[0], orders.next_round(1, batch_size=16, fits=np.array([0]))[0]])
   for p in range(3):
     np.testing.assert_array_equal(rows[p, :n - cut], rows_of[expected_train][passes[p]])
     assert (rows[p, n - cut:] == -1).all() and rows.shape[1] % 16 == 0

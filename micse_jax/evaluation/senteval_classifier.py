@@ -113,13 +113,15 @@ class _Orders:
       self.streams.append(stream)
     self.width = max(len(t) for t in self.trains)
 
-  def next_round(self, passes: int, batch_size: int) -> np.ndarray:
-    """Row ids `[F, passes, padded width]` (-1 = padding) of the next `passes` passes."""
+  def next_round(self, passes: int, batch_size: int, fits: np.ndarray) -> np.ndarray:
+    """Row ids `[len(fits), passes, padded width]` (-1 = padding) of the next `passes` passes of
+    `fits` (a stopped fit draws no more: its stream is never used again)."""
     width = -(-self.width // batch_size) * batch_size
-    rows = np.full((len(self.trains), passes, width), -1, np.int32)
-    for f, (train, stream) in enumerate(zip(self.trains, self.streams)):
+    rows = np.full((len(fits), passes, width), -1, np.int32)
+    for row, f in enumerate(fits):
+      train, stream = self.trains[f], self.streams[f]
       for p in range(passes):
-        rows[f, p, :len(train)] = train[stream.permutation(len(train))]
+        rows[row, p, :len(train)] = train[stream.permutation(len(train))]
     return rows
 
   def dev_mask(self, n: int) -> np.ndarray:
@@ -183,36 +185,55 @@ def predict(x, params):
   return jnp.argmax(jnp.einsum("nd,fdc->fnc", x, params["w"]) + params["b"][:, None], -1)
 
 
+def _bucket(n: int) -> int:
+  """Compiled fit-axis size for `n` live fits: the next power of two (few compiled shapes)."""
+  return 1 << max(0, int(n - 1).bit_length())
+
+
 def _train_group(x, y, specs: Sequence[FitSpec], settings: ClassifierSettings, seed: int,
                  num_classes: int) -> np.ndarray:
-  """SentEval's `fit` for a group of fits in lock step; predictions `[F, N]` of the best models."""
+  """SentEval's `fit` for a group of fits in lock step; predictions `[F, N]` of the best models.
+
+  Stopped fits leave the compiled batch once at most half of it is still training (the batch
+  shrinks to the next power of two; its padding repeats a live fit, frozen).
+  """
   orders = _Orders(specs, seed)
   dev_mask = orders.dev_mask(len(y))
-  dev_sizes = dev_mask.sum(1)
-  stacked = lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (len(specs),) + a.shape),
-                                      tree)
-  params = stacked(init_params(jax.random.PRNGKey(seed), x.shape[1], num_classes))
-  l2 = jnp.asarray([s.l2 for s in specs], jnp.float32)
-  opt_state = jax.vmap(lambda p, r: decayed_optimizer(settings.optimizer, r).init(p))(params, l2)
-  best = jax.tree.map(jnp.copy, params)
+  l2_all = np.asarray([s.l2 for s in specs], np.float32)
+  init = init_params(jax.random.PRNGKey(seed), x.shape[1], num_classes)
+  best = jax.tree.map(lambda a: jnp.broadcast_to(a, (len(specs),) + a.shape) + 0, init)
   best_acc = np.full(len(specs), -1.0)
   count = np.zeros(len(specs), np.int64)
   stopped = np.zeros(len(specs), bool)
-  labels = np.asarray(y)
-  epoch = 0
+  slots = np.arange(_bucket(len(specs))) % len(specs)  # fit of each compiled slot
+  params = jax.tree.map(lambda a: a[slots], best)
+  opt_state = jax.vmap(lambda p, r: decayed_optimizer(settings.optimizer, r).init(p))(
+      params, jnp.asarray(l2_all[slots]))
+  labels, epoch = np.asarray(y), 0
   while not stopped.all() and epoch <= settings.max_epoch:
-    rows = orders.next_round(settings.epoch_size, settings.batch_size)
-    params, opt_state = train_round(x, y, params, opt_state, rows, l2, jnp.asarray(~stopped),
-                                    optimizer=settings.optimizer,
+    live = np.flatnonzero(~stopped)
+    if len(live) <= len(slots) // 2:  # compact: keep the live fits' slots only
+      keep = np.asarray([np.flatnonzero(slots == f)[0] for f in live])
+      keep = keep[np.arange(_bucket(len(live))) % len(live)]
+      slots = slots[keep]
+      params, opt_state = jax.tree.map(lambda a: a[keep], (params, opt_state))
+    running = np.zeros(len(slots), bool)
+    first = {f: i for i, f in reversed(list(enumerate(slots)))}
+    running[[first[f] for f in live]] = True
+    drawn = orders.next_round(settings.epoch_size, settings.batch_size, live)
+    rows = np.full((len(slots),) + drawn.shape[1:], -1, np.int32)
+    rows[running] = drawn[np.searchsorted(live, slots[running])]
+    params, opt_state = train_round(x, y, params, opt_state, rows, jnp.asarray(l2_all[slots]),
+                                    jnp.asarray(running), optimizer=settings.optimizer,
                                     batch_size=settings.batch_size)
     epoch += settings.epoch_size
     correct = np.asarray(predict(x, params)) == labels[None]
-    accuracy = (correct * dev_mask).sum(1) / dev_sizes
-    improved = (accuracy > best_acc) & ~stopped
-    best_acc = np.where(improved, accuracy, best_acc)
-    best = jax.tree.map(lambda b, p: jnp.where(improved.reshape((-1,) + (1,) * (p.ndim - 1)),
-                                               p, b), best, params)
-    for f in np.flatnonzero(~stopped & ~improved):
+    accuracy = (correct * dev_mask[slots]).sum(1) / dev_mask[slots].sum(1)
+    improved_slots = np.flatnonzero(running & (accuracy > best_acc[slots]))
+    improved = slots[improved_slots]
+    best_acc[improved] = accuracy[improved_slots]
+    best = jax.tree.map(lambda b, p: b.at[improved].set(p[improved_slots]), best, params)
+    for f in np.setdiff1d(live, improved):
       stopped[f], count[f] = should_stop(False, int(count[f]), settings.tenacity)
   return np.asarray(predict(x, best))
 
