@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from micse_jax import cli, paths
 from micse_jax.errors import ConfigError, ModelLoadError

@@ -189,25 +189,25 @@ def agreement_table(out_dir: str, model: str, protocol: str = "senteval") -> str
   ours = _load(out_dir, f"ours-{protocol}", model)
   ref_seeds, our_seeds = sorted(reference), sorted(ours)
   lines = [f"{model}: SentEval seeds {ref_seeds}, ours seeds {our_seeds}", "",
-           "| task | SentEval (per seed) | mean | spread | ours (per seed) | mean | diff "
-           "| allowed | agree |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
+           ("| task | SentEval (seed: acc) | mean | spread | ours (seed: acc) | mean | diff "
+            "| allowed | agree |"), "|---|---|---:|---:|---|---:|---:|---:|---|"]
   for task in TASKS:
-    ref = [float(reference[s][task]["acc"]) for s in ref_seeds if task in reference[s]]
-    mine = [float(ours[s][task]["acc"]) for s in our_seeds if task in ours[s]]
+    ref = {s: float(reference[s][task]["acc"]) for s in ref_seeds if task in reference[s]}
+    mine = {s: float(ours[s][task]["acc"]) for s in our_seeds if task in ours[s]}
     if not ref or not mine:
       lines.append(f"| {task} | {_fmt(ref)} | | | {_fmt(mine)} | | | | not run |")
       continue
-    spread = max(ref) - min(ref)
-    diff = abs(np.mean(mine) - np.mean(ref))
+    spread = max(ref.values()) - min(ref.values())
+    diff = abs(np.mean(list(mine.values())) - np.mean(list(ref.values())))
     allowed = max(spread, 0.5)
-    lines.append(f"| {task} | {_fmt(ref)} | {np.mean(ref):.2f} | {spread:.2f} | {_fmt(mine)} | "
-                 f"{np.mean(mine):.2f} | {diff:.2f} | {allowed:.2f} | "
+    lines.append(f"| {task} | {_fmt(ref)} | {np.mean(list(ref.values())):.2f} | {spread:.2f} | {_fmt(mine)} | "
+                 f"{np.mean(list(mine.values())):.2f} | {diff:.2f} | {allowed:.2f} | "
                  f"{'yes' if diff <= allowed else 'NO'} |")
   return "\n".join(lines)
 
 
-def _fmt(values) -> str:
-  return " / ".join(f"{v:.2f}" for v in values)
+def _fmt(by_seed: dict) -> str:
+  return ", ".join(f"{seed}: {acc:.2f}" for seed, acc in by_seed.items())
 
 
 def main() -> None:

@@ -41,8 +41,7 @@ def test_decayed_optimizer_is_torch_update_with_decay_on_bias(name):
     grads = {"w": rng.normal(size=(3, 2)), "b": rng.normal(size=2)}
     updates, state = opt.update(jax.tree.map(np.float32, grads), state, ours)
     ours = jax.tree.map(lambda p, u: p + u, ours, updates)
-    for k in ref:
-      p, m, v = ref[k]
+    for k, (p, m, v) in list(ref.items()):
       if name == "adam":
         ref[k] = _numpy_adam(p, grads[k], m, v, t, l2)
       else:

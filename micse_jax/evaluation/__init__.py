@@ -5,9 +5,16 @@ reading or validating data does not import JAX, scipy or scikit-learn.
 """
 import importlib
 
-from micse_jax.evaluation.senteval_data import (ALL_TASKS, STS7, TRANSFER7, SentEvalDataError,
-                                                check_senteval_dir, download_senteval,
-                                                resolve_tasks, validate_tasks)
+from micse_jax.evaluation.senteval_data import (
+  ALL_TASKS,
+  STS7,
+  TRANSFER7,
+  SentEvalDataError,
+  check_senteval_dir,
+  download_senteval,
+  resolve_tasks,
+  validate_tasks,
+)
 
 _LAZY = {
     "evaluate_sts": "sts", "stsb_dev_spearman": "sts", "sickr_dev_spearman": "sts",

@@ -22,7 +22,8 @@ with `C = 1 / (n * l2)`) is the independent check in the tests.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

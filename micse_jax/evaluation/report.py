@@ -1,7 +1,8 @@
 """Evaluation reports: atomically written JSON and Markdown tables in the paper's column order."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from micse_jax import jsonio
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

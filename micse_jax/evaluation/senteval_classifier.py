@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -185,6 +185,16 @@ def predict(x, params):
   return jnp.argmax(jnp.einsum("nd,fdc->fnc", x, params["w"]) + params["b"][:, None], -1)
 
 
+def _take(tree, index: np.ndarray):
+  """Rows `index` of every leaf (leading fit axis)."""
+  return jax.tree.map(lambda a: a[index], tree)
+
+
+def _put(tree, index: np.ndarray, rows):
+  """`tree` with rows `index` of every leaf replaced by `rows`."""
+  return jax.tree.map(lambda a, r: a.at[index].set(r), tree, rows)
+
+
 def _bucket(n: int) -> int:
   """Compiled fit-axis size for `n` live fits: the next power of two (few compiled shapes)."""
   return 1 << max(0, int(n - 1).bit_length())
@@ -216,7 +226,7 @@ def _train_group(x, y, specs: Sequence[FitSpec], settings: ClassifierSettings, s
       keep = np.asarray([np.flatnonzero(slots == f)[0] for f in live])
       keep = keep[np.arange(_bucket(len(live))) % len(live)]
       slots = slots[keep]
-      params, opt_state = jax.tree.map(lambda a: a[keep], (params, opt_state))
+      params, opt_state = _take((params, opt_state), keep)
     running = np.zeros(len(slots), bool)
     first = {f: i for i, f in reversed(list(enumerate(slots)))}
     running[[first[f] for f in live]] = True
@@ -232,7 +242,7 @@ def _train_group(x, y, specs: Sequence[FitSpec], settings: ClassifierSettings, s
     improved_slots = np.flatnonzero(running & (accuracy > best_acc[slots]))
     improved = slots[improved_slots]
     best_acc[improved] = accuracy[improved_slots]
-    best = jax.tree.map(lambda b, p: b.at[improved].set(p[improved_slots]), best, params)
+    best = _put(best, improved, _take(params, improved_slots))
     for f in np.setdiff1d(live, improved):
       stopped[f], count[f] = should_stop(False, int(count[f]), settings.tenacity)
   return np.asarray(predict(x, best))

@@ -15,7 +15,8 @@ import shutil
 import tarfile
 import tempfile
 import urllib.request
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -344,7 +345,7 @@ def download_senteval(dest_dir: str, url: str = SENTEVAL_URL) -> str:
   os.makedirs(parent, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=parent) as tmp:
     archive = os.path.join(tmp, "senteval.tar")
-    urllib.request.urlretrieve(url, archive)  # noqa: S310 (fixed https URL)
+    urllib.request.urlretrieve(url, archive)
     with tarfile.open(archive) as tar:
       tar.extractall(os.path.join(tmp, "x"), filter="data")
     if os.path.isdir(dest_dir):

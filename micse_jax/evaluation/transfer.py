@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from sklearn.model_selection import StratifiedKFold
@@ -131,7 +131,7 @@ def inner_kfold_eval(x, y, num_classes: int, outer: int, inner: int,
   test = [_accuracy(p, y, te) for p, (_, te) in zip(predictions, outer_folds)]
   return {"acc": 100.0 * float(np.mean(test)),
           "devacc": 100.0 * float(np.mean([dev[i, o] for o, i in enumerate(best)])),
-          "l2": [grid[i] for i in best], "n": int(len(y)), "folds": [outer, inner]}
+          "l2": [grid[i] for i in best], "n": len(y), "folds": [outer, inner]}
 
 
 def kfold_eval(x_train, y_train, x_test, y_test, num_classes: int, k: int,
@@ -152,7 +152,7 @@ def kfold_eval(x_train, y_train, x_test, y_test, num_classes: int, k: int,
                            num_classes)[0][len(y_train):]
   return {"acc": 100.0 * float(np.mean(predictions == y_test)),
           "devacc": 100.0 * float(scores[best].mean()), "l2": grid[best],
-          "n_train": int(len(y_train)), "n_test": int(len(y_test)), "folds": k,
+          "n_train": len(y_train), "n_test": len(y_test), "folds": k,
           "predictions": predictions}
 
 
@@ -171,7 +171,7 @@ def split_eval(splits: dict, num_classes: int, grid: Sequence[float] = L2_GRID,
   best = _pick(dev)
   return {"acc": 100.0 * _accuracy(predictions[best], y, test_idx),
           "devacc": 100.0 * float(dev[best]), "l2": grid[best],
-          "n_train": n_train, "n_dev": n_dev, "n_test": int(len(test_idx))}
+          "n_train": n_train, "n_dev": n_dev, "n_test": len(test_idx)}
 
 
 # ---------------------------------------------------------------- tasks
