@@ -23,6 +23,7 @@ from micse_jax import workdir as workdir_lib
 from micse_jax.augmentation.add import ADD_MODES
 from micse_jax.data.pipeline import SHUFFLE_SCHEMES
 from micse_jax.errors import ConfigError
+from micse_jax.evaluation import senteval_data
 from micse_jax.losses.ami import AMI_VARIANTS
 from micse_jax.models.bert import ATTENTION_KERNELS
 from micse_jax.models.dtypes import DTYPES
@@ -127,6 +128,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "momentum.mask_same_sentence": _bool,
     "eval.sickr_dev": _bool,
     "eval.batch_size": _int(1),
+    "eval.transfer_protocol": _choice(*senteval_data.TRANSFER_PROTOCOLS),
     "mlm.weight": _real(0),
     "mlm.prob": _real(0, 1, lo_open=True, hi_open=True),
     "reconstruction.weight": _real(0),
@@ -179,7 +181,6 @@ def check_combinations(config: ml_collections.ConfigDict) -> None:
 
 
 def _final_tasks(config: ml_collections.ConfigDict) -> list[str]:
-  from micse_jax.evaluation import senteval_data
   if not config.eval.final_tasks:
     return []
   try:
@@ -260,7 +261,6 @@ def check_senteval(config: ml_collections.ConfigDict) -> None:
   A missing default dir only disables selection (with a warning, see `evaluators.dev_selection.DevSelection`); a missing
   dir that the config names explicitly is an error.
   """
-  from micse_jax.evaluation import senteval_data
   directory = config.eval.senteval_dir
   if config.eval_every <= 0 and not config.eval.final_tasks:
     return

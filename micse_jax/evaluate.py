@@ -3,6 +3,8 @@
   python -m micse_jax.evaluate --model PATH --tasks sts --pooler cls_before_pooler \
       --output results.json
 
+`--transfer_protocol`: `senteval` (default; SentEval's own classifier, the protocol of the SimCSE /
+miCSE papers; `--fast` is SimCSE's `fasttest`) or `logreg` (exact logistic regression).
 `--model` is a Hugging Face directory, a hub name or a training workdir (`--checkpoint`).
 `--tasks`: `sts`, `transfer`, `all` or a comma list (STS12 ... STS16, STSBenchmark/STS-B,
 SICKRelatedness/SICK-R, MR, CR, SUBJ, MPQA, SST2, TREC, MRPC). Bad input (a `MicseError`) is
@@ -17,13 +19,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from micse_jax import cli, paths
 from micse_jax.errors import ConfigError, ModelLoadError
 from micse_jax.evaluation import senteval_data
 from micse_jax.evaluation.runner import run_evaluation
 from micse_jax.pooling import POOLERS
+
+PROTOCOLS = senteval_data.TRANSFER_PROTOCOLS
 
 SEED = senteval_data.SEED
 
@@ -32,12 +36,21 @@ def _looks_local(path: str) -> bool:
   return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
 
 
+def _transfer_protocol(values) -> str:
+  """`--transfer_protocol` (`senteval` where the caller's namespace has none)."""
+  return getattr(values, "transfer_protocol", "senteval")
+
+
 def _check_inputs(flags_values) -> tuple[list[str], str]:
   """Validates tasks, pooler, checkpoint, output folder and data dir; returns (tasks, dir)."""
   try:
     tasks = senteval_data.resolve_tasks(flags_values.tasks)
   except ValueError as e:
     raise ConfigError(f"--tasks: {e}") from e
+  protocol = _transfer_protocol(flags_values)
+  if protocol not in PROTOCOLS:
+    raise ConfigError(f"unknown --transfer_protocol {protocol!r}; "
+                      f"expected one of {', '.join(PROTOCOLS)}")
   if flags_values.pooler not in POOLERS:
     raise ConfigError(f"unknown pooler {flags_values.pooler!r}; expected one of "
                      f"{', '.join(POOLERS)}")
@@ -87,7 +100,7 @@ def evaluate_and_report(values) -> dict:
   with cli.input_errors_as_one_line():
     tasks, senteval_dir = _check_inputs(values)
     results = run_evaluation(_encode_fn(values), senteval_dir, tasks, fast=values.fast,
-                             seed=values.seed)
+                             seed=values.seed, transfer_protocol=_transfer_protocol(values))
   document = report.build_report(
       results, model=values.model, pooler=values.pooler,
       settings={**results["settings"], "batch_size": values.batch_size,
@@ -110,7 +123,10 @@ def define_flags() -> None:
   flags.DEFINE_string("tasks", "sts", "sts, transfer, all, or a comma list of task names.")
   flags.DEFINE_string("pooler", "cls_before_pooler", f"One of {', '.join(POOLERS)}.")
   flags.DEFINE_string("output", None, "Write the JSON report here (atomically).")
-  flags.DEFINE_boolean("fast", False, "Transfer tasks with fewer folds (quick checks).")
+  flags.DEFINE_boolean("fast", False, "Transfer tasks with fewer folds (quick checks; senteval "
+                       "protocol: SimCSE's fasttest).")
+  flags.DEFINE_string("transfer_protocol", "senteval",
+                      "Transfer classifier: senteval (SentEval's, the papers') or logreg.")
   flags.DEFINE_integer("batch_size", 64, "Encoding batch size.")
   flags.DEFINE_integer("max_length", 512, "Token limit per sentence (longer ones are truncated).")
   flags.DEFINE_boolean("download", False, "Download SentEval data if --senteval_dir is missing.")

@@ -83,6 +83,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.sickr_dev = False            # also log SICK-R dev
   c.eval.final_tasks = "sts"          # evaluated on the best checkpoint at the end; "" skips
   c.eval.batch_size = 128
+  c.eval.transfer_protocol = "senteval"  # transfer classifier: senteval (the papers') or logreg
 
   add_method_fields(c)  # views and loss terms of the relatives (issue 7)
 

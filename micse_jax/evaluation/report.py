@@ -1,7 +1,8 @@
 """Evaluation reports: atomically written JSON and Markdown tables in the paper's column order."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from micse_jax import jsonio
 
@@ -48,6 +49,7 @@ def markdown_table(results: Mapping[str, Any]) -> str:
     parts.append("STS (Spearman x100)\n\n" + _group_table(results["sts"], STS_COLUMNS,
                                                               "spearman"))
   if results.get("transfer"):
-    parts.append("Transfer (accuracy)\n\n" + _group_table(results["transfer"],
-                                                            TRANSFER_COLUMNS, "acc"))
+    protocol = results["transfer"].get("protocol")
+    title = f"Transfer (accuracy, {protocol} protocol)" if protocol else "Transfer (accuracy)"
+    parts.append(title + "\n\n" + _group_table(results["transfer"], TRANSFER_COLUMNS, "acc"))
   return "\n\n".join(parts)

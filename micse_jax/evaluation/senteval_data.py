@@ -15,7 +15,8 @@ import shutil
 import tarfile
 import tempfile
 import urllib.request
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,6 +41,9 @@ STS_YEARS = {
 }
 STS7 = ("STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness")
 TRANSFER7 = ("MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC")
+# How a transfer task is scored (`eval.transfer_protocol`, `micse-evaluate --transfer_protocol`):
+# SentEval's own classifier (the papers') or our L-BFGS logistic regression (evaluation/transfer.py).
+TRANSFER_PROTOCOLS = ("senteval", "logreg")
 ALL_TASKS = STS7 + TRANSFER7
 TASK_GROUPS = {"sts": STS7, "transfer": TRANSFER7, "all": ALL_TASKS}
 _ALIASES = {"STSB": "STSBenchmark", "STS-B": "STSBenchmark", "SICKR": "SICKRelatedness",

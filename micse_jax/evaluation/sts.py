@@ -11,7 +11,7 @@ All unique sentences of a task go to the encode function in one call (it batches
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from scipy import stats

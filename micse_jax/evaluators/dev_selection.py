@@ -97,7 +97,8 @@ def final_evaluation(selection: DevSelection, workdir: str, params, which: str) 
   """Evaluates `params` (described by `which`) on `eval.final_tasks`; writes results.json."""
   if not selection.has_final_tasks:
     return {}
-  results = run_evaluation(selection.encode_fn(params), selection.dir, selection.config.final_tasks)
+  results = run_evaluation(selection.encode_fn(params), selection.dir, selection.config.final_tasks,
+                           transfer_protocol=selection.config.get("transfer_protocol", "senteval"))
   document = report.build_report(results, model=os.path.abspath(workdir), pooler=EVAL_POOLER,
                                  settings={**results["settings"], "checkpoint": which},
                                  elapsed_seconds=results["elapsed_seconds"])
