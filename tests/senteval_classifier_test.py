@@ -74,7 +74,7 @@ def test_holdout_and_pass_orders_are_sentevals_numpy_draws():
   expected_dev, expected_train = permutation[:cut], permutation[cut:]
   passes = [np.random.permutation(n - cut) for _ in range(3)]
   rows_of = np.arange(1000, 1000 + n)  # the fit's training rows, as global row ids
-  orders = sc._Orders([sc.FitSpec(rows_of, None, 1e-3)], seed)  # pylint: disable=protected-access
+  orders = sc._Orders([sc.FitSpec(rows_of, None, 1e-3)], seed)
   np.testing.assert_array_equal(orders.devs[0], rows_of[expected_dev])
   rows = orders.next_round(2, batch_size=16, fits=np.array([0]))
   rows = np.concatenate([rows[0], orders.next_round(1, batch_size=16, fits=np.array([0]))[0]])
@@ -157,7 +157,7 @@ def test_inner_kfold_folds_are_sklearns_with_seed_1111_whatever_the_seed():
   assert [s.dev.tolist() for s in seen[0]] == [d.tolist() for d in expected_dev]
   assert [s.train.tolist() for s in seen[1]] == [tr.tolist() for tr, _ in outer]
   assert all(s.dev is None for s in seen[1])  # final fits: SentEval's random 5 % hold-out
-  run = transfer._run_settings("senteval", fast=False, seed=5)  # pylint: disable=protected-access
+  run = transfer._run_settings("senteval", fast=False, seed=5)
   assert run["inner_kfold_seed"] == 1111 and run["seed"] == 5
 
 

@@ -15,7 +15,7 @@ def test_markdown_table_names_the_protocol():
 
 
 def test_evaluate_rejects_unknown_protocol_in_one_line(tmp_path, capsys):
-  from micse_jax import evaluate  # pylint: disable=import-outside-toplevel
+  from micse_jax import evaluate
   values = types.SimpleNamespace(
       model=str(tmp_path), senteval_dir=str(tmp_path), tasks="MR", pooler="cls_before_pooler",
       output=str(tmp_path / "out.json"), fast=False, batch_size=8, max_length=16,
@@ -29,11 +29,11 @@ def test_evaluate_rejects_unknown_protocol_in_one_line(tmp_path, capsys):
 
 
 def test_config_check_rejects_unknown_protocol():
-  from configs import default  # pylint: disable=import-outside-toplevel
-  from micse_jax import config_checks  # pylint: disable=import-outside-toplevel
-  from micse_jax.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from micse_jax import config_checks
+  from micse_jax.configs import default
+  from micse_jax.errors import ConfigError
   config = default.get_config()
   assert config.eval.transfer_protocol == "senteval"
   config.eval.transfer_protocol = "sgd"
   with pytest.raises(ConfigError, match="eval.transfer_protocol"):
-    config_checks._final_tasks(config)  # pylint: disable=protected-access
+    config_checks.check_fields(config)

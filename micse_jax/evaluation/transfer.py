@@ -49,7 +49,7 @@ SENTEVAL_FAST_FOLDS = {"outer": 5, "inner": 5, "kfold": 5}
 
 def logreg_classifier(x, y, specs: Sequence[FitSpec], num_classes: int) -> np.ndarray:
   """The `logreg` protocol: exact logistic regression on each spec's training rows."""
-  from micse_jax.evaluation.logreg import fit_predict  # pylint: disable=import-outside-toplevel
+  from micse_jax.evaluation.logreg import fit_predict
   return fit_predict(x, y, [s.train for s in specs], [s.l2 for s in specs], num_classes)
 
 
