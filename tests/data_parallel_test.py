@@ -14,7 +14,7 @@ from micse_jax.losses import ami
 from micse_jax.losses.infonce import info_nce_loss
 from micse_jax.models.bert import interleave_views, split_views
 from micse_jax.training.mesh import padded_batch_size
-from micse_jax.training.momentum import empty_queue, empty_queue_ids, enqueue, enqueue_ids
+from micse_jax.training.momentum import Queue
 from tests.infonce_test import _np_infonce
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,12 +66,11 @@ def test_padding_rows_are_no_anchor_and_no_negative():
 
 
 def test_padding_rows_are_never_enqueued():
-  queue, valid, ptr = empty_queue(6, 2)
-  ptr = jnp.asarray(4, jnp.int32)
+  queue = Queue.empty(6, 2).replace(ptr=jnp.asarray(4, jnp.int32))
   rows = jnp.arange(10.0).reshape(5, 2)
   real = jnp.asarray([1, 0, 1, 1, 0])
-  q, v, new_ptr = enqueue(queue, valid, ptr, rows, real)
-  ids = enqueue_ids(empty_queue_ids(6), ptr, jnp.asarray([7, -1, 8, 9, -1]), real)
+  pushed = queue.push(rows, jnp.asarray([7, -1, 8, 9, -1]), real)
+  q, v, ids, new_ptr = pushed.embeddings, pushed.valid, pushed.ids, pushed.ptr
   # real rows 0, 2, 3 go to slots 4, 5, 0 (ring); the pointer moves by 3
   np.testing.assert_array_equal(q, [[6, 7], [0, 0], [0, 0], [0, 0], [0, 1], [4, 5]])
   np.testing.assert_array_equal(v, [True, False, False, False, True, True])

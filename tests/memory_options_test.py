@@ -29,7 +29,7 @@ def _loss_and_grads(run, state, remat: str):
   config.model.remat = remat
   loss_fn = make_loss_fn(config, build_networks(config, run.bert_config, run.nets.tokens))
   batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}
-  args = (state.frozen_params, batch, state.queue, state.queue_valid, state.queue_ids, step_keys(state), state.step)
+  args = (state.frozen_params, batch, state.queue, step_keys(state.rng, state.step), state.step)
   fn = jax.value_and_grad(loss_fn, has_aux=True)
   (loss, metrics), grads = jax.jit(fn)(state.params, *args)
   return loss, metrics, grads, jax.make_jaxpr(fn)(state.params, *args)

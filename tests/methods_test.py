@@ -90,18 +90,11 @@ def test_ct_positives_run_across_the_two_encoders(tmp_path, tiny_real_dir):
   emb = params["encoder_b"]["embeddings"]["word_embeddings"]["embedding"]
   params["encoder_b"]["embeddings"]["word_embeddings"]["embedding"] = emb + 0.05 * jnp.sin(jnp.arange(emb.size).reshape(emb.shape))
   batch = _batch(run)
-  loss, metrics = make_loss_fn(config, nets)(params, {}, batch, None, None, None, step_keys_for(0), 0)
+  loss, metrics = make_loss_fn(config, nets)(params, {}, batch, None, step_keys(jax.random.PRNGKey(0), 0), 0)
   apply = lambda p: np.asarray(nets.online.apply({"params": p}, *tokens_of(batch).values()).last_hidden_state[:, 0])
   z1 = _np_mlp(params["head"], apply(params["encoder"]))
   z2 = _np_mlp(params["head_b"], apply(params["encoder_b"]))
   assert float(loss) == pytest.approx(_np_info_nce(z1, z2, config.loss.temperature), rel=1e-4)
-
-
-def step_keys_for(step):
-  from micse_jax.training.state import TrainState
-  fake = TrainState(step=jnp.asarray(step), params={}, ema_params={}, opt_state={}, queue={}, queue_valid={},
-                    queue_ptr={}, queue_ids={}, rng=jax.random.PRNGKey(0))
-  return step_keys(fake)
 
 
 def test_mlm_term_is_torch_masked_lm_cross_entropy(tmp_path, tiny_real_dir):

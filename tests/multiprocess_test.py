@@ -63,7 +63,7 @@ def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path
   a, b = _restore(single, config), _restore(multi, config)
   assert int(a.step) == int(b.step) == 4
   _assert_close(a, b, RESUME_ATOL)  # reduction order across 4 devices vs 1
-  ids = np.asarray(b.queue_ids)  # 4 pushes of 8 into 12 slots; each batch is the whole subset
+  ids = np.asarray(b.queue.ids)  # 4 pushes of 8 into 12 slots; each batch is the whole subset
   assert len(ids) == 12 and set(ids.tolist()) == set(subset_indices(96, 8, seed=0).tolist())
 
   # convert in one process: exactly the params the 2-process run saved
@@ -100,6 +100,6 @@ def test_two_processes_with_an_odd_split_match_one_process(tmp_path, minilm_dir)
   a, b = _restore(single, config), _restore(multi, config)
   assert int(a.step) == int(b.step) == 3
   _assert_close(a, b, RESUME_ATOL)  # reduction order across 4 devices vs 1
-  ids = np.asarray(b.queue_ids)  # 3 pushes of 7 real rows into 12 slots, no padding row
-  assert int(b.queue_ptr) == (3 * 7) % 12 and np.all(ids >= 0)
-  np.testing.assert_array_equal(ids, np.asarray(a.queue_ids))
+  ids = np.asarray(b.queue.ids)  # 3 pushes of 7 real rows into 12 slots, no padding row
+  assert int(b.queue.ptr) == (3 * 7) % 12 and np.all(ids >= 0)
+  np.testing.assert_array_equal(ids, np.asarray(a.queue.ids))

@@ -65,8 +65,8 @@ def main():
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
                        if np.size(a) else 0.0, s1, s4)
   metric_diffs = {k: max(abs(a[k] - b[k]) for a, b in zip(m1, m4)) for k in m1[0]}
-  queues = {"queue_ids_1dev": np.asarray(s1.queue_ids).tolist(), "queue_ids_4dev": np.asarray(s4.queue_ids).tolist(),
-            "queue_ptr": [int(s1.queue_ptr), int(s4.queue_ptr)]} if config.momentum.enabled else {}
+  queues = {"queue_ids_1dev": np.asarray(s1.queue.ids).tolist(), "queue_ids_4dev": np.asarray(s4.queue.ids).tolist(),
+            "queue_ptr": [int(s1.queue.ptr), int(s4.queue.ptr)]} if config.momentum.enabled else {}
   print(json.dumps({"max_state_diff": max(jax.tree.leaves(diffs)), "metric_diffs": metric_diffs,
                     "metrics_1dev": m1, **queues}))
 

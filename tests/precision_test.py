@@ -7,6 +7,7 @@ import pytest
 
 from micse_jax import workdir as workdir_lib
 from micse_jax.training import checkpoint, precision, setup, trainer
+from micse_jax.training.momentum import Queue
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState
 from tests.train_utils import tiny_training_config
@@ -14,9 +15,7 @@ from tests.train_utils import tiny_training_config
 
 def _toy_state(loss_scale):
   return TrainState(step=jnp.asarray(5, jnp.int32), params={"w": jnp.ones(3)}, ema_params={"w": jnp.zeros(3)},
-                    opt_state={"mu": jnp.full(3, 0.5)}, queue=jnp.zeros((2, 3)), queue_valid=jnp.zeros(2, bool),
-                    queue_ptr=jnp.zeros((), jnp.int32), queue_ids=jnp.full(2, -1, jnp.int32),
-                    rng=jax.random.PRNGKey(0), loss_scale=loss_scale)
+                    opt_state={"mu": jnp.full(3, 0.5)}, queue=Queue.empty(2, 3), rng=jax.random.PRNGKey(0), loss_scale=loss_scale)
 
 
 def _scale_state(scale, counter=0, skipped=0):
@@ -29,12 +28,13 @@ def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad)
   previous = _toy_state(_scale_state(1024.0, counter=7, skipped=2))
   updated = previous.replace(step=previous.step + 1, params={"w": jnp.full(3, 9.0)},
                              ema_params={"w": jnp.full(3, 8.0)}, opt_state={"mu": jnp.full(3, 7.0)},
-                             queue_valid=jnp.ones(2, bool), queue_ptr=jnp.asarray(1, jnp.int32))
+                             queue=Queue.empty(2, 3).replace(valid=jnp.ones(2, bool), ptr=jnp.asarray(1, jnp.int32)))
   grads = {"w": jnp.array([1.0, bad, 2.0])}
   new, metrics = precision.keep_if_finite(grads, updated, previous, period=2000)
   assert int(new.step) == 6  # the data position advances
-  for name in ("params", "ema_params", "opt_state", "queue_valid", "queue_ptr"):
-    np.testing.assert_array_equal(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(previous, name)))
+  for name in ("params", "ema_params", "opt_state", "queue"):
+    for kept, before in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(previous, name))):
+      np.testing.assert_array_equal(kept, before)
   assert float(new.loss_scale["scale"]) == 512.0 and int(new.loss_scale["counter"]) == 0
   assert int(new.loss_scale["skipped_steps"]) == 3
   assert int(metrics["step_skipped"]) == 1 and int(metrics["skipped_steps"]) == 3
@@ -107,8 +107,8 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
   final = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2),
                                    jax.eval_shape(lambda: setup.initial_state(run, tx)))
   assert int(final.step) == 3
-  for a, b in zip(jax.tree.leaves((init.params, init.opt_state, init.ema_params, init.queue_valid)),
-                  jax.tree.leaves((final.params, final.opt_state, final.ema_params, final.queue_valid))):
+  for a, b in zip(jax.tree.leaves((init.params, init.opt_state, init.ema_params, init.queue)),
+                  jax.tree.leaves((final.params, final.opt_state, final.ema_params, final.queue))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from micse_jax import workdir as workdir_lib
+from micse_jax.errors import CheckpointError
 from micse_jax.models.bert import resolve_layers
 from micse_jax.training import checkpoint, setup, trainer
-from micse_jax.training.momentum import ema_update, empty_queue, empty_queue_ids, enqueue, enqueue_ids
+from micse_jax.training.momentum import Queue, ema_update
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 
@@ -22,24 +23,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_enqueue_is_a_ring_buffer():
-  q, valid, ptr = empty_queue(5, 2)
-  ids = empty_queue_ids(5)
+  queue = Queue.empty(5, 2)
   ref, ref_ids = np.zeros((5, 2), np.float32), np.full(5, -1)
   ref_ptr, written = 0, set()
   for n, batch in enumerate([np.full((3, 2), 1.0), np.full((3, 2), 2.0), np.full((4, 2), 3.0)]):
     batch_ids = 10 * n + np.arange(len(batch))
-    ids = enqueue_ids(ids, ptr, jnp.asarray(batch_ids, jnp.int32))  # same slots as the keys
-    q, valid, ptr = enqueue(q, valid, ptr, jnp.asarray(batch, jnp.float32))
+    queue = queue.push(jnp.asarray(batch, jnp.float32), jnp.asarray(batch_ids))  # ids at the keys' slots
     for row, row_id in zip(batch, batch_ids):  # NumPy reference: write one by one at the pointer, wrap around
       ref[ref_ptr], ref_ids[ref_ptr] = row, row_id
       written.add(ref_ptr)
       ref_ptr = (ref_ptr + 1) % 5
-    np.testing.assert_array_equal(np.asarray(q), ref)
-    np.testing.assert_array_equal(np.asarray(ids), ref_ids)
-    assert ids.dtype == jnp.int32
-    assert int(ptr) == ref_ptr
-    assert set(np.flatnonzero(np.asarray(valid))) == written
-    assert set(np.flatnonzero(np.asarray(ids) >= 0)) == written  # -1 exactly on empty slots
+    np.testing.assert_array_equal(np.asarray(queue.embeddings), ref)
+    np.testing.assert_array_equal(np.asarray(queue.ids), ref_ids)
+    assert queue.ids.dtype == jnp.int32
+    assert int(queue.ptr) == ref_ptr
+    assert set(np.flatnonzero(np.asarray(queue.valid))) == written
+    assert set(np.flatnonzero(np.asarray(queue.ids) >= 0)) == written  # -1 exactly on empty slots
   np.testing.assert_array_equal(ref_ids, [12, 20, 21, 22, 23])  # by hand: 3 + 3 + 4 writes into 5 slots
 
 
@@ -90,10 +89,10 @@ def test_one_step_of_each_objective(tmp_path, minilm_dir, variant):
   assert all(jax.tree.leaves(changed)), "every used parameter (encoder and MLP head) is updated"
   assert not any(jax.tree.leaves(pooler))
   if config.momentum.enabled:  # the queue holds two batches of unit-norm momentum embeddings
-    assert int(state.queue_ptr) == 16 % 12 and int(state.queue_valid.sum()) == 12
-    np.testing.assert_allclose(np.linalg.norm(state.queue, axis=1), 1.0, rtol=1e-5)
+    assert int(state.queue.ptr) == 16 % 12 and int(state.queue.valid.sum()) == 12
+    np.testing.assert_allclose(np.linalg.norm(state.queue.embeddings, axis=1), 1.0, rtol=1e-5)
   else:
-    assert state.queue == {} and state.ema_params == {}
+    assert state.queue is None and state.ema_params == {}
 
 
 def test_ami_term_lowers_the_loss_by_lambda_times_mi(tmp_path, minilm_dir):
@@ -129,7 +128,7 @@ def test_momentum_encoder_is_ema_of_updated_online_encoder(tmp_path, minilm_dir)
   assert any(moved)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(state.ema_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  assert int(state.queue_ptr) == 8 and int(state.queue_valid.sum()) == 8
+  assert int(state.queue.ptr) == 8 and int(state.queue.valid.sum()) == 8
 
 
 def test_four_cpu_devices_match_one_device(tmp_path, minilm_dir):
@@ -171,10 +170,43 @@ def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   a, b = _restore_latest(straight, config), _restore_latest(resumed, config)
   assert int(a.step) == int(b.step) == 6
   _leaves_equal(a, b)  # params, ema, opt state, queue, ids, pointer, rng, step (= data position)
-  ids = np.asarray(b.queue_ids)  # 6 pushes of 8 into 12 slots: step 4's last 4 ids, step 5's 8, oldest at ptr
+  ids = np.asarray(b.queue.ids)  # 6 pushes of 8 into 12 slots: step 4's last 4 ids, step 5's 8, oldest at ptr
   run = setup.prepare(config)
   want = np.concatenate([run.batches.global_sentence_ids(s) for s in (4, 5)])
-  np.testing.assert_array_equal(ids, np.roll(want[4:], int(b.queue_ptr)))
+  np.testing.assert_array_equal(ids, np.roll(want[4:], int(b.queue.ptr)))
+
+
+def _old_layout(state) -> dict:
+  """The train state as micse_jax wrote it before the queue became one struct (four loose fields)."""
+  fields = {k: getattr(state, k) for k in ("step", "params", "ema_params", "opt_state", "rng", "loss_scale",
+                                          "frozen_params")}
+  q = state.queue
+  return dict(fields, queue=q.embeddings, queue_valid=q.valid, queue_ptr=q.ptr, queue_ids=q.ids)
+
+
+def test_a_workdir_of_the_old_state_layout_is_refused_in_one_line(tmp_path, minilm_dir):
+  import orbax.checkpoint as ocp
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=2, checkpoint_every=2)
+  workdir = str(tmp_path / "old")
+  trainer.train_and_evaluate(config, workdir)
+  state = _restore_latest(workdir, config)
+  rolling = os.path.join(workdir, workdir_lib.ROLLING_DIR)
+  for name in os.listdir(rolling):  # rewrite the workdir as the previous release saved it
+    if name.isdigit():
+      subprocess.run(["rm", "-rf", os.path.join(rolling, name)], check=True)
+  manager = workdir_lib.rolling_manager(workdir, 2)
+  manager.save(2, args=ocp.args.StandardSave(_old_layout(state)))
+  manager.wait_until_finished()
+  config.num_train_steps = 4
+  with pytest.raises(CheckpointError) as error:
+    trainer.train_and_evaluate(config, workdir)
+  message = str(error.value)
+  assert "\n" not in message and "another train-state layout" in message and "queue_valid" in message
+  assert sorted(os.listdir(rolling)) == ["2"]  # nothing set aside, nothing written
+  step, params = workdir_lib.restore_params(workdir, "latest")  # its params stay readable
+  assert step == 2
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_dir):

@@ -87,6 +87,7 @@ def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert
 
 @dataclasses.dataclass
 class LayoutReport:
+  """One compiled layout's figures: its name, collectives by kind (`bench/collectives.py`), memory per device."""
   layout: str
   collectives: dict
   memory: dict  # MiB per device

@@ -18,7 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from micse_jax.errors import CheckpointError
-from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, unreadable_reason
+from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, step_reader, unreadable_reason
 
 UNREADABLE_DIR = "unreadable_checkpoints"
 
@@ -59,9 +59,49 @@ def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | No
                           f"{unreadable_reason(e)}") from e
 
 
+def state_layout(tree) -> set[str]:
+  """The key paths of a state tree's array leaves ("queue/ids", "opt_state/0/mu/...") — the same
+  strings for a live `TrainState` and for the nested dicts Orbax reports as a checkpoint's metadata."""
+  def name(key):
+    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
+      if hasattr(key, attr):
+        return str(getattr(key, attr))
+    return str(key)
+  return {"/".join(name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_layout(manager: ocp.CheckpointManager, abstract_state) -> None:
+  """Refuses, in one line, a workdir whose newest checkpoint holds another train-state layout
+  (written by an older micse_jax: e.g. the queue as four loose fields). Its params stay readable
+  (`micse-convert`, `micse-evaluate` read only `params`). An unreadable newest step is left to
+  `resume`'s fallback."""
+  step = manager.latest_step()
+  reader = step_reader(str(manager.directory))
+  try:
+    saved = state_layout(reader.item_metadata(step).tree)
+  except Exception:  # truncated / corrupt: resume() sets it aside and falls back
+    return
+  finally:
+    reader.close()
+  wanted = state_layout(abstract_state)
+  if saved != wanted:
+    raise CheckpointError(
+        f"checkpoint step {step} in {manager.directory} has another train-state layout than this micse_jax "
+        f"(saved, not expected: {_some(saved - wanted)}; expected, not saved: {_some(wanted - saved)}): it was "
+        "written by another version and cannot be resumed; start a new workdir (its params remain readable "
+        "by micse-convert and micse-evaluate)")
+
+
+def _some(names: set[str], most: int = 4) -> str:
+  shown = sorted(names)[:most]
+  return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "") if shown else "none"
+
+
 def resume(manager: ocp.CheckpointManager, abstract_state):
-  """`restore_state` for the trainer; unreadable newer steps are moved to `unreadable_checkpoints/`
-  (kept for inspection, not deleted) so that the resumed run can save those steps again."""
+  """`restore_state` for the trainer, after `check_layout`; unreadable newer steps are moved to
+  `unreadable_checkpoints/` (kept for inspection, not deleted) so that the resumed run can save
+  those steps again."""
+  check_layout(manager, abstract_state)
   step, state = _newest_readable_state(manager, abstract_state, manager.all_steps())
   unreadable = [s for s in manager.all_steps() if s > step]
   if unreadable:

@@ -5,13 +5,14 @@
 2. The momentum encoder (dropout p_m) and the online MLP head embed the batch, without
    gradient (`momentum_embeddings`).
 3. Those embeddings are pushed into a fixed-size ring buffer, the queue of extra negatives for
-   InfoNCE (miCSE Eq. 2) (`enqueue`, `enqueue_ids`).
+   InfoNCE (miCSE Eq. 2) (`Queue.push`).
 
 Static shapes: the queue is a `[Q, D]` array with a write pointer and a validity mask; a push
 writes the whole global batch at `(ptr + arange(B)) % Q` and advances the pointer. Beside the
 keys the queue keeps each entry's sentence id (`[Q]` int32, -1 while empty), written at the
 same slots, so InfoNCE can recognise an anchor's own sentence among the negatives (issue 11).
 """
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -34,14 +35,37 @@ def momentum_embeddings(nets, ema_params, head_params, batch, key) -> jax.Array:
   return jax.lax.stop_gradient(l2_normalize(z.astype(jnp.float32)))
 
 
-def empty_queue(size: int, dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(embeddings [Q, D], valid [Q] bool, pointer int32)."""
-  return jnp.zeros((size, dim), jnp.float32), jnp.zeros((size,), bool), jnp.zeros((), jnp.int32)
+@flax.struct.dataclass
+class Queue:
+  """The momentum encoder's ring buffer of negatives (miCSE §2.1): one struct, pushed as a whole.
 
+  embeddings `[Q, D]` float32 (L2-normalised), valid `[Q]` bool (slot written), ids `[Q]` int32
+  (each entry's corpus sentence id, `EMPTY_ID` while empty), ptr int32 scalar (next slot).
+  """
+  embeddings: jax.Array
+  valid: jax.Array
+  ids: jax.Array
+  ptr: jax.Array
 
-def empty_queue_ids(size: int) -> jax.Array:
-  """Sentence ids of an empty queue: `[Q]` int32, all `EMPTY_ID`."""
-  return jnp.full((size,), EMPTY_ID, jnp.int32)
+  @classmethod
+  def empty(cls, size: int, dim: int) -> "Queue":
+    """A queue of `size` slots of width `dim`, nothing written yet."""
+    return cls(embeddings=jnp.zeros((size, dim), jnp.float32), valid=jnp.zeros((size,), bool),
+               ids=jnp.full((size,), EMPTY_ID, jnp.int32), ptr=jnp.zeros((), jnp.int32))
+
+  @property
+  def size(self) -> int:
+    """Q, the number of slots."""
+    return self.embeddings.shape[0]
+
+  def push(self, embeddings: jax.Array, ids: jax.Array, row_mask=None) -> "Queue":
+    """Writes a batch (`embeddings` [B, D], sentence `ids` [B], B ≤ Q) at `ptr`, oldest entries
+    overwritten; rows with `row_mask` 0 (padding) are never enqueued."""
+    slots, written = _masked_slots(self.ptr, embeddings.shape[0], self.size, row_mask)
+    return Queue(embeddings=self.embeddings.at[slots].set(embeddings.astype(self.embeddings.dtype), mode="drop"),
+                 valid=self.valid.at[slots].set(True, mode="drop"),
+                 ids=self.ids.at[slots].set(ids.astype(jnp.int32), mode="drop"),
+                 ptr=((self.ptr + written) % self.size).astype(jnp.int32))
 
 
 def _slots(ptr: jax.Array, n: int, size: int) -> jax.Array:
@@ -57,22 +81,6 @@ def _masked_slots(ptr: jax.Array, n: int, size: int, row_mask) -> tuple[jax.Arra
   real = row_mask.astype(jnp.int32)
   slots = (ptr + jnp.cumsum(real) - 1) % size
   return jnp.where(real > 0, slots, size), jnp.sum(real)
-
-
-def enqueue(queue: jax.Array, valid: jax.Array, ptr: jax.Array, batch: jax.Array, row_mask=None):
-  """Writes `batch` [B, D] (B ≤ Q real rows) into the ring at `ptr`; oldest entries are
-  overwritten. Rows with `row_mask` 0 (padding) are never enqueued."""
-  size = queue.shape[0]
-  slots, written = _masked_slots(ptr, batch.shape[0], size, row_mask)
-  queue = queue.at[slots].set(batch.astype(queue.dtype), mode="drop")
-  valid = valid.at[slots].set(True, mode="drop")
-  return queue, valid, ((ptr + written) % size).astype(jnp.int32)
-
-
-def enqueue_ids(queue_ids: jax.Array, ptr: jax.Array, ids: jax.Array, row_mask=None) -> jax.Array:
-  """Writes the batch's sentence ids [B] at the slots `enqueue` fills from the same `ptr`."""
-  slots, _ = _masked_slots(ptr, ids.shape[0], queue_ids.shape[0], row_mask)
-  return queue_ids.at[slots].set(ids.astype(jnp.int32), mode="drop")
 
 
 def self_collision_warning(num_sentences: int, batch_size: int, queue_size: int, masked: bool) -> str | None:

@@ -1,38 +1,42 @@
 """The one explicit train-state pytree."""
+from __future__ import annotations
+
 from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
+import optax
 
-from micse_jax.training.momentum import empty_queue, empty_queue_ids
+from micse_jax.training.momentum import Queue
+
+Params = dict[str, Any]  # a Flax params tree: {'encoder': BERT params, 'head': MLP params, ...}
 
 
 @flax.struct.dataclass
 class TrainState:
-  step: jax.Array          # int32 scalar: optimizer steps taken == data position
-  params: Any              # {'encoder': BERT params, 'head': MLP params}
-  ema_params: Any          # momentum-encoder BERT params ({} when momentum is off)
-  opt_state: Any
-  queue: jax.Array         # [Q, D] normalised momentum embeddings ({} when momentum is off)
-  queue_valid: jax.Array   # [Q] bool: slot has been written
-  queue_ptr: jax.Array     # int32 scalar: next slot to write
-  queue_ids: jax.Array     # [Q] int32 corpus sentence id per slot, -1 while empty
-  rng: jax.Array           # uint32[2] base key; each step folds in `step`
+  """Everything a step reads and writes; checkpointed whole, so a restore resumes bit-identically.
+
+  The step number is the data position (`TrainBatches.batch(step)` is random access) and the
+  step's random keys are `step_keys(rng, step)` (`training/step.py`).
+  """
+  step: jax.Array              # int32 scalar: optimizer steps taken == data position
+  params: Params               # {'encoder', 'head'} + the method's extras (`networks.method_params`)
+  ema_params: Params           # momentum-encoder BERT params ({} when momentum is off)
+  opt_state: optax.OptState    # AdamW (+ clipping) state of `params`
+  queue: Queue | None          # the momentum queue of negatives (None when momentum is off)
+  rng: jax.Array               # uint32[2] base key; each step folds in `step`
   # float16 only: {'scale', 'counter', 'skipped_steps'} of dynamic loss scaling (precision.py)
-  loss_scale: Any = flax.struct.field(default_factory=dict)
-  frozen_params: Any = None  # never trained (InfoCSE: lower half of the initial encoder); {} when unused
+  loss_scale: dict[str, jax.Array] = flax.struct.field(default_factory=dict)
+  frozen_params: Params = flax.struct.field(default_factory=dict)  # never trained (InfoCSE's lower half)
 
 
-def create_train_state(params, tx, *, seed: int, momentum: bool, queue_size: int, dim: int,
-                       frozen_params=None, loss_scale: dict | None = None) -> TrainState:
+def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed: int, momentum: bool,
+                       queue_size: int, dim: int, frozen_params: Params | None = None,
+                       loss_scale: dict | None = None) -> TrainState:
   """Step 0: the given params and optimizer state, an empty queue and EMA = online encoder (if momentum)."""
-  # Without momentum there is no queue: empty subtrees (Orbax cannot store zero-size arrays).
-  queue, valid, ptr = empty_queue(queue_size, dim) if momentum else ({}, {}, {})
-  queue_ids = empty_queue_ids(queue_size) if momentum else {}
   return TrainState(
       step=jnp.zeros((), jnp.int32), params=params,
       ema_params=jax.tree.map(jnp.copy, params["encoder"]) if momentum else {},
-      opt_state=tx.init(params), queue=queue, queue_valid=valid, queue_ptr=ptr,
-      queue_ids=queue_ids, rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {},
-      loss_scale=loss_scale or {})
+      opt_state=tx.init(params), queue=Queue.empty(queue_size, dim) if momentum else None,
+      rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {}, loss_scale=loss_scale or {})

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
 from micse_jax.training import infocse, precision, terms
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training.momentum import ema_update, enqueue, enqueue_ids, momentum_embeddings
+from micse_jax.training.momentum import Queue, ema_update, momentum_embeddings
 from micse_jax.training.networks import Networks
 from micse_jax.training.state import TrainState
 from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
@@ -29,17 +29,19 @@ from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
 KEY_NAMES = ("drop", "momentum", "ami", "view", "mlm", "infocse")
 
 
-def step_keys(state: TrainState) -> dict[str, jax.Array]:
-  """One independent key per random part of the step, from the base key folded with the step."""
-  return dict(zip(KEY_NAMES, jax.random.split(jax.random.fold_in(state.rng, state.step), len(KEY_NAMES))))
+def step_keys(rng: jax.Array, step) -> dict[str, jax.Array]:
+  """One independent key per random part of the step (`KEY_NAMES`): the base key `rng` folded
+  with the step number, then split."""
+  return dict(zip(KEY_NAMES, jax.random.split(jax.random.fold_in(rng, step), len(KEY_NAMES))))
 
 
 def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh | None = None) -> Callable:
-  """loss_fn(params, frozen, batch, queue, queue_valid, queue_ids, keys, step) -> (loss, metrics).
+  """loss_fn(params, frozen, batch, queue, keys, step) -> (loss, metrics).
 
-  On a data-parallel `mesh` the per-sentence AMI sampling runs on the device holding the
-  sentence (`mesh.rows_per_device`). Rows with `batch["row_mask"]` 0 (padding of a batch the
-  devices do not divide) are no anchor, no negative and in no term or metric.
+  `queue` is the momentum `Queue` of extra negatives, or None (no momentum encoder). On a
+  data-parallel `mesh` the per-sentence AMI sampling runs on the device holding the sentence
+  (`mesh.rows_per_device`). Rows with `batch["row_mask"]` 0 (padding of a batch the devices do
+  not divide) are no anchor, no negative and in no term or metric.
   """
   second_view, encode = SECOND_VIEWS[config.view.kind], encode_views(config)
   map_rows = mesh_lib.rows_per_device(mesh)
@@ -48,25 +50,32 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
   def project(params, head_name, hidden):
     return nets.head.apply({"params": params[head_name]}, hidden[:, 0]).astype(jnp.float32)
 
-  def loss_fn(params, frozen, batch, queue, queue_valid, queue_ids, keys, step):
-    view2 = second_view(params, batch, keys["view"], nets, config)
-    enc = encode(params, tokens_of(batch), view2, keys["drop"], nets)
-    z1, z2 = project(params, "head", enc.hidden1), project(params, head_b, enc.hidden2)
+  def loss_fn(params, frozen, batch, queue: Queue | None, keys, step):
+    with jax.named_scope("views"):
+      view2 = second_view(params, batch, keys["view"], nets, config)
+    with jax.named_scope("encode"):
+      enc = encode(params, tokens_of(batch), view2, keys["drop"], nets)
+      z1, z2 = project(params, "head", enc.hidden1), project(params, head_b, enc.hidden2)
     row_mask = batch.get(ROW_MASK_KEY)
-    parts = [terms.contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=batch.get(SENTENCE_IDS_KEY),
-                                    queue_ids=queue_ids, row_mask=row_mask)]
+    with jax.named_scope("loss/contrastive"):
+      parts = [terms.contrastive_term(z1, z2, queue, config, anchor_ids=batch.get(SENTENCE_IDS_KEY),
+                                      row_mask=row_mask)]
     if config.ami.enabled:
-      parts.append(terms.ami_term(enc.att1, enc.att2, batch["attention_mask"], keys["ami"], config,
-                                  row_mask=row_mask, map_rows=map_rows))
+      with jax.named_scope("loss/ami"):
+        parts.append(terms.ami_term(enc.att1, enc.att2, batch["attention_mask"], keys["ami"], config,
+                                    row_mask=row_mask, map_rows=map_rows))
     if config.reconstruction.enabled:
-      parts.append(terms.reconstruction_term(z1, z2, config, row_mask=row_mask))
+      with jax.named_scope("loss/reconstruction"):
+        parts.append(terms.reconstruction_term(z1, z2, config, row_mask=row_mask))
     if config.mlm.enabled:
-      parts.append(terms.mlm_term(params, batch, keys["mlm"], nets, config))
+      with jax.named_scope("loss/mlm"):
+        parts.append(terms.mlm_term(params, batch, keys["mlm"], nets, config))
     loss = sum(p[0] for p in parts)
     metrics = {k: v for _, m in parts for k, v in m.items()}
     if config.infocse.enabled:  # its term, and its pre-training phase (§3.1)
-      loss, metrics = infocse.add_to_loss(loss, metrics, params, frozen, batch, enc.hidden1[:, 0],
-                                          keys["infocse"], step, nets, config)
+      with jax.named_scope("loss/infocse"):
+        loss, metrics = infocse.add_to_loss(loss, metrics, params, frozen, batch, enc.hidden1[:, 0],
+                                            keys["infocse"], step, nets, config)
     return loss, metrics
 
   return loss_fn
@@ -77,31 +86,31 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
                     mesh: Mesh | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Returns the pure (un-jitted) step; `trainer` jits it with shardings and donation (and
   passes its `mesh`, see `make_loss_fn`)."""
-  use_momentum = config.momentum.enabled
   loss_fn = make_loss_fn(config, nets, mesh)
   sharded = config.get("mesh", {}).get("shard_state", False)
   whole = lambda tree: mesh_lib.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    keys = step_keys(state)
-    queue = whole(state.queue) if use_momentum else None
-    valid = state.queue_valid if use_momentum else None
-    queue_ids = state.queue_ids if use_momentum else None
+    keys = step_keys(state.rng, state.step)
+    queue = None if state.queue is None else state.queue.replace(embeddings=whole(state.queue.embeddings))
     grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
-    (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, valid,
-                                     queue_ids, keys, state.step)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
+                                     state.step)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-    if use_momentum:
-      embeddings = momentum_embeddings(nets, whole(state.ema_params), whole(state.params["head"]), batch,
-                                       keys["momentum"])
-      row_mask = batch.get(ROW_MASK_KEY)  # padding rows are never enqueued
-      q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, embeddings, row_mask)
-      new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
-                        queue=q, queue_valid=v, queue_ptr=ptr,
-                        queue_ids=enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY], row_mask))
-    new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
+    if state.queue is not None:
+      with jax.named_scope("momentum_forward"):
+        embeddings = momentum_embeddings(nets, whole(state.ema_params), whole(state.params["head"]), batch,
+                                         keys["momentum"])
+      with jax.named_scope("enqueue"):  # padding rows are never enqueued
+        pushed = state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY))
+      with jax.named_scope("ema"):
+        new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
+                          queue=pushed)
+    with jax.named_scope("finite"):
+      new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
     metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=optax.global_norm(grads),
                    lr=schedule(state.step))
     return new, metrics

@@ -24,21 +24,23 @@ from micse_jax.losses.ami_cells import all_rows_here
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize, row_mean
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.losses.reconstruction import reconstruction_loss
+from micse_jax.training.momentum import Queue
 from micse_jax.training.views import special_mask
 
 OBJECTIVES = ("infonce", "positive_only")  # `loss.objective`'s choices (config_checks reads this)
 
 
-def contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=None, queue_ids=None, row_mask=None):
-  """InfoNCE (in-batch + queue negatives; queue entries of the anchor's own sentence masked when
-  `momentum.mask_same_sentence`), or the positive-only alignment objective. Rows with
-  `row_mask` 0 (padding) are no anchor and no negative."""
+def contrastive_term(z1, z2, queue: Queue | None, config, anchor_ids=None, row_mask=None):
+  """InfoNCE (in-batch + `queue` negatives, none when it is None; queue entries of the anchor's
+  own sentence, by `anchor_ids`, masked when `momentum.mask_same_sentence`), or the positive-only
+  alignment objective. Rows with `row_mask` 0 (padding) are no anchor and no negative."""
   if config.loss.objective == "positive_only":
     loss = positive_only_loss(z1, z2, temperature=config.loss.temperature, row_mask=row_mask)
     pos_cos = row_mean(jnp.sum(l2_normalize(z1) * l2_normalize(z2), axis=-1), row_mask)
     return loss, {"positive_only": loss, "pos_cos": pos_cos}
-  loss, metrics = info_nce_loss(z1, z2, queue, queue_valid, temperature=config.loss.temperature,
-                                anchor_ids=anchor_ids, queue_ids=queue_ids,
+  negatives = {} if queue is None else {"queue": queue.embeddings, "queue_valid": queue.valid,
+                                         "queue_ids": queue.ids}
+  loss, metrics = info_nce_loss(z1, z2, **negatives, temperature=config.loss.temperature, anchor_ids=anchor_ids,
                                 mask_same_sentence=config.momentum.mask_same_sentence, row_mask=row_mask)
   return loss, dict(metrics, infonce=loss)
 
