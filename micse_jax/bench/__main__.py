@@ -26,7 +26,7 @@ import jax
 
 from micse_jax.bench import hardware, host, jax_step, scaling, trace_summary
 from micse_jax.bench.rows import Rows, write_json_atomically
-from micse_jax.bench.torch_step import time_steps
+from micse_jax.bench.torch_step import TORCH_MODES, time_steps
 from micse_jax.models.dtypes import DTYPES
 
 PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
@@ -48,7 +48,10 @@ def parse_args(argv):
   p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
   p.add_argument("--piece_steps", type=int, default=5, help="timed runs of each breakdown piece")
-  p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baseline")
+  p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baselines")
+  p.add_argument("--torch_mode", default=",".join(TORCH_MODES),
+                 help="comma-separated PyTorch peers: eager (the public code's way) and/or compiled "
+                      "(torch.compile, SDPA outside AMI's layers, fused AdamW, foreach EMA)")
   p.add_argument("--no_breakdown", action="store_true", help="skip the per-piece breakdown")
   p.add_argument("--encode", action=argparse.BooleanOptionalAction, default=True,
                  help="compare encode throughput with sentence-transformers (default on)")
@@ -67,6 +70,9 @@ def parse_args(argv):
   p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
                  help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
+  modes = args.torch_mode.split(",")
+  if not modes or any(m not in TORCH_MODES for m in modes):
+    p.error(f"--torch_mode {args.torch_mode!r}: comma-separated choices of {', '.join(TORCH_MODES)}")
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
     p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
   return args
@@ -118,12 +124,13 @@ def run(args, rows: Rows | None = None) -> dict:
   if args.profile:
     rows.add("profile", profile_lines, profile=profile(step, args.profile), profile_dir=args.profile)
   del step
-  if not args.no_torch:
+  for mode in [] if args.no_torch else args.torch_mode.split(","):
     from micse_jax.bench.torch_step import torch_benchmark
-    t_times, t_peak = torch_benchmark(model_dir, batch, args.dtype, args.warmup, args.steps)
+    t_times, t_peak = torch_benchmark(model_dir, batch, args.dtype, args.warmup, args.steps, mode)
     t = {"step_ms": _ms(t_times), "sentences_per_s": args.batch_size / statistics.median(t_times),
-         "peak_device_bytes": t_peak}
-    rows.add("torch", torch_lines, torch=t, speedup_vs_torch=t["step_ms"] / rows.result["jax"]["step_ms"])
+         "peak_device_bytes": t_peak, "mode": mode}
+    key = TORCH_RESULT_KEYS[mode]
+    rows.add(key, torch_lines(key), **{key: t, f"speedup_vs_{key}": t["step_ms"] / rows.result["jax"]["step_ms"]})
   if args.encode:
     from micse_jax.bench import encode
     corpus = args.encode_corpus or _default_corpus()
@@ -163,12 +170,18 @@ def jax_lines(r: dict) -> list[str]:
           f"  MFU (model FLOPs / step time / device peak)  {mfu}"]
 
 
-def torch_lines(r: dict) -> list[str]:
-  """The PyTorch baseline's step and its ratio to micse_jax's."""
-  t = r["torch"]
-  return [f"  PyTorch step                 {t['step_ms']:.1f} ms   ({t['sentences_per_s']:.1f} sentences/s), "
-          f"peak device memory {_gib(t['peak_device_bytes'])}",
-          f"  ratio PyTorch / micse_jax    {r['speedup_vs_torch']:.2f}x"]
+TORCH_RESULT_KEYS = {"eager": "torch", "compiled": "torch_compiled"}  # mode -> the result's key
+TORCH_LABELS = {"torch": "PyTorch (eager, public code)", "torch_compiled": "PyTorch (torch.compile)"}
+
+
+def torch_lines(key: str):
+  """The report lines of one PyTorch peer (`key` of `TORCH_RESULT_KEYS`): its step and ratio to micse_jax's."""
+  def lines(r: dict) -> list[str]:
+    t, label = r[key], TORCH_LABELS[key]
+    return [f"  {label + ' step':<34}{t['step_ms']:.1f} ms   ({t['sentences_per_s']:.1f} sentences/s), "
+            f"peak device memory {_gib(t['peak_device_bytes'])}",
+            f"  ratio {label} / micse_jax    {r[f'speedup_vs_{key}']:.2f}x"]
+  return lines
 
 
 def breakdown_lines(r: dict) -> list[str]:
@@ -197,8 +210,9 @@ def profile_lines(r: dict) -> list[str]:
   return trace_summary.report_lines(r["profile"]) + [f"  profiler trace written to {r['profile_dir']}"]
 
 
-SECTIONS = (("compile_s", compile_lines), ("jax", jax_lines), ("torch", torch_lines),
-            ("breakdown_ms", breakdown_lines), ("encode", encode_lines), ("profile_dir", profile_lines))
+SECTIONS = (("compile_s", compile_lines), ("jax", jax_lines), ("torch", torch_lines("torch")),
+            ("torch_compiled", torch_lines("torch_compiled")), ("breakdown_ms", breakdown_lines),
+            ("encode", encode_lines), ("profile_dir", profile_lines))
 
 
 def report(result: dict) -> str:

@@ -31,7 +31,7 @@ from micse_jax.data.pipeline import SENTENCE_IDS_KEY
 from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize
 from micse_jax.models.bert import collect_attentions, interleave_views, split_views
-from micse_jax.training.momentum import ema_update, enqueue
+from micse_jax.training.momentum import ema_update
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
@@ -134,7 +134,7 @@ class JaxStep:
   def keys(self):
     """The step's (dropout, momentum, AMI) keys, derived exactly as `make_train_step` does."""
     from micse_jax.training.step import step_keys
-    keys = step_keys(self.state)
+    keys = step_keys(self.state.rng, self.state.step)
     return keys["drop"], keys["momentum"], keys["ami"]
 
   def pieces(self) -> dict[str, Callable[[], object]]:
@@ -168,11 +168,11 @@ class JaxStep:
       return jax.value_and_grad(loss_fn)(att)
 
     @jax.jit
-    def momentum_fwd(ema_params, head_params, batch, k_mom, queue, valid, ptr):
+    def momentum_fwd(ema_params, head_params, batch, k_mom, queue):
       out = nets.momentum.apply({"params": ema_params}, batch["input_ids"], batch["attention_mask"],
                                 batch["token_type_ids"], deterministic=False, rngs={"dropout": k_mom})
       z = nets.head.apply({"params": head_params}, out.last_hidden_state[:, 0])
-      return enqueue(queue, valid, ptr, l2_normalize(z.astype(jnp.float32)))
+      return queue.push(l2_normalize(z.astype(jnp.float32)), batch[SENTENCE_IDS_KEY])
 
     @jax.jit
     def optimizer_ema(grads, opt_state, params, ema_params):
@@ -182,12 +182,12 @@ class JaxStep:
 
     s, b = self.state, self.batch
     k_drop, k_mom, k_ami = self.keys()
-    loss, att, grads = online_fwd_bwd(s.params, b, s.queue, s.queue_valid, s.queue_ids, k_drop)
+    q = s.queue
+    loss, att, grads = online_fwd_bwd(s.params, b, q.embeddings, q.valid, q.ids, k_drop)
     return {
-        "online_fwd_bwd": lambda: online_fwd_bwd(s.params, b, s.queue, s.queue_valid, s.queue_ids, k_drop),
+        "online_fwd_bwd": lambda: online_fwd_bwd(s.params, b, q.embeddings, q.valid, q.ids, k_drop),
         "ami": lambda: ami(att, b["attention_mask"], k_ami),
-        "momentum_fwd": lambda: momentum_fwd(s.ema_params, s.params["head"], b, k_mom, s.queue,
-                                             s.queue_valid, s.queue_ptr),
+        "momentum_fwd": lambda: momentum_fwd(s.ema_params, s.params["head"], b, k_mom, q),
         "optimizer_ema": lambda: optimizer_ema(grads, s.opt_state, s.params, s.ema_params),
     }
 

@@ -1,9 +1,15 @@
-"""The PyTorch baseline: the same miCSE step written with HF `transformers.BertModel`.
+"""The PyTorch peers: the same miCSE step written with HF `transformers.BertModel`, two ways.
 
-Eager attention (AMI needs the probabilities), two dropout views in one forward, InfoNCE with
-384 queue negatives, AMI over 150 shared Gumbel-top-k samples of adjacent head pairs of the
-last four layers, AdamW with gradient clipping, EMA momentum encoder (dropout 0.3), enqueue.
-bfloat16/float16 use `torch.autocast` (float16 with `GradScaler`, PyTorch's loss scaling).
+`eager` is the public code's way ("the public code"): eager attention everywhere (AMI needs the
+probabilities), per-parameter AdamW, a Python-loop EMA. `compiled` is the best PyTorch we know
+for the same step: the loss (forward, InfoNCE, AMI) under `torch.compile`, PyTorch's SDPA kernel
+in every layer whose probabilities AMI does not read (eager attention kept in the last four),
+fused AdamW (`fused=True`), and the EMA as two `torch._foreach` calls.
+
+Both: two dropout views in one forward, InfoNCE with 384 queue negatives, AMI over 150 shared
+Gumbel-top-k samples of adjacent head pairs of the last four layers, gradient clipping, EMA
+momentum encoder (dropout 0.3), enqueue. bfloat16/float16 use `torch.autocast` (float16 with
+`GradScaler`, PyTorch's loss scaling).
 """
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ import copy
 import time
 
 from micse_jax.optional import require
+
+TORCH_MODES = ("eager", "compiled")  # `bench --torch_mode`'s choices
+AMI_LAYERS = 4  # AMI reads the last four layers' attention probabilities
+QUEUE_SIZE = 384
 
 
 def time_steps(step, n_warmup: int, n: int) -> list[float]:
@@ -45,58 +55,107 @@ def _torch_ami(torch, att, mask, n: int):
   return (-0.5 * torch.log(1 - (rho * rho).clamp(max=1 - 1e-4))).mean()
 
 
-def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps: int):
-  """Median-able step times (s) of the PyTorch miCSE step, and peak CUDA memory (None on CPU)."""
-  import transformers
-  torch = require("torch", "the PyTorch baseline of the bench")
-  device = "cuda" if torch.cuda.is_available() else "cpu"
-  model = transformers.BertModel.from_pretrained(model_dir, attn_implementation="eager").to(device).train()
-  hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
-  mlp = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh()).to(device)
-  momentum = copy.deepcopy(model)
-  for m in momentum.modules():
-    if isinstance(m, torch.nn.Dropout):
-      m.p = 0.3
-  for p in momentum.parameters():
-    p.requires_grad_(False)
-  params = list(model.parameters()) + list(mlp.parameters())
-  opt = torch.optim.AdamW(params, lr=3e-5, weight_decay=0.0)
-  queue = torch.nn.functional.normalize(torch.randn(384, hidden, device=device), dim=-1)
-  ptr = [0]
-  tokens = ("input_ids", "attention_mask", "token_type_ids")
-  b = {k: torch.tensor(batch[k], dtype=torch.long, device=device) for k in tokens}
-  two = {k: torch.cat([v, v]) for k, v in b.items()}
-  n = b["input_ids"].shape[0]
-  half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-  autocast = torch.autocast(device, dtype=half or torch.bfloat16, enabled=half is not None)
-  scaler = torch.amp.GradScaler(device, enabled=dtype == "float16")  # PyTorch's loss scaling
+def load_bert(model_dir: str, device: str, mode: str):
+  """HF BertModel in training mode; `compiled`: SDPA in every layer AMI does not read.
 
-  def step():
-    with autocast:
-      out = model(**two, output_attentions=True)
-      z = mlp(out.last_hidden_state[:, 0]).float()
+  The model is built with eager attention (so the additive mask is the one eager needs, which
+  SDPA also accepts); the first L − 4 layers' self-attention then gets a config copy naming
+  `sdpa`, which transformers' attention interface looks up per call.
+  """
+  import transformers
+  model = transformers.BertModel.from_pretrained(model_dir, attn_implementation="eager").to(device).train()
+  if mode == "compiled":
+    layers = model.encoder.layer
+    for layer in layers[:max(len(layers) - AMI_LAYERS, 0)]:
+      fast = copy.copy(model.config)
+      fast._attn_implementation = "sdpa"
+      layer.attention.self.config = fast
+  return model
+
+
+class TorchMicseStep:
+  """The PyTorch miCSE step (`mode` eager or compiled) on one fixed batch; `step()` runs one."""
+
+  def __init__(self, model_dir: str, batch: dict, dtype: str, mode: str = "eager", device: str | None = None):
+    torch = self.torch = require("torch", "the PyTorch baseline of the bench")
+    if mode not in TORCH_MODES:
+      raise ValueError(f"torch mode {mode!r}: expected one of {TORCH_MODES}")
+    self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    self.mode, self.model = mode, load_bert(model_dir, self.device, mode)
+    hidden = self.model.config.hidden_size
+    self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh()).to(self.device)
+    self.momentum = copy.deepcopy(self.model)
+    for m in self.momentum.modules():
+      if isinstance(m, torch.nn.Dropout):
+        m.p = 0.3
+    for p in self.momentum.parameters():
+      p.requires_grad_(False)
+    self.params = list(self.model.parameters()) + list(self.mlp.parameters())
+    self.opt = torch.optim.AdamW(self.params, lr=3e-5, weight_decay=0.0, fused=mode == "compiled")
+    self.queue = torch.nn.functional.normalize(torch.randn(QUEUE_SIZE, hidden, device=self.device), dim=-1)
+    self.ptr = 0
+    self.batch = {k: torch.tensor(batch[k], dtype=torch.long, device=self.device)
+                  for k in ("input_ids", "attention_mask", "token_type_ids")}
+    half = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    self.autocast = lambda: torch.autocast(self.device, dtype=half or torch.bfloat16, enabled=half is not None)
+    self.scaler = torch.amp.GradScaler(self.device, enabled=dtype == "float16")  # PyTorch's loss scaling
+    self.loss_fn = torch.compile(self.loss) if mode == "compiled" else self.loss
+    self.keys_fn = torch.compile(self.momentum_keys) if mode == "compiled" else self.momentum_keys
+
+  def loss(self, batch: dict, queue):
+    """InfoNCE over two dropout views with `queue` negatives, minus λ·AMI (miCSE Eq. 2 and 5)."""
+    torch, n = self.torch, batch["input_ids"].shape[0]
+    two = {k: torch.cat([v, v]) for k, v in batch.items()}
+    with self.autocast():
+      out = self.model(**two, output_attentions=True)
+      z = self.mlp(out.last_hidden_state[:, 0]).float()
       z1, z2 = torch.nn.functional.normalize(z, dim=-1).chunk(2)
       logits = torch.cat([z1 @ z2.T, z1 @ queue.T], dim=1) / 0.05
-      loss = torch.nn.functional.cross_entropy(logits, torch.arange(n, device=device))
-      att = torch.stack(out.attentions[max(layers - 4, 0):]).float()
-      loss = loss - 2.5e-3 * _torch_ami(torch, att, b["attention_mask"], n)
-    opt.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    scaler.step(opt)
-    scaler.update()
-    with torch.no_grad(), autocast:
-      for pm, po in zip(momentum.parameters(), model.parameters()):
-        pm.mul_(0.995).add_(po.detach(), alpha=0.005)
-      k = torch.nn.functional.normalize(mlp(momentum(**b).last_hidden_state[:, 0]).float(), dim=-1)
-      slots = (ptr[0] + torch.arange(n, device=device)) % queue.shape[0]
-      queue[slots] = k
-      ptr[0] = (ptr[0] + n) % queue.shape[0]
-    loss.item()  # synchronise
+      loss = torch.nn.functional.cross_entropy(logits, torch.arange(n, device=z.device))
+      att = torch.stack([a for a in out.attentions if a is not None][-AMI_LAYERS:]).float()
+      return loss - 2.5e-3 * _torch_ami(torch, att, batch["attention_mask"], n)
 
-  if device == "cuda":
+  def momentum_keys(self, batch: dict):
+    """The momentum encoder's L2-normalised [CLS] embeddings through the online MLP head."""
+    with self.autocast():
+      return self.torch.nn.functional.normalize(self.mlp(self.momentum(**batch).last_hidden_state[:, 0]).float(),
+                                                dim=-1)
+
+  def ema(self) -> None:
+    """target ← 0.995·target + 0.005·online: a Python loop (eager) or two `_foreach` kernels' worth."""
+    online, target = list(self.model.parameters()), list(self.momentum.parameters())
+    if self.mode == "compiled":
+      self.torch._foreach_mul_(target, 0.995)
+      self.torch._foreach_add_(target, online, alpha=0.005)
+      return
+    for pm, po in zip(target, online):
+      pm.mul_(0.995).add_(po.detach(), alpha=0.005)
+
+  def step(self) -> float:
+    """One optimizer step, EMA and enqueue; synchronises; returns the loss."""
+    torch = self.torch
+    loss = self.loss_fn(self.batch, self.queue)
+    self.opt.zero_grad(set_to_none=True)
+    self.scaler.scale(loss).backward()
+    self.scaler.unscale_(self.opt)
+    torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True if self.mode == "compiled" else None)
+    self.scaler.step(self.opt)
+    self.scaler.update()
+    with torch.no_grad():
+      self.ema()
+      keys = self.keys_fn(self.batch)
+      n = keys.shape[0]
+      self.queue[(self.ptr + torch.arange(n, device=self.device)) % QUEUE_SIZE] = keys
+      self.ptr = (self.ptr + n) % QUEUE_SIZE
+    return loss.item()  # synchronise
+
+
+def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps: int, mode: str = "eager"):
+  """Median-able step times (s) of the PyTorch miCSE step in `mode`, and peak CUDA memory (None on CPU)."""
+  step = TorchMicseStep(model_dir, batch, dtype, mode)
+  torch = step.torch
+  if step.device == "cuda":
     torch.cuda.reset_peak_memory_stats()
-  times = time_steps(step, warmup, steps)
-  peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+  times = time_steps(step.step, warmup, steps)
+  peak = torch.cuda.max_memory_allocated() if step.device == "cuda" else None
   return times, peak
