@@ -246,3 +246,22 @@ def test_second_run_compiles_from_the_cache(tmp_path, minilm_dir):
   assert len(os.listdir(root / "tokenized")) == 1
   assert any(name.endswith("-cache") for name in os.listdir(root / "jax_compilation_cache"))
 
+
+
+@pytest.mark.slow
+def test_resume_adds_a_session_to_the_timeline(tmp_path, minilm_dir, monkeypatch):
+  """A preempted run records its session (unfinished); the resume adds one; the top level sums them."""
+  from micse_jax.training import checkpoint, trainer
+  from tests.train_utils import train_preempted_after_first_save
+  config = tiny_training_config(tmp_path, minilm_dir)
+  workdir = str(tmp_path / "run")
+  train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, workdir)
+  trainer.train_and_evaluate(config, workdir)
+  document = jsonio.read_json(os.path.join(workdir, workdir_lib.TIMELINE_FILE))
+  first, second = document["sessions"]
+  assert (first["finished"], first["steps"]) == (False, {"from": 0, "to": 0})
+  assert (second["finished"], second["steps"]) == (True, {"from": 2, "to": 4})
+  for key in timeline.KEYS:
+    assert document[key] == pytest.approx(first[key] + second[key], abs=2e-3)
+  assert first["compile_s"] > 0 and second["load_s"] > 0 and second["train_s"] > 0
+  assert second["compilation_cache"] == caches.compilation_cache_dir(config)
