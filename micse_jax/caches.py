@@ -80,12 +80,13 @@ def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
   import jax
   from jax.experimental.compilation_cache import compilation_cache as jax_cache
   directory = compilation_cache_dir(config)
-  if directory == jax.config.jax_compilation_cache_dir and bool(directory) == jax.config.jax_enable_compilation_cache:
-    return directory
   group = _cache_config(config)
   max_size = group.get("compilation_max_size", DEFAULT_COMPILATION_MAX_SIZE) if group is not None \
       else DEFAULT_COMPILATION_MAX_SIZE
-  jax_cache.reset_cache()  # a later run in the same process may name another folder
+  if (directory, directory is not None, max_size) != (jax.config.jax_compilation_cache_dir,
+                                                      jax.config.jax_enable_compilation_cache,
+                                                      jax.config.jax_compilation_cache_max_size):
+    jax_cache.reset_cache()  # JAX opens its cache once per process: a later run may name another folder
   jax.config.update("jax_enable_compilation_cache", directory is not None)
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

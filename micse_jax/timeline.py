@@ -71,11 +71,10 @@ class Timeline:
     self._listening = False
 
   def _on_span(self, event: str, start: float, end: float, **_) -> None:
-    if event == COMPILE_EVENTS[-1]:
-      self.compile_count += 1
     if event in COMPILE_EVENTS:
       with self._lock:
         self._compiles.append((start, end))
+        self.compile_count += event == COMPILE_EVENTS[-1]
 
   def start(self) -> "Timeline":
     """Starts the clock and the compile listener; makes this the active timeline."""
