@@ -31,6 +31,8 @@ TOKENIZED_DIR = "tokenized"
 DEFAULT_COMPILATION_MAX_SIZE = 16 * 2**30  # bytes kept by JAX's LRU eviction
 JAX_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own variable: used when `cache.dir` is unset
 
+_applied: tuple | None = None  # (folder, max size) this process last pointed JAX's cache at
+
 
 def user_cache_root() -> str:
   """`$XDG_CACHE_HOME/micse_jax`, else `~/.cache/micse_jax` (not created here)."""
@@ -83,16 +85,16 @@ def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
   group = _cache_config(config)
   max_size = group.get("compilation_max_size", DEFAULT_COMPILATION_MAX_SIZE) if group is not None \
       else DEFAULT_COMPILATION_MAX_SIZE
-  if (directory, directory is not None, max_size) != (jax.config.jax_compilation_cache_dir,
-                                                      jax.config.jax_enable_compilation_cache,
-                                                      jax.config.jax_compilation_cache_max_size):
+  global _applied
+  if _applied is not None and _applied != (directory, max_size):
     jax_cache.reset_cache()  # JAX opens its cache once per process: a later run may name another folder
+  _applied = (directory, max_size)
   jax.config.update("jax_enable_compilation_cache", directory is not None)
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   jax.config.update("jax_compilation_cache_max_size", max_size)
-  logging.info("JAX compilation cache: %s", directory or "off")
+  logging.debug("JAX compilation cache: %s", directory or "off")
   return directory
 
 

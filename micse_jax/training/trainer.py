@@ -48,7 +48,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (resuming from `workdir` when it holds checkpoints); returns the final results.
 
   The session's seconds per phase are added to `workdir/timeline.json` (`micse_jax/timeline.py`),
-  also when the run fails once the workdir exists."""
+  also when training fails; never when the input was refused (nothing is written then)."""
   session = timeline.Timeline().start()
   try:
     return _train_and_evaluate(config, workdir, session)
@@ -103,9 +103,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
 
 
 def _write_timeline(workdir: str, session: timeline.Timeline) -> None:
-  """Adds the session to `workdir/timeline.json` (first process; not when no workdir was made)."""
+  """Adds the session to `workdir/timeline.json` (first process; only once the run got as far as
+  its train state, i.e. all input checks passed)."""
   entry = {"ended_at": timeline.now_iso(), **session.finish()}
-  if jax.process_index() != 0 or not os.path.isdir(workdir):
+  if jax.process_index() != 0 or "steps" not in entry:
     return
   try:
     timeline.add_session(os.path.join(workdir, workdir_lib.TIMELINE_FILE), entry)
