@@ -20,6 +20,7 @@ warns and compiles again.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -85,6 +86,10 @@ def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
   group = _cache_config(config)
   max_size = group.get("compilation_max_size", DEFAULT_COMPILATION_MAX_SIZE) if group is not None \
       else DEFAULT_COMPILATION_MAX_SIZE
+  if max_size != -1 and importlib.util.find_spec("filelock") is None:
+    logging.warning("the filelock package is missing: JAX's compilation cache runs unbounded and "
+                    "without its lock (pip install filelock)")
+    max_size = -1  # JAX refuses a bounded cache without filelock
   global _applied
   if _applied is not None and _applied != (directory, max_size):
     jax_cache.reset_cache()  # JAX opens its cache once per process: a later run may name another folder
