@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import ml_collections
 
-from micse_jax import paths
+from micse_jax import caches, paths
 from micse_jax import workdir as workdir_lib
 from micse_jax.augmentation.add import ADD_MODES
 from micse_jax.data.pipeline import SHUFFLE_SCHEMES
@@ -33,11 +33,12 @@ from micse_jax.training.terms import OBJECTIVES
 from micse_jax.training.views import ADD_IMPORTANCE, SECOND_VIEWS
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
-# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state);
-# any other difference would silently continue a different run. A missing field of an old
-# config.json is such a difference unless it is listed here.
+# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state;
+# where the caches live); any other difference would silently continue a different run. A
+# missing field of an old config.json is such a difference unless it is listed here.
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_every", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.")
+                     "eval_every", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.",
+                     "cache.")
 
 
 def _is_int(v) -> bool:
@@ -135,6 +136,10 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "infocse.weight": _real(0),
     "infocse.mask_prob": _real(0, 1, lo_open=True, hi_open=True),
     "analysis.num_sentences": _int(2),  # uniformity needs pairs
+    "cache.dir": caches.check_cache_dir,
+    "cache.compilation": _bool,
+    "cache.compilation_max_size": caches.check_max_size,
+    "cache.tokenized": _bool,
 }
 
 

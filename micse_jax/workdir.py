@@ -6,6 +6,7 @@ importing the trainer: the layout, the Orbax managers, the best-metric key, the 
     workdir/best/<step>/          {'params': ...} of the best STS-B dev score (`BEST_METRIC`)
     workdir/results.json          final evaluation of the best checkpoint
     workdir/tensorboard/          training and dev-score scalars
+    workdir/timeline.json         seconds per phase, one entry per session (`micse_jax/timeline.py`)
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from micse_jax import jsonio
+from micse_jax import jsonio, timeline
 from micse_jax.errors import CheckpointError, one_line
 from micse_jax.models.bert import BertConfig
 
@@ -24,6 +25,7 @@ ROLLING_DIR = "checkpoints"
 BEST_DIR = "best"
 RESULTS_FILE = "results.json"
 TENSORBOARD_DIR = "tensorboard"
+TIMELINE_FILE = "timeline.json"
 BEST_METRIC = "stsb_dev"  # the metric the best checkpoint is chosen by (STS-B dev Spearman x100)
 
 
@@ -198,6 +200,9 @@ def run_summary(workdir: str) -> list[str]:
   results = os.path.join(wd, RESULTS_FILE)
   lines.append(f"  results:          {results if os.path.isfile(results) else 'none (eval.final_tasks empty or no SentEval data)'}")
   lines.append(f"  TensorBoard logs: tensorboard --logdir {os.path.join(wd, TENSORBOARD_DIR)}")
+  timeline_path = os.path.join(wd, TIMELINE_FILE)
+  if os.path.isfile(timeline_path):
+    lines.append(f"  timeline:         {timeline.one_line(jsonio.read_json(timeline_path))}")
   which = " --best" if best_step is not None else ""
   lines.append(f"  export:           python -m micse_jax.convert --workdir {wd}{which} --output EXPORT_DIR")
   return lines

@@ -1,10 +1,24 @@
 """Shared fixtures: real local checkpoints from pip packages, SentEval data beside the repo."""
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from micse_jax import paths
+
+# The suite never writes to the user's ~/.cache: the caches (JAX compilations, tokenised corpora,
+# `micse_jax/caches.py`) stay on but live in a folder of this test session, which subprocesses
+# inherit through the environment; removed when the session ends.
+TEST_CACHE_HOME = tempfile.mkdtemp(prefix="micse-test-cache-")
+os.environ["XDG_CACHE_HOME"] = TEST_CACHE_HOME
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """Removes the session's cache folder."""
+  shutil.rmtree(TEST_CACHE_HOME, ignore_errors=True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tests live in
 SHARED_DATA = paths.shared_data_dir()  # $MICSE_DATA_DIR, else shared/data in or above the cwd

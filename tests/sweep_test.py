@@ -314,3 +314,20 @@ def test_fewshot_queue_study_is_the_hand_listed_grid(tmp_path):
   grid = [("simcse", 64, None), ("moco_simcse", 64, True), ("moco_simcse", 64, False), ("ami_simcse", 64, None),
           ("micse", 64, True), ("micse", 64, False), ("simcse", 1024, None), ("micse", 1024, True)]
   assert cells == {(m, n, mask, seed) for m, n, mask in grid for seed in (0, 1, 2)}
+
+
+def test_sweep_report_sums_the_runs_timelines(fake_sweep):
+  """Seconds per phase: sum and mean over the runs that wrote timeline.json (hand-computed)."""
+  from micse_jax import jsonio, timeline
+  sweep_dir, runs = fake_sweep
+  jsonio.write_json(os.path.join(runs[0].workdir, "timeline.json"), {"compile_s": 30.0, "train_s": 10.0, "total_s": 50.0})
+  jsonio.write_json(os.path.join(runs[5].workdir, "timeline.json"), {"compile_s": 6.0, "data_s": 2.0, "total_s": 20.0})
+  document = aggregate.write_reports(runs, sweep_dir, "t")
+  times = document["timeline"]
+  assert times["n"] == 2 and times["runs"] == sorted([runs[0].name, runs[5].name])
+  assert times["phases"]["compile_s"] == {"sum": 36.0, "mean": 18.0}
+  assert times["phases"]["train_s"] == {"sum": 10.0, "mean": 5.0}
+  assert times["phases"]["total_s"] == {"sum": 70.0, "mean": 35.0}
+  assert set(times["phases"]) == set(timeline.KEYS)
+  md = open(os.path.join(sweep_dir, "results.md"), encoding="utf-8").read()
+  assert "| sum | 36.0 | 2.0 | 0.0 | 10.0 |" in md and "| mean | 18.0 | 1.0 | 0.0 | 5.0 |" in md

@@ -85,6 +85,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.batch_size = 128
   c.eval.transfer_protocol = "senteval"  # transfer classifier: senteval (the papers') or logreg
 
+  c.cache = ml_collections.ConfigDict()  # fixed costs paid once (micse_jax/caches.py; shared by sweeps, resumes)
+  c.cache.dir = ""                    # "" = $XDG_CACHE_HOME/micse_jax, else ~/.cache/micse_jax
+  c.cache.compilation = True          # JAX's persistent compilation cache in <dir>/jax_compilation_cache
+  c.cache.compilation_max_size = 16 * 2**30  # bytes (JAX's LRU eviction + file lock); -1 = unbounded
+  c.cache.tokenized = True            # text corpora tokenised once, in <dir>/tokenized
+
   add_method_fields(c)  # views and loss terms of the relatives (issue 7)
 
   if arg == "demo":

@@ -33,6 +33,7 @@ resume (`config_checks.check_resume_compatible`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -42,6 +43,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from micse_jax.data import token_cache
 from micse_jax.data.corpus import CorpusError, first_occurrence_ids, read_corpus, subset_indices
 from micse_jax.tokenization import TOKEN_KEYS, Tokenizer
 
@@ -267,7 +269,7 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
                         global_batch_size: int, seed: int, num_sentences: int | None = None,
                         subset_seed: int = 0, process_index: int | None = None,
                         process_count: int | None = None, show_progress: bool = True,
-                        padded_batch_size: int | None = None) -> TrainBatches:
+                        padded_batch_size: int | None = None, cache_dir: str | None = None) -> TrainBatches:
   """Reads, subsets and tokenizes a corpus file into `TrainBatches`.
 
   Args:
@@ -283,6 +285,9 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
     process_count: number of hosts; defaults to `jax.process_count()`.
     show_progress: show a tqdm bar while tokenizing.
     padded_batch_size: rows per step including padding rows (`TrainBatches`; default the batch).
+    cache_dir: folder of tokenised text corpora (`micse_jax.data.token_cache`); None: no cache.
+      A whole-corpus run stores the file's tokens there; any run of the same file, tokenizer
+      and max length (few-shot subsets included) then reads them instead of tokenising.
 
   Returns:
     The batch source for this host; its `sentence_ids` are indices into the corpus's
@@ -298,22 +303,57 @@ def build_train_batches(corpus_path: str, tokenizer: Tokenizer, *, max_length: i
     tokens = prepared.open_prepared(corpus_path, tokenizer, max_length, num_sentences, subset_seed)
     count, sentence_ids = len(tokens), None
   else:
-    sentences = read_corpus(corpus_path)
-    try:
-      indices = subset_indices(len(sentences), num_sentences, subset_seed)
-    except CorpusError as e:
-      raise CorpusError(f"{corpus_path}: {e}") from e
-    sentence_ids = first_occurrence_ids(sentences)[indices]
-    sentences = [sentences[i] for i in indices]
-    tokens, count = None, len(sentences)
+    tokens, sentence_ids = _text_corpus_tokens(corpus_path, tokenizer, max_length, num_sentences, subset_seed,
+                                               global_batch_size, cache_dir, show_progress)
+    count = len(sentence_ids)
   if count < global_batch_size:
     raise CorpusError(f"corpus {corpus_path} gives {count} training sentences, "
                       f"fewer than one global batch of {global_batch_size}")
-  if tokens is None:
-    tokens = tokenize_corpus(sentences, tokenizer, max_length, show_progress=show_progress)
   if process_index is None:
     process_index = jax.process_index()
   if process_count is None:
     process_count = jax.process_count()
   return TrainBatches(tokens, global_batch_size, seed, process_index, process_count, sentence_ids,
                       padded_batch_size=padded_batch_size)
+
+
+def _cache_key(corpus_path: str, tokenizer: Tokenizer, max_length: int, cache_dir: str | None) -> str | None:
+  """The token-cache key of a readable text file; None without a cache (or an unreadable file,
+  which `read_corpus` then reports)."""
+  if not cache_dir or not os.path.isfile(corpus_path):
+    return None
+  try:
+    return token_cache.cache_key(corpus_path, tokenizer, max_length)
+  except OSError:
+    return None
+
+
+def _text_corpus_tokens(corpus_path: str, tokenizer: Tokenizer, max_length: int, num_sentences: int | None,
+                        subset_seed: int, global_batch_size: int, cache_dir: str | None,
+                        show_progress: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """(token arrays, sentence ids) of a text corpus's training rows (its few-shot subset): read
+  from the token cache when it holds the file, else tokenised; a whole-corpus run stores them.
+  A corpus smaller than one batch fails before anything is tokenised."""
+  key = _cache_key(corpus_path, tokenizer, max_length, cache_dir)
+  cached = token_cache.load(cache_dir, key) if key else None
+  sentences = read_corpus(corpus_path) if cached is None else None
+  total = len(sentences) if cached is None else len(cached[1])
+  try:
+    indices = subset_indices(total, num_sentences, subset_seed)
+  except CorpusError as e:
+    raise CorpusError(f"{corpus_path}: {e}") from e
+  if len(indices) < global_batch_size:
+    return {}, np.zeros(len(indices), np.int32)  # the caller reports the count
+  whole = num_sentences is None or num_sentences <= 0
+  if cached is None:
+    ids = first_occurrence_ids(sentences)
+    if not (key and whole):  # a few-shot subset without a cached corpus: tokenise the subset only
+      return tokenize_corpus([sentences[i] for i in indices], tokenizer, max_length,
+                             show_progress=show_progress), ids[indices]
+    cached = (tokenize_corpus(sentences, tokenizer, max_length, show_progress=show_progress), ids)
+    try:
+      token_cache.store(cache_dir, key, *cached)
+    except OSError as e:
+      logging.warning("could not cache the tokenised corpus in %s: %s", cache_dir, e)
+  tokens, ids = cached
+  return (tokens, ids) if whole else ({k: v[indices] for k, v in tokens.items()}, ids[indices])

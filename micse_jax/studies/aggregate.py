@@ -1,4 +1,5 @@
-"""Sweep results: mean ± std over seeds per method × size (× other axes), as JSON, Markdown, CSV.
+"""Sweep results: mean ± std over seeds per method × size (× other axes), as JSON, Markdown, CSV,
+and the runs' seconds per phase (`timeline.json`: sum and mean over the sweep's runs).
 
 The std is the sample standard deviation over the finished seeds (ddof = 1, as papers report
 seed spread); with one finished seed it is undefined and shown as "-". `n` is the number of
@@ -14,12 +15,14 @@ import os
 
 import numpy as np
 
+from micse_jax import timeline
 from micse_jax.evaluation.report import STS_COLUMNS, TRANSFER_COLUMNS
-from micse_jax.jsonio import write_json
+from micse_jax.jsonio import read_json, write_json
 from micse_jax.studies.runner import read_status
 from micse_jax.studies.spec import RunSpec, method_name
 
 RESULTS_FILE = "results.json"
+TIMELINE_FILE = "timeline.json"  # a run's seconds per phase (`micse_jax/timeline.py`, `workdir.TIMELINE_FILE`)
 
 
 def mean_std(values) -> tuple[float | None, float | None]:
@@ -87,6 +90,36 @@ def collect(runs: list[RunSpec]) -> tuple[list[dict], list[dict]]:
   return rows, problems
 
 
+def time_per_phase(runs: list[RunSpec]) -> dict:
+  """Seconds per phase over the runs that wrote `timeline.json` (finished or not): per key of
+  `timeline.KEYS` the sum and mean over those runs, `n` runs, and `runs` naming them."""
+  documents = {}
+  for run in runs:
+    path = os.path.join(run.workdir, TIMELINE_FILE)
+    if os.path.isfile(path):
+      try:
+        documents[run.name] = read_json(path)
+      except (OSError, ValueError):
+        continue
+  phases = {}
+  for key in timeline.KEYS:
+    values = [float(d.get(key) or 0.0) for d in documents.values()]
+    phases[key] = {"sum": round(sum(values), 3), "mean": round(sum(values) / len(values), 3) if values else None}
+  return {"n": len(documents), "runs": sorted(documents), "phases": phases}
+
+
+def _time_lines(times: dict) -> list[str]:
+  """results.md's table of seconds per phase (sum and mean over the runs with a timeline)."""
+  if not times or not times["n"]:
+    return []
+  keys = timeline.KEYS
+  return ["", f"Seconds per phase over the {times['n']} runs with a `timeline.json` (compiles counted apart; "
+          "a resumed run sums its sessions):", "",
+          "| | " + " | ".join(k[:-2] for k in keys) + " |", "|---|" + "---:|" * len(keys),
+          "| sum | " + " | ".join(f"{times['phases'][k]['sum']:.1f}" for k in keys) + " |",
+          "| mean | " + " | ".join(f"{times['phases'][k]['mean']:.1f}" for k in keys) + " |"]
+
+
 def _columns(rows: list[dict]) -> list[tuple[str, str]]:
   """(score key, header) of the scores present in any row, in the paper's order."""
   present = {name for row in rows for name in row["scores"]}
@@ -116,7 +149,7 @@ def _cell(score: dict | None) -> str:
   return f"{score['mean']:.2f} ± {score['std']:.2f}" if score["std"] is not None else f"{score['mean']:.2f} ± -"
 
 
-def markdown(rows: list[dict], problems: list[dict], name: str) -> str:
+def markdown(rows: list[dict], problems: list[dict], name: str, times: dict | None = None) -> str:
   """results.md: one table row per (method, labels, size), mean ± std over seeds, then the problems."""
   columns, extra = _columns(rows), [k for k in _label_keys(rows) if k != "data.num_sentences"]
   header = ["method", *extra, "sentences", "seeds"] + [label for _, label in columns]
@@ -131,6 +164,7 @@ def markdown(rows: list[dict], problems: list[dict], name: str) -> str:
   if problems:
     lines += ["", "Runs not counted:", ""]
     lines += [f"- `{p['run']}`: {p['status']}" + (f" — {p['error']}" if p.get("error") else "") for p in problems]
+  lines += _time_lines(times)
   return "\n".join(lines) + "\n"
 
 
@@ -151,10 +185,12 @@ def csv_text(rows: list[dict]) -> str:
 def write_reports(runs: list[RunSpec], sweep_dir: str, name: str) -> dict:
   """Writes results.json / results.md / results.csv in `sweep_dir`; returns the JSON document."""
   rows, problems = collect(runs)
-  document = {"sweep": name, "std": "sample (ddof=1) over finished seeds", "rows": rows, "not_counted": problems}
+  times = time_per_phase(runs)
+  document = {"sweep": name, "std": "sample (ddof=1) over finished seeds", "rows": rows, "not_counted": problems,
+              "timeline": times}
   os.makedirs(sweep_dir, exist_ok=True)
   write_json(os.path.join(sweep_dir, "results.json"), document)
-  for filename, text in (("results.md", markdown(rows, problems, name)), ("results.csv", csv_text(rows))):
+  for filename, text in (("results.md", markdown(rows, problems, name, times)), ("results.csv", csv_text(rows))):
     tmp = os.path.join(sweep_dir, filename + ".tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
       f.write(text)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from micse_jax import config_checks
+from micse_jax import caches, config_checks, timeline
 from micse_jax.data.pipeline import TrainBatches, build_train_batches
 from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
@@ -49,13 +49,16 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
   needs_head = config_checks.needs_mlm_head(config)
   if needs_head:
     config_checks.check_mlm_head(config, model_dir, has_mlm_head(model_dir))
-  _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)
-  tokenizer = Tokenizer.from_pretrained(model_dir)
-  batches = build_train_batches(
-      config.data.corpus, tokenizer, max_length=config.model.max_length,
-      global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
-      subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
-      padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, jax.device_count()))
+  with timeline.phase("load"):
+    _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+  with timeline.phase("data"):
+    batches = build_train_batches(
+        config.data.corpus, tokenizer, max_length=config.model.max_length,
+        global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
+        subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
+        padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, jax.device_count()),
+        cache_dir=caches.tokenized_cache_dir(config))
   warning = config.momentum.enabled and self_collision_warning(
       batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
   if warning and jax.process_index() == 0:

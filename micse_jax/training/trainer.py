@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from micse_jax import config_checks
+from micse_jax import caches, config_checks, timeline
 from micse_jax import workdir as workdir_lib
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.prefetch import Prefetcher
@@ -45,9 +45,22 @@ def jit_train_step(run: Run, tx, mesh, state_sharding, layout: BatchLayout):
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (resuming from `workdir` when it holds checkpoints); returns the final results."""
+  """Trains (resuming from `workdir` when it holds checkpoints); returns the final results.
+
+  The session's seconds per phase are added to `workdir/timeline.json` (`micse_jax/timeline.py`),
+  also when training fails; never when the input was refused (nothing is written then)."""
+  session = timeline.Timeline().start()
+  try:
+    return _train_and_evaluate(config, workdir, session)
+  finally:
+    _write_timeline(workdir, session)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session: timeline.Timeline) -> dict:
+  """`train_and_evaluate` with its phases marked on `session`."""
   config = precision.with_resolved_dtype(config)  # "auto" → this accelerator's dtype, printed once
   config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
+  session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
   run = prepare(config)  # all input validation happens before the workdir is touched
   mesh = mesh_lib.data_mesh()
   tx = make_optimizer(config)
@@ -56,28 +69,49 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                            config.mesh.shard_min_elements)
   os.makedirs(workdir, exist_ok=True)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
-  if rolling.latest_step() is not None:
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            abstract_state, state_sharding)
-    state = checkpoint.resume(rolling, abstract)  # any topology; skips an unreadable latest step
-    logging.info("resumed from step %d", int(state.step))
-  else:
-    state = jax.device_put(initial_state(run, tx), state_sharding)
+  with session.phase("load"):
+    if rolling.latest_step() is not None:
+      abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              abstract_state, state_sharding)
+      state = checkpoint.resume(rolling, abstract)  # any topology; skips an unreadable latest step
+      logging.info("resumed from step %d", int(state.step))
+    else:
+      state = jax.device_put(initial_state(run, tx), state_sharding)
+  session.info.update(steps={"from": int(state.step), "to": int(state.step)}, finished=False)
   if jax.process_index() == 0:
     workdir_lib.write_run_config(workdir, {**config.to_dict(), "model_dir": run.model_dir,
                                           "bert_config": run.bert_config.to_dict()})
   layout = BatchLayout.of(run.batches.batch(int(state.step)))
   train_step = jit_train_step(run, tx, mesh, state_sharding, layout)
-  evaluators = _Evaluators.create(run, workdir)
+  with session.phase("eval"):  # the dev sets read and tokenised once
+    evaluators = _Evaluators.create(run, workdir)
   writer = _summary_writer(workdir)
   try:
-    state = _loop(run, state, train_step, (mesh, layout), rolling, evaluators, writer)
+    with session.phase("train"):
+      state = _loop(run, state, train_step, (mesh, layout), rolling, evaluators, writer)
+    session.info["steps"]["to"] = int(state.step)
   finally:
-    rolling.wait_until_finished()
-    evaluators.best.wait_until_finished()
+    with session.phase("save"):
+      rolling.wait_until_finished()
+      evaluators.best.wait_until_finished()
     if writer:
       writer.close()
-  return _final_evaluation(workdir, state, evaluators)
+  with session.phase("final_eval"):
+    results = _final_evaluation(workdir, state, evaluators)
+  session.info["finished"] = True
+  return results
+
+
+def _write_timeline(workdir: str, session: timeline.Timeline) -> None:
+  """Adds the session to `workdir/timeline.json` (first process; only once the run got as far as
+  its train state, i.e. all input checks passed)."""
+  entry = {"ended_at": timeline.now_iso(), **session.finish()}
+  if jax.process_index() != 0 or "steps" not in entry:
+    return
+  try:
+    timeline.add_session(os.path.join(workdir, workdir_lib.TIMELINE_FILE), entry)
+  except OSError as e:
+    logging.warning("could not write %s: %s", workdir_lib.TIMELINE_FILE, e)
 
 
 @dataclasses.dataclass
@@ -110,7 +144,8 @@ class _Evaluators:
       scores = self.selection(state.params)
       if scores[workdir_lib.BEST_METRIC] > self.best_score:
         self.best_score = scores[workdir_lib.BEST_METRIC]
-        checkpoint.save_best(self.best, done, state.params, self.best_score, wait=False)  # waited for at the end
+        with timeline.phase("save"):
+          checkpoint.save_best(self.best, done, state.params, self.best_score, wait=False)  # waited for at the end
       _write_scalars(writer, done, self.selection.tagged(scores))
       bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
     if self.heldout is not None:
@@ -173,9 +208,11 @@ def _loop(run: Run, state, train_step, placement, rolling, evaluators: _Evaluato
       if log:
         tick = _log(bar, writer, metrics, done, c.log_every, tick)
       if evaluate:
-        evaluators(state, writer, bar)
+        with timeline.phase("eval"):
+          evaluators(state, writer, bar)
       if save:
-        checkpoint.save_state(rolling, state)
+        with timeline.phase("save"):
+          checkpoint.save_state(rolling, state)
   return state
 
 
