@@ -49,24 +49,31 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
     return nets.head.apply({"params": params[head_name]}, hidden[:, 0]).astype(jnp.float32)
 
   def loss_fn(params, frozen, batch, queue, queue_valid, queue_ids, keys, step):
-    view2 = second_view(params, batch, keys["view"], nets, config)
-    enc = encode(params, tokens_of(batch), view2, keys["drop"], nets)
-    z1, z2 = project(params, "head", enc.hidden1), project(params, head_b, enc.hidden2)
+    with jax.named_scope("views"):
+      view2 = second_view(params, batch, keys["view"], nets, config)
+    with jax.named_scope("encode"):
+      enc = encode(params, tokens_of(batch), view2, keys["drop"], nets)
+      z1, z2 = project(params, "head", enc.hidden1), project(params, head_b, enc.hidden2)
     row_mask = batch.get(ROW_MASK_KEY)
-    parts = [terms.contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=batch.get(SENTENCE_IDS_KEY),
-                                    queue_ids=queue_ids, row_mask=row_mask)]
+    with jax.named_scope("loss/contrastive"):
+      parts = [terms.contrastive_term(z1, z2, queue, queue_valid, config, anchor_ids=batch.get(SENTENCE_IDS_KEY),
+                                      queue_ids=queue_ids, row_mask=row_mask)]
     if config.ami.enabled:
-      parts.append(terms.ami_term(enc.att1, enc.att2, batch["attention_mask"], keys["ami"], config,
-                                  row_mask=row_mask, map_rows=map_rows))
+      with jax.named_scope("loss/ami"):
+        parts.append(terms.ami_term(enc.att1, enc.att2, batch["attention_mask"], keys["ami"], config,
+                                    row_mask=row_mask, map_rows=map_rows))
     if config.reconstruction.enabled:
-      parts.append(terms.reconstruction_term(z1, z2, config, row_mask=row_mask))
+      with jax.named_scope("loss/reconstruction"):
+        parts.append(terms.reconstruction_term(z1, z2, config, row_mask=row_mask))
     if config.mlm.enabled:
-      parts.append(terms.mlm_term(params, batch, keys["mlm"], nets, config))
+      with jax.named_scope("loss/mlm"):
+        parts.append(terms.mlm_term(params, batch, keys["mlm"], nets, config))
     loss = sum(p[0] for p in parts)
     metrics = {k: v for _, m in parts for k, v in m.items()}
     if config.infocse.enabled:  # its term, and its pre-training phase (§3.1)
-      loss, metrics = infocse.add_to_loss(loss, metrics, params, frozen, batch, enc.hidden1[:, 0],
-                                          keys["infocse"], step, nets, config)
+      with jax.named_scope("loss/infocse"):
+        loss, metrics = infocse.add_to_loss(loss, metrics, params, frozen, batch, enc.hidden1[:, 0],
+                                            keys["infocse"], step, nets, config)
     return loss, metrics
 
   return loss_fn
@@ -90,18 +97,23 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, valid,
                                      queue_ids, keys, state.step)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if use_momentum:
-      embeddings = momentum_embeddings(nets, whole(state.ema_params), whole(state.params["head"]), batch,
-                                       keys["momentum"])
+      with jax.named_scope("momentum_forward"):
+        embeddings = momentum_embeddings(nets, whole(state.ema_params), whole(state.params["head"]), batch,
+                                         keys["momentum"])
       row_mask = batch.get(ROW_MASK_KEY)  # padding rows are never enqueued
-      q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, embeddings, row_mask)
-      new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
-                        queue=q, queue_valid=v, queue_ptr=ptr,
-                        queue_ids=enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY], row_mask))
-    new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
+      with jax.named_scope("enqueue"):
+        q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, embeddings, row_mask)
+        ids = enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY], row_mask)
+      with jax.named_scope("ema"):
+        ema_params = ema_update(params["encoder"], state.ema_params, config.momentum.decay)
+      new = new.replace(ema_params=ema_params, queue=q, queue_valid=v, queue_ptr=ptr, queue_ids=ids)
+    with jax.named_scope("finite"):
+      new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
     metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=optax.global_norm(grads),
                    lr=schedule(state.step))
     return new, metrics
