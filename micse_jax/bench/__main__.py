@@ -24,7 +24,7 @@ import sys
 
 import jax
 
-from micse_jax.bench import hardware, host, jax_step, scaling, trace_summary
+from micse_jax.bench import aot, hardware, host, jax_step, scaling, trace_summary
 from micse_jax.bench.rows import Rows, write_json_atomically
 from micse_jax.bench.torch_step import time_steps
 from micse_jax.models.dtypes import DTYPES
@@ -64,11 +64,18 @@ def parse_args(argv):
   p.add_argument("--collectives", action="store_true",
                  help="instead: collectives and memory per device of the compiled BERT-base step for the "
                       "current devices, state replicated vs sharded, with and without remat (bench/scaling.py)")
+  p.add_argument("--aot", metavar="TARGET", choices=aot.TARGETS,
+                 help="instead: compile the step and the encode program for a GPU/TPU that is not here ("
+                      + ", ".join(aot.TARGETS) + ") and report kernels by kind and phase, memory per device, "
+                      "collectives (bench/aot.py; needs the extra 'aot' or 'aot-tpu')")
+  p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
                  help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
-  if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
-    p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
+  if args.batch_size < 1 or args.max_length < 4 or args.steps < 1 or args.devices < 1:
+    p.error("--batch_size, --steps and --devices must be >= 1, --max_length >= 4")
+  if args.aot and args.dtype == "auto":
+    p.error("--aot needs an explicit --dtype (float32, bfloat16 or float16): 'auto' reads the local device")
   return args
 
 
@@ -210,11 +217,27 @@ def report(result: dict) -> str:
   return "\n".join(lines)
 
 
+def run_aot(args) -> dict:
+  """`--aot TARGET`: compiles on this CPU for the target, prints the report and the JSON line."""
+  from micse_jax import cli
+  jax.config.update("jax_platforms", "cpu")  # the target is not here; compile on the host
+  with cli.input_errors_as_one_line():
+    result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype)
+  print("\n".join(aot.report_lines(result)))
+  if args.output:
+    write_json_atomically(args.output, result)
+  print(json.dumps(result))
+  sys.stdout.flush()
+  return result
+
+
 def main(argv=None) -> dict:
   """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
   if args.host:
     return host.run(args)
+  if args.aot:
+    return run_aot(args)
   if args.collectives:
     result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
     if args.output:
