@@ -125,9 +125,11 @@ def kind_of(ins: Instruction, computations: dict[str, list[Instruction]]) -> str
       return "cuDNN fusion"
     if backend:
       return f"custom fusion ({backend})"
-    fused = [i for c in ins.called() for i in computations.get(c, ())]
-    if any(i.opcode in ("dot", "convolution") for i in fused):
+    fused = {i.opcode for c in ins.called() for i in computations.get(c, ())}
+    if fused & {"dot", "convolution"}:
       return "matmul fusion"
+    if "sort" in fused:
+      return "sort"
     kind = re.search(r"kind=k(\w+)", text)
     return f"{kind.group(1).lower() if kind else 'loop'} fusion"
   if op in ("sort",):
