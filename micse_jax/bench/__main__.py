@@ -4,9 +4,10 @@
     python -m micse_jax.bench --model bert-base --batch_size 50 --dtype bfloat16 --profile /tmp/trace
 
 Prints: compile time, model FLOPs (bench/flops.py) and XLA's FLOP count of the train step; the step time (median) of
-micse_jax and of the PyTorch baseline and their ratio; the step broken down into separately
-jitted pieces (online forward+backward, AMI term, momentum forward, optimizer+EMA); peak
-memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
+micse_jax and of the PyTorch baseline and their ratio; the step's time by phase (a profile of a
+few full steps, each op under the step's `jax.named_scope` it belongs to: two-view encoding
+forward and backward, each loss term, optimizer, EMA, momentum forward, enqueue; jax_step.py);
+peak memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
 sentence-transformers' encode (batch --encode_batch_size). Each figure is printed as soon as it
 is measured and appended as one JSON row to --rows (bench/rows.py), and --output is rewritten
 with the result so far after each row, so a late failure (out of memory at the PyTorch
@@ -21,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 
 import jax
 
@@ -28,11 +30,6 @@ from micse_jax.bench import aot, hardware, host, jax_step, scaling, trace_summar
 from micse_jax.bench.rows import Rows, write_json_atomically
 from micse_jax.bench.torch_step import time_steps
 from micse_jax.models.dtypes import DTYPES
-
-PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
-PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
-                "ami": "AMI term (sampling + correlation, fwd+bwd)",
-                "momentum_fwd": "momentum forward (+ enqueue)", "optimizer_ema": "optimizer + EMA update"}
 
 
 def parse_args(argv):
@@ -47,9 +44,9 @@ def parse_args(argv):
                  help="model.dropout_random_bits of the micse_jax step (16: two draws per random word)")
   p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-  p.add_argument("--piece_steps", type=int, default=5, help="timed runs of each breakdown piece")
+  p.add_argument("--piece_steps", type=int, default=3, help="profiled full steps of the breakdown by phase")
   p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baseline")
-  p.add_argument("--no_breakdown", action="store_true", help="skip the per-piece breakdown")
+  p.add_argument("--no_breakdown", action="store_true", help="skip the breakdown by phase (a profile)")
   p.add_argument("--encode", action=argparse.BooleanOptionalAction, default=True,
                  help="compare encode throughput with sentence-transformers (default on)")
   p.add_argument("--encode_batch_size", type=int, default=128)
@@ -57,7 +54,7 @@ def parse_args(argv):
   p.add_argument("--encode_corpus", default=None,
                  help="sentences for --encode (first lines); default: the shared wiki excerpt, "
                       "else random words")
-  p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 full steps here")
+  p.add_argument("--profile", metavar="DIR", help="write the jax.profiler trace of the breakdown's full steps here")
   p.add_argument("--output", help="also write the JSON result to this file (rewritten after each row)")
   p.add_argument("--rows", help="append each measured row to this JSON-lines file as it is measured")
   host.add_arguments(p)
@@ -83,21 +80,6 @@ def _ms(times) -> float:
   return 1e3 * statistics.median(times)
 
 
-def breakdown(step: jax_step.JaxStep, warmup: int, steps: int) -> dict:
-  """Milliseconds per step of each separately jitted piece of the step (`PIECES`)."""
-  pieces = step.pieces()
-  return {name: _ms(jax_step.time_piece(pieces[name], warmup, steps)) for name in PIECES}
-
-
-def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> dict:
-  """Writes a trace of `n` steps and returns where their XLA op time went (trace_summary)."""
-  with jax.profiler.trace(directory, create_perfetto_trace=True):
-    for i in range(n):
-      with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
-        step.run_step()
-  return trace_summary.summarize(directory, n)
-
-
 def run(args, rows: Rows | None = None) -> dict:
   """Measures everything `args` asks for; each part goes to `rows` as soon as it is measured."""
   import transformers
@@ -114,16 +96,19 @@ def run(args, rows: Rows | None = None) -> dict:
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
   compile_s, flops = step.compile()
   rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops)
-  if not args.no_breakdown:  # before the full step: that one donates (consumes) the state
-    rows.add("breakdown", breakdown_lines, breakdown_ms=breakdown(step, 1, args.piece_steps))
   times = time_steps(step.run_step, args.warmup, args.steps)
   seconds = statistics.median(times)
   rows.add("jax", jax_lines, jax={
       "step_ms": 1e3 * seconds, "sentences_per_s": args.batch_size / seconds,
       "mfu": hardware.mfu(step.model_flops, seconds, args.dtype), "peak_device_bytes": hardware.peak_device_bytes(),
       "peak_host_rss_bytes": hardware.peak_host_rss_bytes()})
-  if args.profile:
-    rows.add("profile", profile_lines, profile=profile(step, args.profile), profile_dir=args.profile)
+  if args.profile or not args.no_breakdown:
+    directory = args.profile or tempfile.mkdtemp(prefix="micse_bench_trace_")
+    summary = step.phase_ms(directory, args.piece_steps)  # op time by kind and by phase
+    if not args.no_breakdown:
+      rows.add("breakdown", breakdown_lines, breakdown_ms=summary["ms_per_step_by_phase"])
+    if args.profile:
+      rows.add("profile", profile_lines, profile=summary, profile_dir=args.profile)
   del step
   if not args.no_torch:
     from micse_jax.bench.torch_step import torch_benchmark
@@ -179,14 +164,13 @@ def torch_lines(r: dict) -> list[str]:
 
 
 def breakdown_lines(r: dict) -> list[str]:
-  """The separately jitted pieces of the step and their shares."""
+  """The step's op time by phase (its named scopes), from a profile of full steps."""
   total = sum(r["breakdown_ms"].values())
-  lines = ["  breakdown (each piece separately jitted and timed; pieces cannot fuse across "
-           "their borders, so they sum to more than the step):"]
-  for name in PIECES:
-    ms = r["breakdown_ms"][name]
-    lines.append(f"    {PIECE_TITLES[name]:<44} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
-  return lines + [f"    {'sum of pieces':<44} {total:9.1f} ms"]
+  lines = ["  breakdown by phase (profile of full steps; each op under the step's named scope, "
+           "forward / backward inside the gradient):"]
+  for phase, ms in r["breakdown_ms"].items():
+    lines.append(f"    {phase:<44} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+  return lines + [f"    {'op time per step':<44} {total:9.1f} ms"]
 
 
 def encode_lines(r: dict) -> list[str]:
