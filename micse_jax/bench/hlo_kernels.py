@@ -59,6 +59,7 @@ class Instruction:
     return names
 
   def op_name(self) -> str | None:
+    """The `op_name` of the instruction's metadata (its jax name stack), or None."""
     match = _OP_NAME.search(self.text)
     return match.group(1) if match else None
 
