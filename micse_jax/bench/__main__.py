@@ -26,7 +26,7 @@ import tempfile
 
 import jax
 
-from micse_jax.bench import aot, hardware, host, jax_step, scaling, trace_summary
+from micse_jax.bench import aot, hardware, hlo_kernels, host, jax_step, scaling, trace_summary
 from micse_jax.bench.rows import Rows, write_json_atomically
 from micse_jax.bench.torch_step import time_steps
 from micse_jax.models.dtypes import DTYPES
@@ -65,6 +65,9 @@ def parse_args(argv):
                  help="instead: compile the step and the encode program for a GPU/TPU that is not here ("
                       + ", ".join(aot.TARGETS) + ") and report kernels by kind and phase, memory per device, "
                       "collectives (bench/aot.py; needs the extra 'aot' or 'aot-tpu')")
+  p.add_argument("--encode_attention", action="store_true",
+                 help="instead: encode throughput with the fused attention (cuDNN flash attention on a GPU in "
+                      "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
                  help="with --collectives: comma-separated state/remat layouts to compile")
@@ -95,7 +98,9 @@ def run(args, rows: Rows | None = None) -> dict:
     config.model.dropout_random_bits = args.dropout_random_bits
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
   compile_s, flops = step.compile()
-  rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops)
+  kernels = hlo_kernels.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
+  rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops,
+           kernels_per_step=kernels["kernels_per_step"], update_kernels_per_step=kernels["update_kernels_per_step"])
   times = time_steps(step.run_step, args.warmup, args.steps)
   seconds = statistics.median(times)
   rows.add("jax", jax_lines, jax={
@@ -143,7 +148,9 @@ def header_lines(r: dict) -> list[str]:
 def compile_lines(r: dict) -> list[str]:
   """Compile time, the step's model FLOPs (bench/flops.py) and XLA's own count."""
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
-          f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})"]
+          f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})",
+          f"  kernels per step             {r['kernels_per_step']} (update {r['update_kernels_per_step']}; "
+          "bench/hlo_kernels.py)"]
 
 
 def jax_lines(r: dict) -> list[str]:
@@ -215,6 +222,22 @@ def run_aot(args) -> dict:
   return result
 
 
+def run_encode_attention(args) -> dict:
+  """`--encode_attention`: fused against explicit attention in encode, printed, then the JSON line."""
+  from micse_jax.bench import encode
+  sentences, source = encode.sentences_for_benchmark(args.encode_sentences, args.encode_corpus or _default_corpus())
+  result = dict(encode.attention_comparison(jax_step.model_dir_for(args.model), sentences, args.encode_batch_size,
+                                            128, args.dtype), source=source, device=hardware.device_kind())
+  print(f"encode attention ({result['dtype']}, {result['sentences']} sentences, {result['device']}): fused "
+        f"{result['fused_sentences_per_s']:.1f} sentences/s (cuDNN attention calls in its program: "
+        f"{result['cudnn_attention_calls']}), explicit {result['explicit_sentences_per_s']:.1f} sentences/s, "
+        f"ratio {result['speedup_fused_over_explicit']:.2f}x, largest difference {result['max_abs_difference']:.2g}")
+  if args.output:
+    write_json_atomically(args.output, result)
+  print(json.dumps(result))
+  return result
+
+
 def main(argv=None) -> dict:
   """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
@@ -222,6 +245,8 @@ def main(argv=None) -> dict:
     return host.run(args)
   if args.aot:
     return run_aot(args)
+  if args.encode_attention:
+    return run_encode_attention(args)
   if args.collectives:
     result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
     if args.output:
