@@ -1,7 +1,7 @@
 """`python -m micse_jax.bench --aot`: a tiny random BERT's step and encode program compiled deviceless for an
 H100 (jax-cuda13 plugin) and a TPU v5e 2x2 slice (libtpu), their counts checked against facts of the model.
 
-Slow set: the extras `aot` / `aot-tpu` are ~1 GB of wheels that CI's fresh venv does not install, and each
+Slow set: the extras `aot` / `tpu` are ~1 GB of wheels that CI's fresh venv does not install, and each
 compile takes ~30 s on a 2-core CPU. Without the extra the tests skip.
 """
 import jax
@@ -41,7 +41,7 @@ def h100():
 
 @pytest.fixture(scope="module")
 def v5e():
-  pytest.importorskip("libtpu", reason="needs the extra 'aot-tpu' (pip install 'micse-jax[aot-tpu]')")
+  pytest.importorskip("libtpu", reason="needs the extra 'tpu' (pip install 'micse-jax[tpu]')")
   return compile_for("tpu-v5e", 4)
 
 

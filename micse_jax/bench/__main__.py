@@ -64,7 +64,7 @@ def parse_args(argv):
   p.add_argument("--aot", metavar="TARGET", choices=aot.TARGETS,
                  help="instead: compile the step and the encode program for a GPU/TPU that is not here ("
                       + ", ".join(aot.TARGETS) + ") and report kernels by kind and phase, memory per device, "
-                      "collectives (bench/aot.py; needs the extra 'aot' or 'aot-tpu')")
+                      "collectives (bench/aot.py; needs the extra 'aot' or 'tpu')")
   p.add_argument("--encode_attention", action="store_true",
                  help="instead: encode throughput with the fused attention (cuDNN flash attention on a GPU in "
                       "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")

@@ -14,7 +14,7 @@ by phase (`bench/hlo_kernels.py`, from the step's `jax.named_scope`s), the updat
 the compiler's memory per device, collectives (`bench/collectives.py`), compile time.
 
 Needs the optional extra `aot` (GPU: the jax-cuda13 plugin and PJRT wheels of the installed
-jax; cuDNN's libcudnn for cuDNN attention) or `aot-tpu` (libtpu); see docs/AOT.md.
+jax; cuDNN's libcudnn for cuDNN attention) or `tpu` (libtpu); see docs/AOT.md.
 """
 from __future__ import annotations
 
@@ -157,7 +157,10 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
         encode: bool = True) -> dict:
   """Compiles the step (and the encode program) for `target`; returns the JSON-able report."""
   devices = target_devices(target, num_devices)
-  compiled, compile_s, _ = compile_step(devices, model, batch_size, max_length, dtype)
+  try:
+    compiled, compile_s, _ = compile_step(devices, model, batch_size, max_length, dtype)
+  except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
+    raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
   text = compiled.as_text()
   kernels = hlo_kernels.summary(text)
   mem = memory(compiled)
