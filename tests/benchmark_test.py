@@ -150,3 +150,5 @@ def test_gpu_profile_puts_most_kernel_time_in_named_kinds(tmp_path):
   assert s["platform"] == "gpu"
   assert s["ms_per_step_by_kind"]["matrix multiply"] > 0
   assert s["ms_per_step_by_kind"].get("other", 0) < 0.2 * s["op_ms_per_step"], s["top_ops_ms_per_step"]
+  phases = s["ms_per_step_by_phase"]  # from the XLA Ops line: op names the phase map knows
+  assert phases.get("encode (backward)", 0) > 0 and phases.get("(unattributed)", 0) < 0.2 * sum(phases.values()), phases
