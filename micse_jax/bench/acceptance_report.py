@@ -35,7 +35,8 @@ def bench_point(row: dict) -> dict:
           "mfu": j.get("mfu"), "peak_device_bytes": j.get("peak_device_bytes"),
           "torch_step_ms": t.get("step_ms"), "torch_peak_device_bytes": t.get("peak_device_bytes"),
           "ratio_torch_over_jax": r.get("speedup_vs_torch"), "projected_paper_run_hours": projected_h,
-          "profile_ms_per_step_by_kind": (r.get("profile") or {}).get("ms_per_step_by_kind")}
+          "profile_ms_per_step_by_kind": (r.get("profile") or {}).get("ms_per_step_by_kind"),
+          "kernels_per_step": r.get("kernels_per_step"), "update_kernels_per_step": r.get("update_kernels_per_step")}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -45,7 +46,10 @@ def summary(rows: list[dict]) -> dict:
           "gpu_tests": [r for r in rows if r.get("row") == "gpu_tests"],
           "bench": [bench_point(r) for r in rows if r.get("row") == "bench"],
           "train": [r for r in rows if r.get("row") == "train"],
-          "host": [r for r in rows if r.get("row") == "host"], "rows": rows}
+          "host": [r for r in rows if r.get("row") == "host"],
+          "model_caches": [r for r in rows if r.get("row") == "model_caches"],
+          "aot": [r for r in rows if r.get("row") == "aot"],
+          "encode_attention": [r for r in rows if r.get("row") == "encode_attention"], "rows": rows}
 
 
 def _f(x, fmt: str) -> str:
@@ -62,6 +66,10 @@ def markdown(rows: list[dict]) -> str:
   lines = ["# micse_jax GPU acceptance report" + (" (CPU dry run: tiny shapes, not figures)" if s["dry"] else ""), ""]
   for k in s["kit_imports"]:
     lines.append(f"- the kit's packages import: {'ok' if k['ok'] else 'FAILED: ' + ', '.join(k['failed'])}")
+  for c in s["model_caches"]:
+    caches = "; ".join(f"{d} {v['bytes'] / 2 ** 20:.0f} MiB ({', '.join(v['entries'][:12]) or 'empty'})"
+                       for d, v in c["caches"].items())
+    lines.append(f"- model caches on the image: {caches or 'none'}")
   for t in s["gpu_tests"]:
     lines.append(f"- tests marked `gpu`: {t['tests']} run, {t['failures']} failed, {t['errors']} errors, "
                  f"{t['skipped']} skipped ({'ok' if t['ok'] else 'FAILED, exit ' + str(t['returncode'])})")
@@ -83,6 +91,16 @@ def markdown(rows: list[dict]) -> str:
       if b["profile_ms_per_step_by_kind"]:
         kinds = ", ".join(f"{k} {v:.2f} ms" for k, v in b["profile_ms_per_step_by_kind"].items())
         lines.append(f"Profile ({b['dtype']}, batch {b['batch_size']}), per step by kind: {kinds}.")
+  for a in s["aot"]:
+    lines += ["", "## `--aot h100` prediction beside the measured step", ""] + aot_lines(a, s["bench"])
+  for e in s["encode_attention"]:
+    r = e.get("result") or {}
+    lines += ["", "## Encode: fused (cuDNN flash) attention against the explicit softmax", "",
+              f"FAILED ({e.get('returncode')})" if not e.get("ok") else
+              f"{r['dtype']}, {r['sentences']} sentences, batch {r['batch_size']}: fused "
+              f"{r['fused_sentences_per_s']:.0f} sentences/s with {r['cudnn_attention_calls']} cuDNN attention calls "
+              f"in its program, explicit {r['explicit_sentences_per_s']:.0f} sentences/s: "
+              f"**{r['speedup_fused_over_explicit']:.2f}x**; largest embedding difference {r['max_abs_difference']:.2g}."]
   for t in s["train"]:
     tasks = " ".join(f"{k} {_f(v, '.2f')}" for k, v in t["sts"].items())
     lines += ["", f"## miCSE training ({t['model']}, {t['steps']} steps, batch {t['batch_size']})", "",
@@ -96,6 +114,24 @@ def markdown(rows: list[dict]) -> str:
     lines += ["", "## Failures (output tails in acceptance.json)", ""]
     lines += [f"- {r.get('row')} {r.get('dtype', '')} {r.get('batch_size', '')}: {r.get('returncode')}" for r in failed]
   return "\n".join(lines) + "\n"
+
+
+def aot_lines(row: dict, points: list[dict]) -> list[str]:
+  """The deviceless compile's prediction and the measured grid point of the same dtype and batch."""
+  r = row.get("result") or {}
+  if not row.get("ok"):
+    return [f"FAILED ({row.get('returncode')})"]
+  measured = next((b for b in points if b["dtype"] == r["dtype"] and b["batch_size"] == r["batch_size"]), None)
+  lines = [f"{r['dtype']}, batch {r['batch_size']} ({r['model']}, compiled here for {r['device_kind']} without "
+           "the device, no autotuning):", "",
+           "| | kernels per step | update kernels | peak GiB | step ms |", "|---|---|---|---|---|",
+           f"| `--aot h100` prediction | {r['kernels_per_step']} | {r['update_kernels_per_step']} "
+           f"| {_gib(r['peak_bytes_per_device'])} | — |"]
+  if measured:
+    lines.append(f"| measured ({measured['device']}) | {_f(measured['kernels_per_step'], 'd')} "
+                 f"| {_f(measured['update_kernels_per_step'], 'd')} | {_gib(measured['peak_device_bytes'])} "
+                 f"| {_f(measured['step_ms'], '.2f')} |")
+  return lines
 
 
 def host_lines(row: dict) -> list[str]:

@@ -58,3 +58,28 @@ def encode_benchmark(model_dir: str, sentences: list[str], batch_size: int, max_
   return {"sentences": n, "batch_size": batch_size, "max_length": max_length,
           "micse_jax_sentences_per_s": n / t_ours, "sentence_transformers_sentences_per_s": n / t_theirs,
           "speedup_vs_sentence_transformers": t_theirs / t_ours, "mean_cosine_between_the_two": float(cos.mean())}
+
+
+def attention_comparison(model_dir: str, sentences: list[str], batch_size: int, max_length: int, dtype: str,
+                         repeats: int = 3) -> dict:
+  """`SentenceEncoder.encode` in `dtype` with the fused attention (`models/attention.py`: cuDNN flash
+  attention on a GPU in bfloat16/float16) against the explicit softmax(QKᵀ)V: sentences/s of
+  each, the cuDNN attention calls in the fused program, the largest difference of the embeddings."""
+  import jax.numpy as jnp
+
+  from micse_jax.encoder import SentenceEncoder
+  fused = SentenceEncoder.from_pretrained(model_dir, dtype=jnp.dtype(dtype))
+  explicit = SentenceEncoder(fused.model.clone(attention="explicit"), fused.params, fused.tokenizer,
+                             model_dir=fused.model_dir)
+  plan = fused.plan(sentences, batch_size, max_length)
+  times = {name: _timed(lambda e=enc: e.encode_plan(plan, "avg"), repeats)
+           for name, enc in (("fused", fused), ("explicit", explicit))}
+  _, first = plan.batches[0]
+  program = SentenceEncoder._embed.lower(fused, fused.params, None, first, "avg").compile().as_text()
+  a, b = fused.encode_plan(plan, "avg"), explicit.encode_plan(plan, "avg")
+  n = len(sentences)
+  return {"sentences": n, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
+          "fused_sentences_per_s": n / times["fused"], "explicit_sentences_per_s": n / times["explicit"],
+          "speedup_fused_over_explicit": times["explicit"] / times["fused"],
+          "cudnn_attention_calls": program.count('custom_call_target="__cudnn$fmha'),
+          "max_abs_difference": float(np.max(np.abs(a - b)))}

@@ -1,18 +1,12 @@
-"""The micse_jax side of the benchmark: the full jitted step and its separately jitted pieces.
+"""The micse_jax side of the benchmark: the full jitted step, and where its time goes by phase.
 
-The breakdown re-composes the step from the same public functions (`BertModel.apply`,
-`MLPHead`, `info_nce_loss`, `ami_loss`, the optimizer, `ema_update`, `enqueue`) with the
-step's own keys, one `jax.jit` per piece:
-
-  online_fwd_bwd  value_and_grad of InfoNCE through the online encoder on both views
-                  (the AMI layers' attention maps come out as an auxiliary output);
-  ami             value_and_grad of the AMI term w.r.t. those maps (Gumbel-top-k sampling,
-                  gathers, logs, correlations, and their backward);
-  momentum_fwd    the momentum encoder's forward + MLP head + enqueue;
-  optimizer_ema   AdamW (+ clipping) on the gradients, then the EMA of the momentum encoder.
-
-Separate programs cannot fuse across their borders, so the pieces sum to a little more than
-the full step; their losses add up to the full step's loss (tests/benchmark_test.py).
+The step is the trainer's (`training/step.make_train_step` on the set-up of `training/setup.py`).
+Its breakdown is read from the step itself, not from separately jitted copies of its parts:
+`phase_ms` profiles a few full steps and adds up each XLA op's (XLA:CPU) or kernel's (GPU,
+the device's `XLA Ops` line) time under the phase of the step's `jax.named_scope`s that the op
+belongs to (`bench/hlo_kernels.py`: `views`, `encode` forward / backward, each loss term,
+`optimizer`, `ema`, `momentum_forward`, `enqueue`, `finite`; `(no phase)` for the step's key
+derivation and metrics).
 """
 from __future__ import annotations
 
@@ -22,16 +16,9 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from micse_jax.bench.flops import step_flops_for, xla_flops
-from micse_jax.data.pipeline import SENTENCE_IDS_KEY
-from micse_jax.losses.ami import ami_loss
-from micse_jax.losses.infonce import info_nce_loss, l2_normalize
-from micse_jax.models.bert import collect_attentions, interleave_views, split_views
-from micse_jax.training.momentum import ema_update
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
@@ -89,7 +76,7 @@ def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: i
 
 
 class JaxStep:
-  """The train state, the compiled full step and the jitted pieces for one model and batch."""
+  """The train state and the compiled full step for one model and batch."""
 
   def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None):
     from micse_jax.models.loading import load_pretrained
@@ -131,74 +118,13 @@ class JaxStep:
     self.state, metrics = self.compiled(self.state, self.batch)
     return jax.block_until_ready(metrics)
 
-  def keys(self):
-    """The step's (dropout, momentum, AMI) keys, derived exactly as `make_train_step` does."""
-    from micse_jax.training.step import step_keys
-    keys = step_keys(self.state.rng, self.state.step)
-    return keys["drop"], keys["momentum"], keys["ami"]
-
-  def pieces(self) -> dict[str, Callable[[], object]]:
-    """name → zero-argument callable running that separately jitted piece on the current state."""
-    c, nets, tx = self.config, self.nets, self.tx
-    a = c.ami
-
-    @jax.jit
-    def online_fwd_bwd(params, batch, queue, valid, queue_ids, k_drop):
-      def loss_fn(params):
-        views = interleave_views(batch, batch)  # the step's layout: both views of a sentence adjacent
-        out, inter = nets.online.apply(
-            {"params": params["encoder"]}, views["input_ids"], views["attention_mask"],
-            views["token_type_ids"], deterministic=False, rngs={"dropout": k_drop}, mutable=["intermediates"])
-        z = nets.head.apply({"params": params["head"]}, out.last_hidden_state[:, 0])
-        z1, z2 = split_views(z.astype(jnp.float32))
-        loss, _ = info_nce_loss(z1, z2, queue, valid, temperature=c.loss.temperature,
-                                anchor_ids=batch[SENTENCE_IDS_KEY], queue_ids=queue_ids,
-                                mask_same_sentence=c.momentum.mask_same_sentence)
-        return loss, collect_attentions(inter["intermediates"], nets.ami_layers)
-      (loss, att), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-      return loss, att, grads
-
-    @jax.jit
-    def ami(att, mask, k_ami):
-      def loss_fn(att):
-        att1, att2 = split_views(att, axis=1)
-        return ami_loss(att1, att2, mask, k_ami, weight=a.weight, num_samples=a.num_samples,
-                        heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
-                        require_positive=a.require_positive)[0]
-      return jax.value_and_grad(loss_fn)(att)
-
-    @jax.jit
-    def momentum_fwd(ema_params, head_params, batch, k_mom, queue):
-      out = nets.momentum.apply({"params": ema_params}, batch["input_ids"], batch["attention_mask"],
-                                batch["token_type_ids"], deterministic=False, rngs={"dropout": k_mom})
-      z = nets.head.apply({"params": head_params}, out.last_hidden_state[:, 0])
-      return queue.push(l2_normalize(z.astype(jnp.float32)), batch[SENTENCE_IDS_KEY])
-
-    @jax.jit
-    def optimizer_ema(grads, opt_state, params, ema_params):
-      updates, opt_state = tx.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      return params, opt_state, ema_update(params["encoder"], ema_params, c.momentum.decay)
-
-    s, b = self.state, self.batch
-    k_drop, k_mom, k_ami = self.keys()
-    q = s.queue
-    loss, att, grads = online_fwd_bwd(s.params, b, q.embeddings, q.valid, q.ids, k_drop)
-    return {
-        "online_fwd_bwd": lambda: online_fwd_bwd(s.params, b, q.embeddings, q.valid, q.ids, k_drop),
-        "ami": lambda: ami(att, b["attention_mask"], k_ami),
-        "momentum_fwd": lambda: momentum_fwd(s.ema_params, s.params["head"], b, k_mom, q),
-        "optimizer_ema": lambda: optimizer_ema(grads, s.opt_state, s.params, s.ema_params),
-    }
-
-
-def time_piece(fn: Callable[[], object], warmup: int, steps: int) -> list[float]:
-  """Wall times (s) of `steps` blocking calls after `warmup` (compiling) ones."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(steps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return times
+  def phase_ms(self, directory: str, steps: int) -> dict:
+    """Profiles `steps` full steps into `directory`; returns the trace summary (`trace_summary`)
+    with `ms_per_step_by_phase`: op or kernel time per step under each phase of the step."""
+    from micse_jax.bench import hlo_kernels, trace_summary
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+      for i in range(steps):
+        with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
+          self.run_step()
+    phases = hlo_kernels.phase_by_instruction(self.compiled.as_text())
+    return trace_summary.summarize(directory, steps, phases=phases)

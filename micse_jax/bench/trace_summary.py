@@ -15,6 +15,11 @@ the largest single ops. Each plane of the profile is a trace "process" (`/host:C
 - On XLA:CPU it adds up every executed XLA op (thunk) event of the worker threads, leaving out
   the containers that hold other ops (`while`, `call`, `conditional`, the thunk executor) so
   that nothing is counted twice, classified by `KINDS`.
+
+Given `phases` ({HLO instruction name: phase}, `bench/hlo_kernels.phase_by_instruction` of the
+compiled step), it also adds up time per phase of the step (`phase_durations`): from the GPU's
+`XLA Ops` line, whose events carry the HLO instruction names (the stream lines carry cuBLAS's
+or cuDNN's own kernel names), or from the XLA:CPU op events, which are named by instruction.
 """
 from __future__ import annotations
 
@@ -93,6 +98,25 @@ def op_durations(path: str) -> tuple[str, collections.Counter]:
   return ("gpu" if streams else "cpu"), total
 
 
+def phase_durations(path: str, phases: dict[str, str]) -> collections.Counter:
+  """Microseconds per phase of the trace's XLA ops (see the module docstring); ops of no known
+  instruction are `(unattributed)`, containers (`while`, `call`, ...) are left out."""
+  events, processes, threads = _load(path)
+  device = {key: name for key, name in threads.items() if _DEVICE.match(processes.get(key[0], ""))}
+  xla_ops = {key for key, name in device.items() if name == "XLA Ops"}
+  total = collections.Counter()
+  for e in events:
+    key = (e.get("pid"), e.get("tid"))
+    if e.get("ph") != "X" or (key not in xla_ops if xla_ops else threads.get(key, "python").startswith("python")):
+      continue
+    name = e["name"]
+    if name in phases:
+      total[phases[name]] += e.get("dur", 0)
+    elif not (_CONTAINERS.match(re.sub(r"\.\d+$", "", name)) or name.startswith("$")):
+      total["(unattributed)"] += e.get("dur", 0)
+  return total
+
+
 def kind_of(name: str, platform: str = "cpu") -> str:
   """The kind of an op (XLA:CPU op name) or of a kernel (GPU kernel name)."""
   kinds = GPU_KINDS if platform == "gpu" else KINDS
@@ -100,17 +124,21 @@ def kind_of(name: str, platform: str = "cpu") -> str:
   return next((kind for kind, pattern in kinds if re.search(pattern, name, flags)), "other")
 
 
-def summarize(directory: str, steps: int, top: int = 8) -> dict:
+def summarize(directory: str, steps: int, top: int = 8, phases: dict[str, str] | None = None) -> dict:
   """{'platform': 'gpu' | 'cpu', 'ms_per_step_by_kind': {kind: ms}, 'top_ops_ms_per_step':
-  [(op or kernel, ms)], 'op_ms_per_step': total}."""
-  platform, durations = op_durations(trace_file(directory))
+  [(op or kernel, ms)], 'op_ms_per_step': total}, and 'ms_per_step_by_phase' when `phases` is given."""
+  path = trace_file(directory)
+  platform, durations = op_durations(path)
   by_kind = collections.Counter()
   for name, us in durations.items():
     by_kind[kind_of(name, platform)] += us
   per_step = lambda us: us / 1e3 / steps
-  return {"platform": platform, "ms_per_step_by_kind": {k: per_step(v) for k, v in by_kind.most_common()},
-          "top_ops_ms_per_step": [(n[:80], per_step(v)) for n, v in durations.most_common(top)],
-          "op_ms_per_step": per_step(sum(durations.values()))}
+  summary = {"platform": platform, "ms_per_step_by_kind": {k: per_step(v) for k, v in by_kind.most_common()},
+             "top_ops_ms_per_step": [(n[:80], per_step(v)) for n, v in durations.most_common(top)],
+             "op_ms_per_step": per_step(sum(durations.values()))}
+  if phases is not None:
+    summary["ms_per_step_by_phase"] = {p: per_step(v) for p, v in phase_durations(path, phases).most_common()}
+  return summary
 
 
 def report_lines(summary: dict) -> list[str]:

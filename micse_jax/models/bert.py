@@ -4,7 +4,7 @@ Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings
 `encoder/layer_3/attention/self/query`, ...), so `weights.py` can map checkpoints with one
 table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
 the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
-to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`). Layers may be
+to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`, `models/attention.py`). Layers may be
 rematerialised (`remat`, see `models/remat.py`).
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from micse_jax.models.attention import fused_attention
 from micse_jax.models.dropout import Dropout
 from micse_jax.models.embed import Embed
 from micse_jax.models.remat import remat_layer
@@ -146,10 +147,11 @@ class BertSelfAttention(nn.Module):
   """Scaled dot-product self-attention softmax(QKᵀ/√d)V; per-element dropout on the probabilities (HF).
 
   With `attention="fused"`, a layer whose probabilities nothing reads (not sown, and no
-  attention-probability dropout in this call) uses `jax.nn.dot_product_attention` (cuDNN flash
-  attention on GPU where it applies, XLA elsewhere): the same function, never materialising
-  [B, heads, T, T]. A fused kernel cannot drop individual probabilities, so training with
-  attention dropout > 0 keeps the explicit path; "explicit" forces it everywhere.
+  attention-probability dropout in this call) uses `models/attention.fused_attention`: cuDNN's
+  flash attention when compiled for an NVIDIA GPU in bfloat16/float16 with a head dim cuDNN
+  takes, XLA's `jax.nn.dot_product_attention` otherwise (float32, CPU, TPU). No fused kernel
+  here drops individual probabilities, so training with attention dropout > 0 keeps the
+  explicit path; "explicit" forces it everywhere.
   """
   config: BertConfig
   sow_probs: bool = False
@@ -167,8 +169,8 @@ class BertSelfAttention(nn.Module):
     v = split(_dense(c.hidden_size, c, self.dtype, "value")(x))
     needs_probs = (self.attention == "explicit" or self.sow_probs
                    or (not deterministic and c.attention_probs_dropout_prob > 0))
-    if not needs_probs:  # nothing needs the probabilities: let XLA/cuDNN fuse the kernel.
-      ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask)
+    if not needs_probs:  # nothing needs the probabilities: a fused kernel (cuDNN on GPU where it applies)
+      ctx = fused_attention(q, k, v, key_mask)
       return ctx.reshape(x.shape[:2] + (c.hidden_size,))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
     # HF extended mask: add float32-min to padded keys, so they get exactly zero probability.

@@ -1,0 +1,205 @@
+"""The train step and the encode program compiled for a GPU or TPU that is not here (deviceless AOT).
+
+    python -m micse_jax.bench --aot h100 --model bert-base --batch_size 50 --dtype bfloat16
+    python -m micse_jax.bench --aot tpu-v5e --devices 4 --model bert-base --batch_size 512
+
+JAX compiles for a target it does not run on: `jax.experimental.topologies.get_topology_desc`
+gives the devices of a GPU topology (from a `GpuTargetConfigProto`, our `bench/targets/*.txtpb`)
+or of a TPU slice (libtpu), and `jax.jit(...).lower(...).compile()` on shapes placed on those
+devices runs the target's whole compiler on this CPU (no autotuning: XLA's default tiles).
+The real step (`training/step.make_train_step` on the set-up of `training/setup.py`, the
+bench's miCSE config) and the real encode program (`SentenceEncoder._embed`, eval mode) are
+compiled; no weights are needed (`jax.eval_shape`). The report: kernels per step by kind and
+by phase (`bench/hlo_kernels.py`, from the step's `jax.named_scope`s), the update's kernels,
+the compiler's memory per device, collectives (`bench/collectives.py`), compile time.
+
+Needs the optional extra `aot` (GPU: the jax-cuda13 plugin and PJRT wheels of the installed
+jax; cuDNN's libcudnn for cuDNN attention) or `tpu` (libtpu); see docs/AOT.md.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import time
+
+import jax
+import jax.numpy as jnp
+
+from micse_jax import optional
+from micse_jax.bench import hlo_kernels
+from micse_jax.bench.collectives import collective_table
+from micse_jax.errors import ConfigError
+
+GPU_TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb", "v100": "v100.txtpb"}
+TPU_TARGETS = {  # target -> (libtpu's chip name, slice shapes to pick the smallest that holds --devices)
+    "tpu-v4": ("v4", ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")),
+    "tpu-v5e": ("v5e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
+    "tpu-v6e": ("v6e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
+}
+TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
+
+
+def gpu_target_config(target: str) -> str:
+  """The shipped GpuTargetConfigProto text of a GPU target (bench/targets/, README there)."""
+  return importlib.resources.files("micse_jax.bench").joinpath("targets", GPU_TARGETS[target]).read_text()
+
+
+def target_devices(target: str, num_devices: int = 1) -> list:
+  """`num_devices` devices of a topology of `target`, for placing shapes (never for running)."""
+  from jax.experimental import topologies
+  if target in GPU_TARGETS:
+    optional.require("jax_cuda13_plugin", f"--aot {target}")
+    topo = topologies.get_topology_desc("aot", "cuda", target_config=gpu_target_config(target),
+                                        topology=f"1x1x{num_devices}")
+    return list(topo.devices)[:num_devices]
+  if target not in TPU_TARGETS:
+    raise ConfigError(f"unknown --aot target {target!r}; expected one of {', '.join(TARGETS)}")
+  optional.require("libtpu", f"--aot {target}")
+  chip, shapes = TPU_TARGETS[target]
+  for shape in shapes:
+    devices = list(topologies.get_topology_desc(f"{chip}:{shape}", "tpu").devices)
+    if len(devices) >= num_devices:
+      return devices[:num_devices]
+  raise ConfigError(f"--devices {num_devices} is more than the largest {target} slice here ({chip}:{shapes[-1]})")
+
+
+def bert_config_for(model: str):
+  """The BertConfig of a named shape (bench SHAPES) or of a model directory's config.json."""
+  from micse_jax.bench.jax_step import SHAPES, model_dir_for
+  from micse_jax.models.bert import BertConfig
+  from micse_jax.models.loading import load_config
+  if model in SHAPES:
+    return BertConfig(**SHAPES[model])
+  return load_config(model_dir_for(model))
+
+
+def _placed(shapes, shardings):
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def abstract_state(config, bert_config, nets, tx):
+  """The step-0 train state's shapes by the trainer's set-up (`training/setup.py`), never materialised."""
+  from micse_jax.training import setup
+  ids = jnp.zeros((1, config.model.max_length), jnp.int32)
+
+  def init():
+    encoder = nets.online.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
+    params, frozen = setup.initial_params(config, nets, encoder)
+    return setup.new_train_state(config, bert_config.hidden_size, tx, params, frozen)
+  return jax.eval_shape(init)
+
+
+def abstract_batch(rows: int, max_length: int, sharding, padded: bool) -> dict:
+  """A token batch's shapes (with `row_mask` when the batch was padded to the devices)."""
+  from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
+  tokens = jax.ShapeDtypeStruct((rows, max_length), jnp.int32, sharding=sharding)
+  batch = {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens,
+           SENTENCE_IDS_KEY: jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)}
+  if padded:
+    batch[ROW_MASK_KEY] = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
+  return batch
+
+
+def compile_step(devices, model: str, batch_size: int, max_length: int, dtype: str, overrides=None):
+  """(compiled train step, compile seconds, config) of the bench's miCSE step on `devices`."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from micse_jax.bench.jax_step import bench_config
+  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training.networks import build_networks
+  from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+  from micse_jax.training.step import make_train_step
+  bert_config = bert_config_for(model)
+  config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
+  if overrides:
+    overrides(config)
+  nets, tx, mesh = build_networks(config, bert_config), make_optimizer(config), mesh_lib.data_mesh(devices)
+  shapes = abstract_state(config, bert_config, nets, tx)
+  shardings = mesh_lib.state_sharding(shapes, mesh, config.mesh.shard_state, config.mesh.shard_min_elements)
+  rows = mesh_lib.padded_batch_size(batch_size, len(devices))
+  batch = abstract_batch(rows, max_length, mesh_lib.batch_sharded(mesh), rows != batch_size)
+  step = make_train_step(config, nets, tx, learning_rate_schedule(config), mesh)
+  jitted = jax.jit(step, in_shardings=(shardings, mesh_lib.batch_sharded(mesh)),
+                   out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
+  start = time.perf_counter()
+  compiled = jitted.lower(_placed(shapes, shardings), batch).compile()
+  return compiled, time.perf_counter() - start, config
+
+
+def compile_encode(device, model: str, batch_size: int, max_length: int, dtype: str):
+  """(compiled encode program, compile seconds): `SentenceEncoder._embed` (eval mode, CLS) on one device."""
+  from jax.sharding import SingleDeviceSharding
+
+  from micse_jax.encoder import SentenceEncoder
+  from micse_jax.models.bert import BertModel
+  bert_config = bert_config_for(model)
+  bert = BertModel(bert_config, dtype=jnp.dtype(dtype))
+  ids = jnp.zeros((1, max_length), jnp.int32)
+  params = jax.eval_shape(lambda: bert.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"])
+  sharding = SingleDeviceSharding(device)
+  tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32, sharding=sharding)
+  batch = {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens}
+  encoder = SentenceEncoder(bert, None, tokenizer=None)
+  start = time.perf_counter()
+  compiled = SentenceEncoder._embed.lower(encoder, _placed(params, jax.tree.map(lambda _: sharding, params)), None,
+                                  batch, "cls_before_pooler").compile()
+  return compiled, time.perf_counter() - start
+
+
+def memory(compiled) -> dict:
+  """The compiler's buffer sizes per device (bytes); peak = arguments + outputs − aliased + temporaries."""
+  m = compiled.memory_analysis()
+  sizes = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes}
+  return dict(sizes, peak=sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporaries"])
+
+
+def run(target: str, num_devices: int, model: str, batch_size: int, max_length: int, dtype: str,
+        encode: bool = True) -> dict:
+  """Compiles the step (and the encode program) for `target`; returns the JSON-able report."""
+  devices = target_devices(target, num_devices)
+  try:
+    compiled, compile_s, _ = compile_step(devices, model, batch_size, max_length, dtype)
+  except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
+    raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
+  text = compiled.as_text()
+  kernels = hlo_kernels.summary(text)
+  mem = memory(compiled)
+  result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
+            "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
+            "jax_version": jax.__version__, "compile_s": compile_s, **kernels,
+            "memory_per_device": mem, "peak_bytes_per_device": mem["peak"],
+            "collectives": collective_table(text)}
+  if encode:
+    enc, enc_s = compile_encode(devices[0], model, batch_size, max_length, dtype)
+    enc_kernels = hlo_kernels.summary(enc.as_text())
+    result.update(encode_compile_s=enc_s, encode_kernels=enc_kernels["kernels_per_step"],
+                  encode_by_kind=enc_kernels["by_kind"],
+                  encode_cudnn_attention_calls=enc_kernels["by_kind"].get("attention (cuDNN)", 0),
+                  encode_peak_bytes=memory(enc)["peak"])
+  return result
+
+
+def report_lines(r: dict) -> list[str]:
+  """The human-readable report of `run`'s result."""
+  gib = lambda b: f"{b / 2 ** 30:.2f} GiB"
+  lines = [f"micse_jax.bench --aot {r['aot_target']}: {r['model']}, {r['batch_size']} sentences x 2 views x "
+           f"{r['max_length']} tokens, {r['dtype']}, {r['num_devices']} x {r['device_kind']} "
+           f"(compiled deviceless, jax {r['jax_version']})",
+           f"  train step compile time      {r['compile_s']:.1f} s",
+           f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "
+           f"{', '.join(hlo_kernels.UPDATE_PHASES)})", "  by kind:"]
+  lines += [f"    {kind:<36} {n:6d}" for kind, n in r["by_kind"].items()]
+  lines.append("  by phase (jvp = forward inside the gradient, transpose = backward):")
+  lines += [f"    {phase:<36} {n:6d}" for phase, n in r["by_phase"].items()]
+  lines.append("  update kernels by kind: " + ", ".join(f"{k} {n}" for k, n in r["update_by_kind"].items()))
+  m = r["memory_per_device"]
+  lines.append(f"  memory per device: peak {gib(m['peak'])} (arguments {gib(m['arguments'])}, outputs "
+               f"{gib(m['outputs'])}, aliased {gib(m['aliased'])}, temporaries {gib(m['temporaries'])})")
+  used = {k: v for k, v in r["collectives"].items() if v["count"]}
+  lines.append("  collectives: " + (", ".join(f"{k} {v['count']} ({v['bytes'] / 2 ** 20:.1f} MiB)"
+                                               for k, v in used.items()) or "none"))
+  if "encode_kernels" in r:
+    lines.append(f"  encode program: {r['encode_kernels']} kernels, cuDNN attention calls "
+                 f"{r['encode_cudnn_attention_calls']}, peak {gib(r['encode_peak_bytes'])}, "
+                 f"compile {r['encode_compile_s']:.1f} s")
+  return lines

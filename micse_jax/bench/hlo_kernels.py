@@ -1,0 +1,201 @@
+"""The kernels of a compiled XLA program, by kind and by phase of the train step, read from its HLO text.
+
+`kernels(compiled.as_text())` lists every instruction that runs as its own kernel (or launch):
+the instructions of the entry computation and of the computations it executes (`while` bodies
+and conditions, `conditional` branches, `call`s such as a GPU command buffer / CUDA graph),
+leaving out what is no work (parameters, constants, tuples, bitcasts, the `-done` halves of
+asynchronous pairs) and the containers themselves. Fused computations are not walked: a fusion
+is one kernel.
+
+Each kernel gets
+
+* a kind (`kind_of`): a GEMM by cuBLAS (`__cublas$gemm`, `__cublas$lt$matmul` custom calls), a
+  Triton GEMM fusion (`__triton_gemm`), a Triton softmax / norm fusion (`__triton`), a cuDNN
+  custom call or fusion (`__cudnn$...`: fused attention is `attention (cuDNN)`), XLA's loop /
+  input (reduction) / output fusions (a TPU's matrix units work inside output fusions; a fusion
+  holding a `dot` or `convolution` is a `matmul fusion`), sorts, copies, collectives, and any
+  other unfused instruction under `unfused <opcode>`;
+* a phase (`phase_of`): the first of the step's `jax.named_scope`s (`PHASES`,
+  `training/step.py`) in the instruction's `op_name` metadata — or, for a fusion without one,
+  the most common among its fused instructions. `jvp(scope)` is the forward pass of a scope
+  inside the gradient, `transpose(jvp(scope))` its backward pass; they are reported as
+  `scope (forward)` and `scope (backward)`. Instructions outside every scope (the step's key
+  derivation, its metrics) are `(no phase)`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+PHASES = ("views", "encode", "loss/contrastive", "loss/ami", "loss/reconstruction", "loss/mlm", "loss/infocse",
+          "optimizer", "ema", "momentum_forward", "enqueue", "finite")
+UPDATE_PHASES = ("optimizer", "ema", "finite")  # AdamW + clipping, the EMA, the finite check
+NO_PHASE = "(no phase)"
+_NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+            "replica-id", "add-dependency", "opt-barrier", "domain"}
+_CONTAINERS = {"while", "call", "conditional"}
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
+                          r"(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PHASE = re.compile(r"(?:^|[/(])(transpose\()?(?:jvp\()?(" + "|".join(re.escape(p) for p in PHASES) +
+                    r")(?=[)/]|$)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  opcode: str
+  text: str  # the whole instruction line
+
+  def called(self) -> list[str]:
+    """Names of the computations this instruction calls (fused, body, branches, ...)."""
+    names = _CALLED.findall(self.text)
+    for group, single in _BRANCHES.findall(self.text):
+      names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()] if group else [single]
+    return names
+
+  def op_name(self) -> str | None:
+    """The `op_name` of the instruction's metadata (its jax name stack), or None."""
+    match = _OP_NAME.search(self.text)
+    return match.group(1) if match else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  name: str
+  kind: str
+  phase: str
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
+  """({computation name: its instructions}, the entry computation's name)."""
+  computations, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = computations.setdefault(header.group("name"), [])
+      if line.startswith("ENTRY"):
+        entry = header.group("name")
+      continue
+    match = _INSTRUCTION.match(line)
+    if match and current is not None:
+      current.append(Instruction(match.group("name"), match.group("opcode"), line))
+  return computations, entry
+
+
+def phase_of(op_name: str | None) -> str | None:
+  """`scope`, `scope (forward)` / `scope (backward)` (inside the gradient), or None."""
+  match = _PHASE.search(op_name or "")
+  if match is None:
+    return None
+  scope = match.group(2)
+  if match.group(1):
+    return f"{scope} (backward)"
+  return f"{scope} (forward)" if "jvp(" in match.group(0) else scope
+
+
+def _custom_call_kind(text: str) -> str:
+  target = re.search(r'custom_call_target="([^"]*)"', text)
+  target = target.group(1) if target else ""
+  if target.startswith("__cublas"):
+    return "GEMM (cuBLAS)"
+  if target.startswith("__cudnn$fmha") or "fmha" in target:
+    return "attention (cuDNN)"
+  if target.startswith("__cudnn"):
+    return "cuDNN custom call"
+  return f"custom call ({target or '?'})"
+
+
+def kind_of(ins: Instruction, computations: dict[str, list[Instruction]]) -> str:
+  """The kernel kind of one instruction (see the module docstring)."""
+  op, text = ins.opcode, ins.text
+  if op == "custom-call":
+    return _custom_call_kind(text)
+  if op == "fusion":
+    backend = re.search(r'"kind":"([^"]*)"', text)
+    backend = backend.group(1) if backend else ""
+    if backend == "__triton_gemm" or "gemm" in backend:
+      return "GEMM (Triton fusion)"
+    if backend.startswith("__triton"):
+      return "Triton softmax/norm fusion"
+    if backend.startswith("__cudnn"):
+      return "cuDNN fusion"
+    if backend:
+      return f"custom fusion ({backend})"
+    fused = {i.opcode for c in ins.called() for i in computations.get(c, ())}
+    if fused & {"dot", "convolution"}:
+      return "matmul fusion"
+    if "sort" in fused:
+      return "sort"
+    kind = re.search(r"kind=k(\w+)", text)
+    return f"{kind.group(1).lower() if kind else 'loop'} fusion"
+  if op in ("sort",):
+    return "sort"
+  if op in ("copy", "copy-start"):
+    return "copy"
+  if op in ("dot", "convolution"):
+    return "matmul (unfused)"
+  base = re.sub(r"-start$", "", op)
+  if base in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+    return f"collective ({base})"
+  return f"unfused {op}"
+
+
+def _fused_phase(ins: Instruction, computations: dict[str, list[Instruction]]) -> str:
+  """The instruction's own phase, else the most common phase of what it fuses."""
+  own = phase_of(ins.op_name())
+  if own:
+    return own
+  votes = collections.Counter(phase_of(i.op_name()) for c in ins.called() for i in computations.get(c, ()))
+  votes.pop(None, None)
+  return votes.most_common(1)[0][0] if votes else NO_PHASE
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+  """The kernels of an optimised HLO module (see the module docstring), in program order."""
+  computations, entry = parse(hlo_text)
+  found, seen = [], set()
+
+  def walk(name: str):
+    if name in seen:
+      return
+    seen.add(name)
+    for ins in computations.get(name, ()):
+      if ins.opcode in _CONTAINERS:
+        for called in ins.called():
+          walk(called)
+      elif ins.opcode == "async-start":
+        wrapped = [i for c in ins.called() for i in computations.get(c, ()) if i.opcode not in _NO_WORK]
+        if wrapped:
+          found.append(Kernel(ins.name, kind_of(wrapped[-1], computations), _fused_phase(wrapped[-1], computations)))
+      elif ins.opcode in _NO_WORK or ins.opcode.endswith(("-done", "-update")):
+        continue
+      else:
+        found.append(Kernel(ins.name, kind_of(ins, computations), _fused_phase(ins, computations)))
+
+  if entry is not None:
+    walk(entry)
+  return found
+
+
+def summary(hlo_text: str) -> dict:
+  """{'kernels_per_step', 'by_kind', 'by_phase', 'update_kernels_per_step', 'update_by_kind',
+  'by_phase_and_kind'} of an optimised HLO module."""
+  found = kernels(hlo_text)
+  update = [k for k in found if k.phase in UPDATE_PHASES]
+  by_phase_kind = collections.defaultdict(collections.Counter)
+  for k in found:
+    by_phase_kind[k.phase][k.kind] += 1
+  count = lambda ks, attr: dict(collections.Counter(getattr(k, attr) for k in ks).most_common())
+  return {"kernels_per_step": len(found), "by_kind": count(found, "kind"), "by_phase": count(found, "phase"),
+          "update_kernels_per_step": len(update), "update_by_kind": count(update, "kind"),
+          "by_phase_and_kind": {p: dict(c.most_common()) for p, c in by_phase_kind.items()}}
+
+
+def phase_by_instruction(hlo_text: str) -> dict[str, str]:
+  """{kernel (instruction) name: phase}: the key that maps a profile's op or kernel events to phases."""
+  return {k.name: k.phase for k in kernels(hlo_text)}
