@@ -47,6 +47,7 @@ _PHASE = re.compile(r"(?:^|[/(])(transpose\()?(?:jvp\()?(" + "|".join(re.escape(
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
+  """One HLO instruction of an optimised module's text: its name, opcode and whole line."""
   name: str
   opcode: str
   text: str  # the whole instruction line
@@ -66,6 +67,7 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
+  """One kernel launch of the compiled step: the top-level instruction's name, its kind and its phase."""
   name: str
   kind: str
   phase: str

@@ -9,8 +9,6 @@ rematerialised (`remat`, see `models/remat.py`).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from typing import Any, Sequence
 
@@ -20,81 +18,19 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.models.attention import fused_attention
+from micse_jax.models.bert_config import ACTIVATIONS, SUPPORTED_MODEL_TYPES, BertConfig  # noqa: F401 (re-export)
 from micse_jax.models.dropout import Dropout
 from micse_jax.models.embed import Embed
 from micse_jax.models.remat import remat_layer
 from micse_jax.tokenization import TOKEN_KEYS
 
 Array = jax.Array
-SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 ATTENTION_KERNELS = ("explicit", "fused")
-
-
-@dataclasses.dataclass(frozen=True)
-class BertConfig:
-  """The fields of a HF BERT/RoBERTa `config.json` that define the network."""
-  vocab_size: int = 30522
-  hidden_size: int = 768
-  num_hidden_layers: int = 12
-  num_attention_heads: int = 12
-  intermediate_size: int = 3072
-  hidden_act: str = "gelu"
-  hidden_dropout_prob: float = 0.1
-  attention_probs_dropout_prob: float = 0.1
-  max_position_embeddings: int = 512
-  type_vocab_size: int = 2
-  layer_norm_eps: float = 1e-12
-  pad_token_id: int = 0
-  initializer_range: float = 0.02
-  model_type: str = "bert"
-  dropout_random_bits: int = 32  # not HF: 16 = two dropout decisions per random word (dropout.py)
-
-  def __post_init__(self):
-    if self.model_type not in SUPPORTED_MODEL_TYPES:
-      raise ValueError(f"unsupported model_type {self.model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
-    if self.hidden_size % self.num_attention_heads:
-      raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
-                       f"num_attention_heads {self.num_attention_heads}")
-    if self.hidden_act not in ACTIVATIONS:
-      raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; expected one of {sorted(ACTIVATIONS)}")
-
-  @property
-  def position_offset(self) -> int:
-    """RoBERTa numbers positions from pad_token_id + 1; BERT from 0."""
-    return self.pad_token_id + 1 if self.model_type == "roberta" else 0
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
-    """A config from a HF config dict (unknown keys and None values ignored)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names and v is not None})
-
-  @classmethod
-  def from_json_file(cls, path: str) -> "BertConfig":
-    """A config from a HF `config.json`."""
-    with open(path, encoding="utf-8") as f:
-      return cls.from_dict(json.load(f))
-
-  def to_dict(self) -> dict[str, Any]:
-    """All fields as a plain dict (JSON-serialisable)."""
-    return dataclasses.asdict(self)
-
-  def replace(self, **changes) -> "BertConfig":
-    """A copy with `changes` applied."""
-    return dataclasses.replace(self, **changes)
-
-
-def gelu_erf(x: Array) -> Array:
-  """HF `gelu`: the exact erf form x·Φ(x) (not the tanh approximation)."""
-  return jax.nn.gelu(x, approximate=False)
-
-
-ACTIVATIONS = {"gelu": gelu_erf, "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-               "relu": jax.nn.relu, "tanh": jnp.tanh}
 
 
 @flax.struct.dataclass
 class BertOutput:
+  """What `BertModel` returns: the last layer's states, and the pooler, every layer and MLM logits when asked."""
   last_hidden_state: Array                      # [B, T, H]
   pooler_output: Array | None = None            # [B, H]   dense + tanh on [CLS]
   hidden_states: tuple[Array, ...] | None = None  # embeddings + every layer
@@ -119,6 +55,7 @@ def position_ids_for(input_ids: Array, attention_mask: Array, config: BertConfig
 
 
 class BertEmbeddings(nn.Module):
+  """Word + position + token-type embeddings, LayerNorm, dropout (HF `BertEmbeddings`); `attend` ties the MLM decoder."""
   config: BertConfig
   dtype: Any = jnp.float32
 
@@ -198,6 +135,7 @@ class BertResidualOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
+  """Self-attention and its residual output block (HF `BertAttention`)."""
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
@@ -211,6 +149,7 @@ class BertAttention(nn.Module):
 
 
 class BertLayer(nn.Module):
+  """One transformer layer: attention, then the feed-forward block with its residual output (HF `BertLayer`)."""
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
@@ -226,6 +165,7 @@ class BertLayer(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+  """The feed-forward block's expansion: dense to `intermediate_size`, then the activation."""
   config: BertConfig
   dtype: Any = jnp.float32
 
@@ -236,6 +176,7 @@ class BertIntermediate(nn.Module):
 
 
 class BertEncoder(nn.Module):
+  """The stack of layers; sows the attention of `sow_attention_layers`, rematerialises per `remat`."""
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
   dtype: Any = jnp.float32
