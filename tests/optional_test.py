@@ -175,3 +175,23 @@ def test_every_cli_reports_a_missing_package_in_one_line(tmp_path, tiny_real_dir
     assert len(errors) == 1 and repr(package) in errors[0], (program, stderr[-2000:])
     assert "Traceback" not in stderr, (program, stderr[-2000:])
   assert not list(out.iterdir())  # nothing half-written
+
+
+def test_the_bench_without_torch_is_one_line_before_any_work(tmp_path):
+  """`python -m micse_jax.bench` needs torch for its PyTorch peers: without it, one `error:` line
+  naming the package and `--no_torch`, exit 1, before anything is compiled or written."""
+  output = tmp_path / "bench.json"
+  body = ("import sys\nfrom micse_jax.bench import __main__ as bench\n"
+          f"bench.entry(['--model', 'tiny', '--steps', '1', '--no-encode', '--output', {str(output)!r}])\n")
+  proc = _run_blocked(("torch",), body, tmp_path)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert len(errors) == 1 and "'torch'" in errors[0] and "--no_torch" in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr and not output.exists()
+
+
+def test_the_bench_names_a_model_it_cannot_find_in_one_line(tmp_path):
+  proc = _run_blocked((), "from micse_jax.bench import __main__ as bench\n"
+                          "bench.entry(['--model', 'no-such-model', '--no_torch'])\n", tmp_path)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: --model 'no-such-model'")

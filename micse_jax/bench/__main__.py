@@ -26,10 +26,13 @@ import tempfile
 
 import jax
 
+from micse_jax import cli
 from micse_jax.bench import aot, hardware, hlo_kernels, host, jax_step, scaling, trace_summary
 from micse_jax.bench.rows import Rows, write_json_atomically
 from micse_jax.bench.torch_step import TORCH_MODES, time_steps
+from micse_jax.errors import MicseError, one_line
 from micse_jax.models.dtypes import DTYPES
+from micse_jax.optional import require
 
 
 def parse_args(argv):
@@ -266,11 +269,23 @@ def main(argv=None) -> dict:
     if args.output:
       write_json_atomically(args.output, result)
   else:
+    if not args.no_torch:  # before anything is compiled or written: a missing peer is one line at once
+      require("torch", "the PyTorch baseline of the bench (or pass --no_torch)")
     result = run(args, Rows({}, rows_path=args.rows, output_path=args.output))
   print(json.dumps(result))
   sys.stdout.flush()
   return result
 
 
+def entry(argv=None) -> None:
+  """`python -m micse_jax.bench`: `main`, with a user error (a missing optional package, a model
+  path that does not load, ...: any `MicseError`) as one `error:` line and exit 1; anything else
+  keeps its traceback."""
+  try:
+    main(argv)
+  except MicseError as e:
+    cli.fail(one_line(e))
+
+
 if __name__ == "__main__":
-  main()
+  entry()

@@ -37,6 +37,9 @@ def model_dir_for(name: str) -> str:
   from micse_jax.paths import shipped_minilm_dir
   if name == "minilm":
     return shipped_minilm_dir()
+  if name not in SHAPES:
+    from micse_jax.errors import ModelLoadError
+    raise ModelLoadError(f"--model {name!r} is no directory and none of minilm, {', '.join(SHAPES)}")
   import transformers
   path = tempfile.mkdtemp(prefix=f"bench_{name}_")
   transformers.BertModel(transformers.BertConfig(**SHAPES[name])).save_pretrained(path)
