@@ -47,7 +47,8 @@ def _bench_row(dtype, batch, step_ms, torch_ms, ok=True):
             "jax": {"step_ms": step_ms, "sentences_per_s": batch / step_ms * 1e3, "mfu": 0.25,
                     "peak_device_bytes": 3 * 2 ** 30}} if ok else {}
   if ok and torch_ms:
-    result.update(torch={"step_ms": torch_ms, "peak_device_bytes": 2 ** 31}, speedup_vs_torch=torch_ms / step_ms)
+    result.update(torch={"step_ms": torch_ms, "peak_device_bytes": 2 ** 31}, speedup_vs_torch=torch_ms / step_ms,
+                  torch_compiled={"step_ms": 18.0}, speedup_vs_torch_compiled=18.0 / step_ms)
   return {"row": "bench", "dtype": dtype, "batch_size": batch, "ok": ok,
           "returncode": 0 if ok else "timeout", "result": result, "tail": "" if ok else "killed"}
 
@@ -67,7 +68,7 @@ def test_acceptance_report_projects_the_paper_run_and_survives_a_cut_last_line(t
   assert ok["projected_paper_run_hours"] == pytest.approx(20_000 * 12.0 / 3.6e6)  # 20k steps x 12 ms
   assert ok["ratio_torch_over_jax"] == pytest.approx(2.5) and ok["mfu"] == 0.25
   assert failed["status"] == "timeout" and failed["step_ms"] is None
-  assert "| bfloat16 | 50 | ok | 40.0 | 12.00 | 4167 | 25.0% | 3.00 | 30.00 | 2.00 | 2.50 | 0.07 |" in text
+  assert "| bfloat16 | 50 | ok | 40.0 | 12.00 | 4167 | 25.0% | 3.00 | 30.00 | 2.00 | 2.50 | 18.00 | 1.50 | 0.07 |" in text
   assert "3 run, 0 failed" in text and "float16 512: timeout" in text
   assert (tmp_path / "acceptance.md").read_text() == text
 

@@ -152,6 +152,13 @@ def run_within_budget(part: Part, cmd: list[str], tail_chars: int) -> tuple[int 
     return "timeout", str(e)[-500:]
 
 
+def torch_modes(dtype: str, batch: int) -> str:
+  """The PyTorch peers of a grid point: the compiled one (its compile costs a minute of the part's
+  budget) beside the eager one only at the issue's goal points, bfloat16 at batch 50 and 512
+  (and in the dry run, so the kit's CPU rehearsal covers it)."""
+  return "eager,compiled" if dtype == "bfloat16" and batch in (50, 512, DRY_BATCHES[0]) else "eager"
+
+
 def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile: bool, number: int) -> None:
   """One grid point in its own process; its rows file is read back even if it failed."""
   name = f"{dtype}_b{batch}"
@@ -159,7 +166,8 @@ def run_bench_point(part: Part, model_dir: str, batch: int, dtype: str, profile:
   steps, warmup = (2, 1) if part.dry else (20, 3)
   cmd = [sys.executable, "-m", "micse_jax.bench", "--model", model_dir, "--batch_size", str(batch),
          "--max_length", "16" if part.dry else "32", "--dtype", dtype, "--steps", str(steps),
-         "--warmup", str(warmup), "--no_breakdown", "--no-encode", "--rows", rows, "--output", output]
+         "--warmup", str(warmup), "--no_breakdown", "--no-encode", "--rows", rows, "--output", output,
+         "--torch_mode", torch_modes(dtype, batch)]
   if profile:
     cmd += ["--profile", os.path.join(part.scratch, f"trace_{name}")]
   t = time.monotonic()

@@ -26,7 +26,7 @@ def read_rows(paths: list[str]) -> list[dict]:
 def bench_point(row: dict) -> dict:
   """One grid point's figures (None where the point did not get that far)."""
   r = row.get("result") or {}
-  j, t = r.get("jax") or {}, r.get("torch") or {}
+  j, t, tc = r.get("jax") or {}, r.get("torch") or {}, r.get("torch_compiled") or {}
   step_ms = j.get("step_ms")
   projected_h = (math.ceil(PAPER_SENTENCES / row["batch_size"]) * step_ms / 3.6e6) if step_ms else None
   return {"dtype": row["dtype"], "batch_size": row["batch_size"], "ok": row.get("ok"),
@@ -34,7 +34,8 @@ def bench_point(row: dict) -> dict:
           "compile_s": r.get("compile_s"), "step_ms": step_ms, "sentences_per_s": j.get("sentences_per_s"),
           "mfu": j.get("mfu"), "peak_device_bytes": j.get("peak_device_bytes"),
           "torch_step_ms": t.get("step_ms"), "torch_peak_device_bytes": t.get("peak_device_bytes"),
-          "ratio_torch_over_jax": r.get("speedup_vs_torch"), "projected_paper_run_hours": projected_h,
+          "ratio_torch_over_jax": r.get("speedup_vs_torch"), "torch_compiled_step_ms": tc.get("step_ms"),
+          "ratio_torch_compiled_over_jax": r.get("speedup_vs_torch_compiled"), "projected_paper_run_hours": projected_h,
           "profile_ms_per_step_by_kind": (r.get("profile") or {}).get("ms_per_step_by_kind"),
           "kernels_per_step": r.get("kernels_per_step"), "update_kernels_per_step": r.get("update_kernels_per_step")}
 
@@ -77,14 +78,16 @@ def markdown(rows: list[dict]) -> str:
     device = next((b["device"] for b in s["bench"] if b["device"]), "?")
     lines += ["", f"## Train step: micse_jax vs PyTorch ({device})", "",
               "| dtype | batch | status | compile s | step ms | sentences/s | MFU | peak GiB | PyTorch ms "
-              "| PyTorch peak GiB | PyTorch / micse_jax | projected paper run (h) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| PyTorch peak GiB | PyTorch / micse_jax | compiled PyTorch ms | compiled PyTorch / micse_jax "
+              "| projected paper run (h) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in s["bench"]:
       mfu = "—" if b["mfu"] is None else f"{100 * b['mfu']:.1f}%"
       lines.append(f"| {b['dtype']} | {b['batch_size']} | {b['status']} | {_f(b['compile_s'], '.1f')} "
                    f"| {_f(b['step_ms'], '.2f')} | {_f(b['sentences_per_s'], '.0f')} | {mfu} "
                    f"| {_gib(b['peak_device_bytes'])} | {_f(b['torch_step_ms'], '.2f')} "
                    f"| {_gib(b['torch_peak_device_bytes'])} | {_f(b['ratio_torch_over_jax'], '.2f')} "
+                   f"| {_f(b['torch_compiled_step_ms'], '.2f')} | {_f(b['ratio_torch_compiled_over_jax'], '.2f')} "
                    f"| {_f(b['projected_paper_run_hours'], '.2f')} |")
     lines += ["", f"Projection: {ASSUMPTION}."]
     for b in s["bench"]:
