@@ -6,13 +6,16 @@
 
 Restores are portable: every array is restored onto the sharding of the target the caller
 builds for the *current* devices (the trainer: replicated over its mesh), never onto the
-sharding stored in the checkpoint, so a run resumes on any device or host count.
+sharding stored in the checkpoint, so a run resumes on any device or host count. A checkpoint of
+an older layout (`Legacy`: the per-leaf optimizer state) is converted on restore.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -38,31 +41,58 @@ def on_current_devices(abstract_state):
   return jax.tree.map(place, abstract_state)
 
 
-def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps):
-  abstract_state = on_current_devices(abstract_state)
-  restore = lambda s: manager.restore(s, args=ocp.args.StandardRestore(abstract_state))
+@dataclasses.dataclass(frozen=True)
+class Legacy:
+  """An older train-state layout a checkpoint may hold (the per-leaf optimizer state written before
+  `optim.flat`): its abstract state (with shardings) and `convert`, old state → current state."""
+  abstract_state: Any
+  convert: Callable[[Any], Any]
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, legacy: Legacy | None):
+  """The state at `step` on `abstract_state`; a checkpoint in the `legacy` layout is restored in it
+  and converted (one warning line). Errors are those of the current layout's restore."""
+  restore = lambda target: manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(target)))
+  try:
+    return restore(abstract_state)
+  except Exception as current_error:
+    if legacy is None:
+      raise
+    try:
+      old = restore(legacy.abstract_state)
+    except Exception:
+      raise current_error from None
+  logging.warning("checkpoint step %d in %s has the older per-leaf optimizer layout; converted to the flat one",
+                  step, manager.directory)
+  return legacy.convert(old)
+
+
+def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps, legacy: Legacy | None = None):
+  restore = lambda s: _restore_step(manager, s, abstract_state, legacy)
   return newest_readable(steps, restore, str(manager.directory))
 
 
-def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
-  """The state at `step` (default: the newest readable step), on `abstract_state`'s shardings.
+def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None,
+                  legacy: Legacy | None = None):
+  """The state at `step` (default: the newest readable step), on `abstract_state`'s shardings
+  (a checkpoint in the `legacy` layout converted).
 
   Without `step`, an unreadable (truncated, corrupt) newest checkpoint falls back to the previous
   good one with a warning line; CheckpointError (one line) when no checkpoint can be read.
   """
   if step is None:
-    return _newest_readable_state(manager, abstract_state, manager.all_steps())[1]
+    return _newest_readable_state(manager, abstract_state, manager.all_steps(), legacy)[1]
   try:
-    return manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(abstract_state)))
+    return _restore_step(manager, step, abstract_state, legacy)
   except Exception as e:  # Orbax, TensorStore and file errors alike
     raise CheckpointError(f"cannot restore checkpoint step {step} in {manager.directory}: "
                           f"{unreadable_reason(e)}") from e
 
 
-def resume(manager: ocp.CheckpointManager, abstract_state):
+def resume(manager: ocp.CheckpointManager, abstract_state, legacy: Legacy | None = None):
   """`restore_state` for the trainer; unreadable newer steps are moved to `unreadable_checkpoints/`
   (kept for inspection, not deleted) so that the resumed run can save those steps again."""
-  step, state = _newest_readable_state(manager, abstract_state, manager.all_steps())
+  step, state = _newest_readable_state(manager, abstract_state, manager.all_steps(), legacy)
   unreadable = [s for s in manager.all_steps() if s > step]
   if unreadable:
     _set_aside(manager, unreadable)

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import infocse, precision, terms
+from micse_jax.training import infocse, optim, precision, terms
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import ema_update, enqueue, enqueue_ids, momentum_embeddings
 from micse_jax.training.networks import Networks
@@ -102,7 +102,7 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
                         queue=q, queue_valid=v, queue_ptr=ptr,
                         queue_ids=enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY], row_mask))
     new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
-    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=optax.global_norm(grads),
+    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=optim.global_grad_norm(grads),
                    lr=schedule(state.step))
     return new, metrics
 

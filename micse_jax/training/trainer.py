@@ -27,7 +27,7 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, precision
+from micse_jax.training import checkpoint, optim, precision
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.finite import FiniteWatch
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
@@ -42,6 +42,17 @@ def jit_train_step(run: Run, tx, mesh, state_sharding, layout: BatchLayout):
   packed_step = lambda state, packed: step_fn(state, layout.unpack(packed))
   return jax.jit(packed_step, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
+
+
+def legacy_layout(run: Run, mesh, state_sharding) -> checkpoint.Legacy:
+  """The train state as saved before the flat optimizer (per-leaf AdamW moments, `optim.per_leaf_optimizer`),
+  on this mesh, and its conversion onto `state_sharding` (`optim.legacy_to_flat`)."""
+  config = run.config
+  old = jax.eval_shape(lambda: initial_state(run, optim.per_leaf_optimizer(config)))
+  old_sharding = mesh_lib.state_sharding(old, mesh, config.mesh.shard_state, config.mesh.shard_min_elements)
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), old, old_sharding)
+  convert = jax.jit(lambda s: s.replace(opt_state=optim.legacy_to_flat(s.opt_state)), out_shardings=state_sharding)
+  return checkpoint.Legacy(abstract, convert)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -59,7 +70,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if rolling.latest_step() is not None:
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract_state, state_sharding)
-    state = checkpoint.resume(rolling, abstract)  # any topology; skips an unreadable latest step
+    legacy = legacy_layout(run, mesh, state_sharding)  # older workdirs: per-leaf optimizer state, converted
+    state = checkpoint.resume(rolling, abstract, legacy)  # any topology; skips an unreadable latest step
     logging.info("resumed from step %d", int(state.step))
   else:
     state = jax.device_put(initial_state(run, tx), state_sharding)
