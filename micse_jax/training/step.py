@@ -90,20 +90,25 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, valid,
                                      queue_ids, keys, state.step)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):  # clipping + AdamW over one flat buffer (training/optim.py)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if use_momentum:
       embeddings = momentum_embeddings(nets, whole(state.ema_params), whole(state.params["head"]), batch,
                                        keys["momentum"])
       row_mask = batch.get(ROW_MASK_KEY)  # padding rows are never enqueued
       q, v, ptr = enqueue(state.queue, state.queue_valid, state.queue_ptr, embeddings, row_mask)
-      new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
+      with jax.named_scope("ema"):
+        ema_params = ema_update(params["encoder"], state.ema_params, config.momentum.decay)
+      new = new.replace(ema_params=ema_params,
                         queue=q, queue_valid=v, queue_ptr=ptr,
                         queue_ids=enqueue_ids(state.queue_ids, state.queue_ptr, batch[SENTENCE_IDS_KEY], row_mask))
-    new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
-    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=optim.global_grad_norm(grads),
-                   lr=schedule(state.step))
+    with jax.named_scope("finite"):
+      new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
+    with jax.named_scope("optimizer"):
+      grad_norm = optim.global_grad_norm(grads)  # the clipping's reduction (XLA shares it)
+    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=grad_norm, lr=schedule(state.step))
     return new, metrics
 
   return train_step
