@@ -10,6 +10,7 @@ a zero parameter give a zero AdamW step), keeps the norm exact, and lets FSDP (`
 split the moments over any power-of-two device count up to `FLAT_ALIGN`. Params and the EMA keep
 their per-leaf layout (checkpoint names, export and the model are unchanged).
 """
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -89,7 +90,7 @@ def legacy_to_flat(opt_state):
 
   Every state leaf that is a parameter tree (AdamW's mu and nu) is flattened; counts are kept."""
   def convert(node):
-    if isinstance(node, dict):  # a parameter tree (params are dicts; optax states are tuples)
+    if isinstance(node, Mapping):  # a parameter tree (params are mappings; optax states are tuples)
       return flatten(node)
     if isinstance(node, tuple):
       return type(node)(*map(convert, node)) if hasattr(node, "_fields") else tuple(map(convert, node))
