@@ -30,7 +30,7 @@ KEY_BIAS = "['key']['bias']"
 KEY_BIAS_ATOL = 1e-3 * STEPS
 # float16 compute rounds activations to 2^-11: the runs' last-bit differences grow to ~5e-3 in 20 steps
 # (measured 5.6e-3); the skipped steps (non-finite gradients) must be the same ones.
-FLOAT16 = {"state": 2e-2, "mu": 1e-3}
+FLOAT16 = {"state": 2e-2, "mu": 1e-3, "norm": 1e-2}  # measured 5.6e-3, 1e-4, 1.5e-3 (norm: relative)
 FAST = [("micse", None, {})]
 SLOW = [("micse", None, {"model.dtype": "float16"}), ("simcse", None, {}),
         ("ami_simcse", None, {}), ("moco_simcse", None, {}), ("add", "rollout,dynamic", {}),
@@ -119,7 +119,7 @@ def check(result: dict, clipped: bool = False, float16: bool = False) -> None:
   assert result["state"] <= (FLOAT16["state"] if float16 else ATOL), result
   assert max(result["mu"], result["nu"]) <= (FLOAT16["mu"] if float16 else ADAM_ATOL), result
   assert result["key_bias"] <= KEY_BIAS_ATOL, result
-  assert result["norm"] <= 1e-4 * result["max_grad_norm"], result
+  assert result["norm"] <= (FLOAT16["norm"] if float16 else 1e-4) * result["max_grad_norm"], result
 
 
 def test_flat_adamw_equals_optax_adamw_on_a_tree():
