@@ -58,3 +58,25 @@ def train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, w
   with pytest.raises(KeyboardInterrupt):
     trainer.train_and_evaluate(config, workdir)
   monkeypatch.setattr(checkpoint, "save_state", real_save)
+
+
+def rewrite_in_old_layout(workdir: str, state) -> None:
+  """Replaces `workdir`'s rolling checkpoints by `state` saved as releases before the `Queue`
+  struct laid it out (written here by hand, independently of the library's conversion): a dict of
+  the fields with the queue as four loose entries."""
+  import shutil
+
+  import orbax.checkpoint as ocp
+
+  from micse_jax import workdir as workdir_lib
+  fields = {k: getattr(state, k) for k in ("step", "params", "ema_params", "opt_state", "rng", "loss_scale",
+                                          "frozen_params")}
+  q = state.queue
+  old = dict(fields, queue=q.embeddings, queue_valid=q.valid, queue_ptr=q.ptr, queue_ids=q.ids)
+  rolling = os.path.join(workdir, workdir_lib.ROLLING_DIR)
+  for name in os.listdir(rolling):
+    if name.isdigit():
+      shutil.rmtree(os.path.join(rolling, name))
+  manager = workdir_lib.rolling_manager(workdir, 2)
+  manager.save(int(state.step), args=ocp.args.StandardSave(old))
+  manager.wait_until_finished()

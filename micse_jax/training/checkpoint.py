@@ -6,13 +6,16 @@
 
 Restores are portable: every array is restored onto the sharding of the target the caller
 builds for the *current* devices (the trainer: replicated over its mesh), never onto the
-sharding stored in the checkpoint, so a run resumes on any device or host count.
+sharding stored in the checkpoint, so a run resumes on any device or host count. A checkpoint of
+an older layout (`Legacy`: the per-leaf optimizer state) is converted on restore.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -38,22 +41,50 @@ def on_current_devices(abstract_state):
   return jax.tree.map(place, abstract_state)
 
 
-def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps):
-  abstract_state = on_current_devices(abstract_state)
-  restore = lambda s: manager.restore(s, args=ocp.args.StandardRestore(abstract_state))
+@dataclasses.dataclass(frozen=True)
+class Legacy:
+  """An older train-state layout a checkpoint may hold (releases before the flat optimizer state and
+  the `Queue` struct, `trainer.legacy_layout`): its abstract state (with shardings) and `convert`,
+  old state → current state."""
+  abstract_state: Any
+  convert: Callable[[Any], Any]
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, legacy: Legacy | None):
+  """The state at `step` on `abstract_state`; a checkpoint in the `legacy` layout is restored in it
+  and converted (one warning line). Errors are those of the current layout's restore."""
+  restore = lambda target: manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(target)))
+  try:
+    return restore(abstract_state)
+  except Exception as current_error:
+    if legacy is None:
+      raise
+    try:
+      old = restore(legacy.abstract_state)
+    except Exception:
+      raise current_error from None
+  logging.warning("checkpoint step %d in %s has an older release's layout (per-leaf optimizer state, the queue "
+                  "as loose fields); converted", step, manager.directory)
+  return legacy.convert(old)
+
+
+def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps, legacy: Legacy | None = None):
+  restore = lambda s: _restore_step(manager, s, abstract_state, legacy)
   return newest_readable(steps, restore, str(manager.directory))
 
 
-def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
-  """The state at `step` (default: the newest readable step), on `abstract_state`'s shardings.
+def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None,
+                  legacy: Legacy | None = None):
+  """The state at `step` (default: the newest readable step), on `abstract_state`'s shardings
+  (a checkpoint in the `legacy` layout converted).
 
   Without `step`, an unreadable (truncated, corrupt) newest checkpoint falls back to the previous
   good one with a warning line; CheckpointError (one line) when no checkpoint can be read.
   """
   if step is None:
-    return _newest_readable_state(manager, abstract_state, manager.all_steps())[1]
+    return _newest_readable_state(manager, abstract_state, manager.all_steps(), legacy)[1]
   try:
-    return manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(abstract_state)))
+    return _restore_step(manager, step, abstract_state, legacy)
   except Exception as e:  # Orbax, TensorStore and file errors alike
     raise CheckpointError(f"cannot restore checkpoint step {step} in {manager.directory}: "
                           f"{unreadable_reason(e)}") from e
@@ -70,11 +101,11 @@ def state_layout(tree) -> set[str]:
   return {"/".join(name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_layout(manager: ocp.CheckpointManager, abstract_state) -> None:
-  """Refuses, in one line, a workdir whose newest checkpoint holds another train-state layout
-  (written by an older micse_jax: e.g. the queue as four loose fields). Its params stay readable
-  (`micse-convert`, `micse-evaluate` read only `params`). An unreadable newest step is left to
-  `resume`'s fallback."""
+def check_layout(manager: ocp.CheckpointManager, abstract_state, legacy: Legacy | None = None) -> None:
+  """Refuses, in one line, a workdir whose newest checkpoint holds neither this train-state layout
+  nor the `legacy` one that is converted on restore (e.g. a layout of a development version). Its
+  params stay readable (`micse-convert`, `micse-evaluate` read only `params`). An unreadable
+  newest step is left to `resume`'s fallback."""
   step = manager.latest_step()
   reader = step_reader(str(manager.directory))
   try:
@@ -84,7 +115,7 @@ def check_layout(manager: ocp.CheckpointManager, abstract_state) -> None:
   finally:
     reader.close()
   wanted = state_layout(abstract_state)
-  if saved != wanted:
+  if saved != wanted and (legacy is None or saved != state_layout(legacy.abstract_state)):
     raise CheckpointError(
         f"checkpoint step {step} in {manager.directory} has another train-state layout than this micse_jax "
         f"(saved, not expected: {_some(saved - wanted)}; expected, not saved: {_some(wanted - saved)}): it was "
@@ -97,12 +128,12 @@ def _some(names: set[str], most: int = 4) -> str:
   return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "") if shown else "none"
 
 
-def resume(manager: ocp.CheckpointManager, abstract_state):
-  """`restore_state` for the trainer, after `check_layout`; unreadable newer steps are moved to
-  `unreadable_checkpoints/` (kept for inspection, not deleted) so that the resumed run can save
-  those steps again."""
-  check_layout(manager, abstract_state)
-  step, state = _newest_readable_state(manager, abstract_state, manager.all_steps())
+def resume(manager: ocp.CheckpointManager, abstract_state, legacy: Legacy | None = None):
+  """`restore_state` for the trainer, after `check_layout` (a `legacy` checkpoint converted);
+  unreadable newer steps are moved to `unreadable_checkpoints/` (kept for inspection, not
+  deleted) so that the resumed run can save those steps again."""
+  check_layout(manager, abstract_state, legacy)
+  step, state = _newest_readable_state(manager, abstract_state, manager.all_steps(), legacy)
   unreadable = [s for s in manager.all_steps() if s > step]
   if unreadable:
     _set_aside(manager, unreadable)

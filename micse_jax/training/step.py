@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import infocse, precision, terms
+from micse_jax.training import infocse, optim, precision, terms
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import Queue, ema_update, momentum_embeddings
 from micse_jax.training.networks import Networks
@@ -96,7 +96,7 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
                                      state.step)
-    with jax.named_scope("optimizer"):
+    with jax.named_scope("optimizer"):  # clipping + AdamW over one flat buffer (training/optim.py)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -111,8 +111,9 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
                           queue=pushed)
     with jax.named_scope("finite"):
       new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
-    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=optax.global_norm(grads),
-                   lr=schedule(state.step))
+    with jax.named_scope("optimizer"):
+      grad_norm = optim.global_grad_norm(grads)  # the clipping's reduction (XLA shares it)
+    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=grad_norm, lr=schedule(state.step))
     return new, metrics
 
   return train_step

@@ -27,8 +27,9 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, precision
+from micse_jax.training import checkpoint, optim, precision
 from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import state as state_lib
 from micse_jax.training.finite import FiniteWatch
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.setup import Run, initial_state, prepare
@@ -42,6 +43,19 @@ def jit_train_step(run: Run, tx, mesh, state_sharding, layout: BatchLayout):
   packed_step = lambda state, packed: step_fn(state, layout.unpack(packed))
   return jax.jit(packed_step, in_shardings=(state_sharding, mesh_lib.batch_sharded(mesh)),
                  out_shardings=(state_sharding, mesh_lib.replicated(mesh)), donate_argnums=0)
+
+
+def legacy_layout(run: Run, mesh, state_sharding) -> checkpoint.Legacy:
+  """The train state as releases before this one saved it (per-leaf AdamW moments,
+  `optim.per_leaf_optimizer`; the queue as four loose fields, `state.as_legacy_fields`) on this
+  mesh, and its conversion onto `state_sharding` (`optim.legacy_to_flat`, `state.from_legacy_fields`)."""
+  config = run.config
+  old = jax.eval_shape(lambda: state_lib.as_legacy_fields(initial_state(run, optim.per_leaf_optimizer(config))))
+  old_sharding = mesh_lib.state_sharding(old, mesh, config.mesh.shard_state, config.mesh.shard_min_elements)
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), old, old_sharding)
+  convert = jax.jit(lambda fields: state_lib.from_legacy_fields(fields, optim.legacy_to_flat),
+                    out_shardings=state_sharding)
+  return checkpoint.Legacy(abstract, convert)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -73,7 +87,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
     if rolling.latest_step() is not None:
       abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               abstract_state, state_sharding)
-      state = checkpoint.resume(rolling, abstract)  # any topology; skips an unreadable latest step
+      legacy = legacy_layout(run, mesh, state_sharding)  # older workdirs: converted on restore
+      state = checkpoint.resume(rolling, abstract, legacy)  # any topology; skips an unreadable latest step
       logging.info("resumed from step %d", int(state.step))
     else:
       state = jax.device_put(initial_state(run, tx), state_sharding)
