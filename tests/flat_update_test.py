@@ -2,10 +2,6 @@
 today's per-leaf `optax.chain(clip_by_global_norm, adamw)` — numerically on a random tree, over
 20 train steps of every config (params, EMA, Adam moments, queue; 1 and 4 devices, `shard_state`
 on and off), and older per-leaf checkpoints resume converted."""
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,7 +10,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from micse_jax.training import optim
-from tests.conftest import REPO
+from tests.helpers import run_device_worker
 from tests.methods_test import _config
 
 STEPS = 20
@@ -160,12 +156,7 @@ def test_flat_step_equals_per_leaf_step_for_every_config(tmp_path, tiny_real_dir
 
 @pytest.mark.slow  # a 4-device subprocess: micse and simcse, shard_state on and off
 def test_flat_step_equals_per_leaf_step_on_four_devices(tmp_path, tiny_real_dir):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             PYTHONPATH=REPO)
-  out = subprocess.run([sys.executable, "-m", "tests.flat_update_worker", str(tmp_path), tiny_real_dir],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  results = json.loads(out.stdout.strip().splitlines()[-1])
+  results = run_device_worker("tests.flat_update_worker", tmp_path, tiny_real_dir)
   assert results.pop("num_devices") == 4 and len(results) == 4
   for result in results.values():
     check(result, clipped=True)

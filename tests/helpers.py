@@ -1,5 +1,9 @@
-"""Test helpers: tiny random HF checkpoints written to disk, and PyTorch reference forwards."""
+"""Test helpers: tiny random HF checkpoints written to disk, PyTorch reference forwards, and
+multi-device workers run in a subprocess."""
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -52,3 +56,15 @@ def torch_forward(model_dir, batch, mlm=False):
   inputs = {k: torch.tensor(np.asarray(v), dtype=torch.long) for k, v in batch.items()}
   with torch.no_grad():
     return model(**inputs, output_attentions=True, output_hidden_states=True)
+
+
+def run_device_worker(module: str, *args: str, devices: int = 4, timeout: int = 900) -> dict:
+  """Runs `python -m module args...` with `devices` fake CPU devices (a fresh process: the device
+  count is fixed at JAX's start) from the checkout; returns the JSON of its last output line."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+             PYTHONPATH=repo)
+  out = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=repo, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,6 +1,5 @@
 """Portable checkpoints: a workdir restores, exports and resumes on another device/host count,
 and an unreadable latest checkpoint falls back to the previous good one."""
-import json
 import logging
 import os
 import shutil
@@ -17,6 +16,7 @@ from micse_jax import workdir as workdir_lib
 from micse_jax.errors import CheckpointError
 from micse_jax.training import checkpoint
 from tests.conftest import REPO
+from tests.helpers import run_device_worker
 from tests.train_utils import tiny_training_config
 
 # Resumed-on-another-topology vs never-changed runs: the gradient all-reduce sums per-device
@@ -171,12 +171,7 @@ def four_device_runs(tmp_path_factory, minilm_dir):
   config = steps_config(tmp, minilm_dir)
   w1 = str(tmp / "w1")
   trainer.train_and_evaluate(config, w1)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             PYTHONPATH=REPO)
-  out = subprocess.run([sys.executable, "-m", "tests.topology_worker", str(tmp), minilm_dir, w1],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert json.loads(out.stdout.strip().splitlines()[-1]) == {"num_devices": 4, "w4_step": 6}
+  assert run_device_worker("tests.topology_worker", tmp, minilm_dir, w1) == {"num_devices": 4, "w4_step": 6}
   return tmp, config
 
 

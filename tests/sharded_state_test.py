@@ -1,11 +1,7 @@
 """Sharded train state (FSDP / ZeRO-3, `mesh.shard_state`): the per-leaf placement rule, the
 sharded run equal to the replicated one on 4 devices, and its checkpoints resumed and exported
 on 1 device."""
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.training.mesh import DATA_AXIS, leaf_partition
-from tests.conftest import REPO
+from tests.helpers import run_device_worker
 from tests.portable_checkpoint_test import drop_steps_after
 from tests.train_utils import tiny_training_config
 
@@ -70,12 +66,7 @@ def _close(a: dict, b: dict, atol: float) -> float:
 @pytest.fixture(scope="module")
 def four_device_runs(tmp_path_factory, minilm_dir):
   tmp = tmp_path_factory.mktemp("sharded")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             PYTHONPATH=REPO)
-  out = subprocess.run([sys.executable, "-m", "tests.sharded_state_worker", str(tmp), minilm_dir],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  report = json.loads(out.stdout.strip().splitlines()[-1])
+  report = run_device_worker("tests.sharded_state_worker", tmp, minilm_dir)
   assert report["num_devices"] == 4
   return tmp, report["layout"]
 

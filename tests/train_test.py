@@ -1,9 +1,6 @@
 """Trainer: queue/EMA/schedule formulas, one step per objective, 4 devices == 1 device,
 bit-identical resume, non-finite stop, bad input → one error line and nothing written."""
-import json
 import os
-import subprocess
-import sys
 import threading
 
 import jax
@@ -17,6 +14,7 @@ from micse_jax.models.bert import resolve_layers
 from micse_jax.training import checkpoint, setup, trainer
 from micse_jax.training.momentum import Queue, ema_update
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from tests.helpers import run_device_worker
 from tests.train_utils import rewrite_in_old_layout, tiny_training_config, train_preempted_after_first_save
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,11 +130,7 @@ def test_momentum_encoder_is_ema_of_updated_online_encoder(tmp_path, minilm_dir)
 
 
 def test_four_cpu_devices_match_one_device(tmp_path, minilm_dir):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "tests.multidevice_worker", str(tmp_path), minilm_dir],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(out.stdout.strip().splitlines()[-1])
+  result = run_device_worker("tests.multidevice_worker", tmp_path, minilm_dir, timeout=600)
   assert result["num_devices"] == 4
   np.testing.assert_allclose(result["loss_4dev"], result["loss_1dev"], rtol=1e-5)
   assert result["max_state_diff"] < 1e-5
