@@ -1,0 +1,96 @@
+"""Population training: member i equals the solo run of its seed (1 and 4 devices), a non-finite
+member stops alone, the config checks, the workdir layout and convert/evaluate of a member."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from micse_jax import config_checks
+from micse_jax.errors import ConfigError
+from micse_jax.training import population
+from tests.population_utils import compared_parts, max_difference, run_population, run_solo
+from tests.train_utils import tiny_training_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 2e-5  # float32: vmapped (batched) kernels may round differently from the solo ones
+
+
+def _population_config(tmp_path, minilm_dir, steps=20, **population_fields):
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=steps)
+  for key, value in population_fields.items():
+    config.population[key] = value
+  return config
+
+
+def test_member_configs_are_the_solo_configs(tmp_path, minilm_dir):
+  config = _population_config(tmp_path, minilm_dir, seeds=(1, 2, 3), subset_seeds=(7, 8, 9), num_sentences=32)
+  members = population.member_configs(config)
+  assert [m.seed for m in members] == [1, 2, 3]
+  assert [m.data.subset_seed for m in members] == [7, 8, 9]
+  assert {m.data.num_sentences for m in members} == {32}
+  solo = tiny_training_config(tmp_path, minilm_dir, num_train_steps=20, seed=2, **{"data.subset_seed": 8,
+                                                                                   "data.num_sentences": 32})
+  assert members[1].to_dict() == solo.to_dict()  # nothing else differs from the solo run
+
+
+def test_each_member_equals_its_solo_run_after_20_steps(tmp_path, minilm_dir):
+  """Own seeds (head init, dropout, AMI and momentum keys, data order) and own few-shot subsets."""
+  config = _population_config(tmp_path, minilm_dir, seeds=(1, 2), subset_seeds=(4, 5), num_sentences=40)
+  pstate, history = run_population(config, 20)
+  assert int(pstate.step) == 20 and list(pstate.stopped_at) == [-1, -1]
+  finals = []
+  for i, member_config in enumerate(population.member_configs(config)):
+    solo, losses = run_solo(member_config, 20)
+    np.testing.assert_allclose([float(h["loss"][i]) for h in history], losses, rtol=1e-5, atol=1e-6)
+    assert max_difference(compared_parts(population.member(pstate.members, i)), compared_parts(solo)) < TOLERANCE
+    finals.append(solo)
+  # the members are different runs: their heads start apart and their queues hold other sentences
+  assert max_difference(finals[0].params["head"], finals[1].params["head"]) > 1e-3
+  assert not np.array_equal(finals[0].queue.ids, finals[1].queue.ids)
+
+
+def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
+  """Member 1's absurd learning rate (a per-member peak: the same program) makes it non-finite;
+  it keeps its last finite state, members 0 and 2 go on (member 2 equals its solo run)."""
+  config = _population_config(tmp_path, minilm_dir, steps=6, seeds=(1, 2, 3), learning_rates=(1e-3, 1e12, 2e-3))
+  config.optim.grad_clip_norm = 0.0
+  config.optim.warmup_steps = 0
+  pstate, history = run_population(config, 6)
+  stopped = [int(s) for s in pstate.stopped_at]
+  assert stopped[0] == stopped[2] == -1 and 0 <= stopped[1] < 6
+  member1 = population.member(pstate.members, 1)
+  assert int(member1.step) == stopped[1]  # nothing applied from the bad step on
+  assert all(np.isfinite(np.asarray(x)).all() for x in np.asarray(member1.params["head"]["dense"]["kernel"]))
+  line = population.stopped_line(1, 2, stopped[1], 2)
+  assert "\n" not in line and "member 1 (seed 2) stopped" in line
+  assert int(population.member(pstate.members, 0).step) == 6
+  solo, _ = run_solo(population.member_config(config, 2), 6)
+  assert max_difference(compared_parts(population.member(pstate.members, 2)), compared_parts(solo)) < TOLERANCE
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"seeds": (1, 1)}, "distinct"),
+    ({"seeds": (1, 2), "subset_seeds": (3,)}, "one subset seed per member"),
+    ({"subset_seeds": (3,)}, "need population.seeds"),
+    ({"seeds": (1, 2), "learning_rates": (1e-3, -1.0)}, "learning_rates"),
+])
+def test_bad_population_fields_are_one_line(tmp_path, minilm_dir, fields, message):
+  config = _population_config(tmp_path, minilm_dir, **fields)
+  with pytest.raises(ConfigError, match=message) as error:
+    config_checks.check_config(config)
+  assert "\n" not in str(error.value)
+
+
+def test_four_devices_spread_members_or_split_their_rows(tmp_path, minilm_dir):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "tests.population_worker", str(tmp_path), minilm_dir],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["num_devices"] == 4
+  assert result["spread"]["mesh"] == ["member"] and result["split"]["mesh"] == ["data"]
+  assert result["spread"]["max_diff"] < TOLERANCE and result["split"]["max_diff"] < TOLERANCE
+  assert result["spread"]["collectives"] == []  # members exchange nothing
