@@ -84,6 +84,7 @@ def test_bad_population_fields_are_one_line(tmp_path, minilm_dir, fields, messag
   assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # ~100 s on the shared 2-core CPU: three 4-device compiles
 def test_four_devices_spread_members_or_split_their_rows(tmp_path, minilm_dir):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-m", "tests.population_worker", str(tmp_path), minilm_dir],
@@ -94,3 +95,56 @@ def test_four_devices_spread_members_or_split_their_rows(tmp_path, minilm_dir):
   assert result["spread"]["mesh"] == ["member"] and result["split"]["mesh"] == ["data"]
   assert result["spread"]["max_diff"] < TOLERANCE and result["split"]["max_diff"] < TOLERANCE
   assert result["spread"]["collectives"] == []  # members exchange nothing
+
+
+def _restored_member(workdir, index, which="latest"):
+  from micse_jax import workdir as workdir_lib
+  return workdir_lib.restore_params(workdir_lib.member_workdir(workdir, index), which)
+
+
+def test_population_workdir_resumes_and_each_member_folder_is_a_workdir(tmp_path, minilm_dir, senteval_dir,
+                                                                         monkeypatch):
+  """Preempted after its first save and resumed; member 1's folder reads like the solo run of
+  seed 2 (its config.json, its latest params = the solo run's), with its own dev selection
+  (`best/`), results.json and timeline; micse-convert / micse-evaluate take `--member`."""
+  from micse_jax import convert, evaluate
+  from micse_jax import workdir as workdir_lib
+  from micse_jax.training import checkpoint, trainer
+  from tests.train_utils import train_preempted_after_first_save
+  config = _population_config(tmp_path, minilm_dir, steps=6, seeds=(1, 2))
+  config.checkpoint_every, config.eval_every = 3, 3
+  config.eval.senteval_dir, config.eval.final_tasks = senteval_dir, "STSBenchmark"
+  workdir = str(tmp_path / "population")
+  train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, workdir)
+  results = trainer.train_and_evaluate(config, workdir)
+  assert len(results["members"]) == 2
+  solo_config = population.member_config(config, 1)
+  solo_config.eval_every, solo_config.eval.final_tasks = 0, ""
+  solo = str(tmp_path / "solo")
+  trainer.train_and_evaluate(solo_config, solo)
+  step, params = _restored_member(workdir, 1)
+  solo_step, solo_params = workdir_lib.restore_params(solo, "latest")
+  assert step == solo_step == 6 and max_difference(params, solo_params) < TOLERANCE
+  for i in (0, 1):
+    folder = workdir_lib.member_dir(workdir, i)
+    saved = workdir_lib.read_run_config(folder)
+    assert saved["seed"] == (1, 2)[i] and saved["population"]["seeds"] == []
+    assert workdir_lib.is_workdir(folder) and workdir_lib.has_steps(os.path.join(folder, workdir_lib.BEST_DIR))
+    assert json.load(open(os.path.join(folder, workdir_lib.RESULTS_FILE)))["settings"]["checkpoint"].startswith("best")
+    assert len(json.load(open(os.path.join(folder, workdir_lib.TIMELINE_FILE)))["sessions"]) == 2  # run + resume
+  out = convert.convert(output=str(tmp_path / "export1"), workdir=workdir, member=1)
+  from micse_jax.models.loading import load_pretrained
+  exported = load_pretrained(out)[1]
+  np.testing.assert_allclose(exported["embeddings"]["word_embeddings"]["embedding"],
+                             params["encoder"]["embeddings"]["word_embeddings"]["embedding"], rtol=1e-6)
+  with pytest.raises(convert.ConvertError, match="out of range"):
+    convert.convert(output=str(tmp_path / "export5"), workdir=workdir, member=5)
+  with pytest.raises(convert.ConvertError, match="not a population workdir"):
+    convert.convert(output=str(tmp_path / "export_solo"), workdir=solo, member=0)
+  from types import SimpleNamespace
+  values = SimpleNamespace(model=workdir, member=0, checkpoint="best", tasks="STSBenchmark", pooler="cls_before_pooler",
+                           output=None, senteval_dir=senteval_dir, download=False, fast=False, seed=1111,
+                           batch_size=128, max_length=128, transfer_protocol="senteval")  # the trainer's
+  document = evaluate.evaluate_and_report(values)
+  member0 = json.load(open(os.path.join(workdir_lib.member_dir(workdir, 0), workdir_lib.RESULTS_FILE)))
+  assert document["sts"] == member0["sts"]  # the member's best params, scored again by micse-evaluate

@@ -12,8 +12,9 @@ float32 rounding. A member whose loss, gradient norm or new params are not finit
 alone: from that step on its state is kept as it was (`stopped_at[i]` = the step), the others go on.
 
 Placement (`population_mesh`): when the devices divide the members, the member axis is split
-over a `member` mesh axis and each device trains whole members (members exchange nothing: no
-collective in the step); otherwise every member is data-parallel over all devices (the member
+over a `member` mesh axis and each device trains whole members under `shard_map` (members
+exchange nothing: no collective in the step; GSPMD alone would all-gather AMI's batched top-k);
+otherwise every member is data-parallel over all devices (the member
 axis replicated, rows split as in a solo run).
 """
 from __future__ import annotations
@@ -256,10 +257,12 @@ def make_population_step(config: ml_collections.ConfigDict, nets, tx, schedule, 
       return make_train_step(config, nets, tx, schedule, inner_mesh)
     return make_train_step(config, nets, *_scaled(tx, schedule, member_hyper["lr_peak"]), inner_mesh)
 
-  masked = member_step_fn(make_step, layout)
+  members_step = jax.vmap(member_step_fn(make_step, layout))
+  if mesh is not None and _spread(mesh):  # each device steps its own members: nothing crosses devices
+    members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS), out_specs=P(MEMBER_AXIS))
 
   def population_step(pstate: PopulationState, packed, member_hyper):
-    members, metrics, bad = jax.vmap(masked)(pstate.members, packed, pstate.stopped_at, member_hyper)
+    members, metrics, bad = members_step(pstate.members, packed, pstate.stopped_at, member_hyper)
     newly = (pstate.stopped_at == STOPPED) & bad
     stopped_at = jnp.where(newly, pstate.step, pstate.stopped_at).astype(jnp.int32)
     return PopulationState(step=pstate.step + 1, members=members, stopped_at=stopped_at), metrics
