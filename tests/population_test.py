@@ -102,6 +102,7 @@ def _restored_member(workdir, index, which="latest"):
   return workdir_lib.restore_params(workdir_lib.member_workdir(workdir, index), which)
 
 
+@pytest.mark.slow  # 66-87 s on the shared 2-core CPU: preempted + resumed population, a solo run, evaluations
 def test_population_workdir_resumes_and_each_member_folder_is_a_workdir(tmp_path, minilm_dir, senteval_dir,
                                                                          monkeypatch):
   """Preempted after its first save and resumed; member 1's folder reads like the solo run of
@@ -148,3 +149,34 @@ def test_population_workdir_resumes_and_each_member_folder_is_a_workdir(tmp_path
   document = evaluate.evaluate_and_report(values)
   member0 = json.load(open(os.path.join(workdir_lib.member_dir(workdir, 0), workdir_lib.RESULTS_FILE)))
   assert document["sts"] == member0["sts"]  # the member's best params, scored again by micse-evaluate
+
+
+def test_sweep_groups_runs_that_differ_only_in_seeds(tmp_path):
+  """`micse-sweep --population_size 2`: seeds (0, 1, 2) of each size → a population of (0, 1) and
+  the solo run 2; the members are the solo runs (same configs), reported from their member folders."""
+  import ml_collections
+
+  from micse_jax.studies import spec
+  sweep = ml_collections.ConfigDict({"name": "t", "base_config": "configs/micse.py", "num_train_steps": 100,
+                                     "eval_tasks": "STSBenchmark", "overrides": (("batch_size", 4),),
+                                     "axes": (("data.num_sentences", (8, 16)), ("seed", (0, 1, 2)))})
+  runs = spec.expand(sweep, str(tmp_path))
+  launched, reported = spec.group_populations(runs, 2, str(tmp_path))
+  assert [r.name for r in launched] == ["data.num_sentences=8__seeds=(0,1)", "data.num_sentences=8__seed=2",
+                                        "data.num_sentences=16__seeds=(0,1)", "data.num_sentences=16__seed=2"]
+  pop = launched[0]
+  assert pop.override("population.seeds") == (0, 1) and pop.override("population.subset_seeds") == (0, 1)
+  assert pop.override("seed") is None and "--config.population.seeds=(0,1)" in spec.main_command(pop)
+  assert [r.name for r in reported] == [r.name for r in runs]
+  assert reported[1].workdir == os.path.join(pop.workdir, "members", "1") and reported[2] == runs[2]
+
+  def built(run):
+    config = spec.load_config_file(run.config_file)
+    for key, value in run.overrides:
+      spec.set_field(config, key, value, run.config_file)
+    return config
+  assert population.member_config(built(pop), 1).to_dict() == built(runs[1]).to_dict()
+  # GPU-hours: a 2-member step costs 2 × 10 ms unless a measured figure is given
+  assert spec.estimated_gpu_hours(launched, 10.0) == (400, pytest.approx((2 * 100 * 20 + 2 * 100 * 10) / 3.6e6))
+  assert spec.estimated_gpu_hours(launched, 10.0, 1, None, {2: 12.0})[1] == pytest.approx(4400 / 3.6e6)
+  assert spec.group_populations(runs, 1, str(tmp_path)) == (runs, runs)
