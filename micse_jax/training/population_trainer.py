@@ -27,6 +27,7 @@ from micse_jax.encoder import SentenceEncoder
 from micse_jax.errors import ConfigError, NonFiniteLossError
 from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
+from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
 from micse_jax.training import checkpoint, population
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
@@ -43,6 +44,7 @@ class _Members:
   best: list
   best_scores: list[float]
   writers: list
+  heldout: HeldoutMetrics | None = None
   reported: set = dataclasses.field(default_factory=set)
 
   @classmethod
@@ -62,7 +64,11 @@ class _Members:
                               model_dir=run.model_dir)
     writers = [_summary_writer(d) for d in dirs]
     return cls(config, runs, dirs, DevSelection(encoder, run.config.eval, run.config.eval_every), best, scores,
-               writers)
+               writers, HeldoutMetrics.create(encoder, run.config))
+
+  @property
+  def evaluates(self) -> bool:
+    return self.selection.enabled or self.heldout is not None
 
   def alive(self, pstate) -> list[int]:
     return [i for i, s in enumerate(np.asarray(pstate.stopped_at)) if s == population.STOPPED]
@@ -85,10 +91,17 @@ class _Members:
       _write_scalars(self.writers[i], done, population.member_metrics(host, i))
 
   def evaluate(self, pstate, bar) -> None:
-    """Dev selection of every training member; a better score saves that member's `best/`."""
+    """Every training member's held-out metrics (`analysis.*`) and dev selection (a better score
+    saves that member's `best/`)."""
     done = int(pstate.step)
     for i in self.alive(pstate):
       params = population.member(pstate.members.params, i)
+      if self.heldout is not None:
+        stats = self.heldout(params["encoder"])
+        _write_scalars(self.writers[i], done, stats)
+        bar.write(f"step {done} member {i}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+      if not self.selection.enabled:
+        continue
       scores = self.selection(params)
       if scores[workdir_lib.BEST_METRIC] > self.best_scores[i]:
         self.best_scores[i] = scores[workdir_lib.BEST_METRIC]
@@ -191,7 +204,7 @@ def _loop(members: _Members, pstate, step_fn, placement, rolling):
       done = step + 1
       last = done == c.num_train_steps
       log, save = done % c.log_every == 0 or last, done % c.checkpoint_every == 0 or last
-      evaluate = members.selection.enabled and is_due(done, c.eval_every, c.num_train_steps)
+      evaluate = members.evaluates and is_due(done, c.eval_every, c.num_train_steps)
       if log or evaluate or save:
         members.report_stopped(pstate, bar)
       if log:
