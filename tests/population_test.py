@@ -36,6 +36,7 @@ def test_member_configs_are_the_solo_configs(tmp_path, minilm_dir):
   assert members[1].to_dict() == solo.to_dict()  # nothing else differs from the solo run
 
 
+@pytest.mark.slow  # ~80 s on the shared 2-core CPU; the default run checks equality in test_a_non_finite_member_stops_alone
 def test_each_member_equals_its_solo_run_after_20_steps(tmp_path, minilm_dir):
   """Own seeds (head init, dropout, AMI and momentum keys, data order) and own few-shot subsets."""
   config = _population_config(tmp_path, minilm_dir, seeds=(1, 2), subset_seeds=(4, 5), num_sentences=40)
@@ -85,7 +86,7 @@ def test_bad_population_fields_are_one_line(tmp_path, minilm_dir, fields, messag
 
 
 @pytest.mark.slow  # ~100 s on the shared 2-core CPU: three 4-device compiles
-def test_four_devices_spread_members_or_split_their_rows(tmp_path, minilm_dir):
+def test_four_devices_spread_members_or_split_their_rows_and_resume_a_one_device_checkpoint(tmp_path, minilm_dir):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-m", "tests.population_worker", str(tmp_path), minilm_dir],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -95,6 +96,8 @@ def test_four_devices_spread_members_or_split_their_rows(tmp_path, minilm_dir):
   assert result["spread"]["mesh"] == ["member"] and result["split"]["mesh"] == ["data"]
   assert result["spread"]["max_diff"] < TOLERANCE and result["split"]["max_diff"] < TOLERANCE
   assert result["spread"]["collectives"] == []  # members exchange nothing
+  assert result["restored_4dev_max_diff"] == 0.0  # a 1-device checkpoint resumes split over 4 devices
+  assert result["restored_shardings"] == ["member"]  # every stacked leaf split by member
 
 
 def _restored_member(workdir, index, which="latest"):
