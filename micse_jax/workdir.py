@@ -292,4 +292,7 @@ def print_run_summary(workdir: str) -> None:
   if jax.process_index() == 0:
     members = population_summary(workdir)
     lines = run_summary(workdir) if not members else [f"population finished: {os.path.abspath(workdir)}", *members]
+    timeline_path = os.path.join(workdir, TIMELINE_FILE)
+    if members and os.path.isfile(timeline_path):
+      lines.append(f"  timeline (all members): {timeline.one_line(jsonio.read_json(timeline_path))}")
     print("\n".join(lines), flush=True)
