@@ -55,7 +55,8 @@ def test_each_member_equals_its_solo_run_after_20_steps(tmp_path, minilm_dir):
 
 def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
   """Member 1's absurd learning rate (a per-member peak: the same program) makes it non-finite;
-  it keeps its last finite state, members 0 and 2 go on (member 2 equals its solo run)."""
+  it keeps its last finite state, members 0 and 2 go on. Member 2, with its own learning rate (a
+  per-member array), equals its solo run (lr 2e-3)."""
   config = _population_config(tmp_path, minilm_dir, steps=6, seeds=(1, 2, 3), learning_rates=(1e-3, 1e12, 2e-3))
   config.optim.grad_clip_norm = 0.0
   config.optim.warmup_steps = 0
@@ -68,8 +69,26 @@ def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
   line = population.stopped_line(1, 2, stopped[1], 2)
   assert "\n" not in line and "member 1 (seed 2) stopped" in line
   assert int(population.member(pstate.members, 0).step) == 6
-  solo, _ = run_solo(population.member_config(config, 2), 6)
+  solo_config = population.member_config(config, 2)
+  assert solo_config.optim.learning_rate == 2e-3
+  solo, _ = run_solo(solo_config, 6)
   assert max_difference(compared_parts(population.member(pstate.members, 2)), compared_parts(solo)) < TOLERANCE
+
+
+def test_a_per_member_ami_weight_is_the_same_program_as_a_constant_one(tmp_path, minilm_dir):
+  """population.ami_weights=(0, 0.3): member 1 is bit for bit the member of seed 3 in a population
+  whose ami.weight is the constant 0.3; member 0's loss is its InfoNCE alone (λ = 0)."""
+  config = _population_config(tmp_path, minilm_dir, steps=3, seeds=(2, 3), ami_weights=(0.0, 0.3))
+  assert [m.ami.weight for m in population.member_configs(config)] == [0.0, 0.3]
+  per_member, history = run_population(config, 3)
+  constant = _population_config(tmp_path, minilm_dir, steps=3, seeds=(2, 3))
+  constant.ami.weight = 0.3
+  reference, reference_history = run_population(constant, 3)
+  assert max_difference(compared_parts(population.member(per_member.members, 1)),
+                        compared_parts(population.member(reference.members, 1))) == 0.0
+  assert [float(h["loss"][1]) for h in history] == [float(h["loss"][1]) for h in reference_history]
+  for h in history:
+    assert float(h["loss"][0]) == pytest.approx(float(h["infonce"][0]), rel=1e-6) and float(h["ami_mi"][0]) > 0
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -77,6 +96,7 @@ def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
     ({"seeds": (1, 2), "subset_seeds": (3,)}, "one subset seed per member"),
     ({"subset_seeds": (3,)}, "need population.seeds"),
     ({"seeds": (1, 2), "learning_rates": (1e-3, -1.0)}, "learning_rates"),
+    ({"seeds": (1, 2), "ami_weights": (1e-3,)}, "ami_weights"),
 ])
 def test_bad_population_fields_are_one_line(tmp_path, minilm_dir, fields, message):
   config = _population_config(tmp_path, minilm_dir, **fields)

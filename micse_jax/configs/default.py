@@ -96,6 +96,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.population.subset_seeds = ()      # one data.subset_seed per member (few-shot subsets); () = data.subset_seed
   c.population.num_sentences = 0      # >0: every member's data.num_sentences (its own subset)
   c.population.learning_rates = ()    # one peak optim.learning_rate per member (no recompile per value); () = shared
+  c.population.ami_weights = ()       # one ami.weight (λ) per member (no recompile per value); () = shared
 
   add_method_fields(c)  # views and loss terms of the relatives (issue 7)
 

@@ -39,7 +39,7 @@ MEMBER_AXIS = "member"
 STOPPED = -1  # `stopped_at` of a member that trains
 # A config.json written before population training existed lacks these; absent means this value.
 FIELD_DEFAULTS = {"population.seeds": [], "population.subset_seeds": [], "population.num_sentences": 0,
-                  "population.learning_rates": []}
+                  "population.learning_rates": [], "population.ami_weights": []}
 
 
 @flax.struct.dataclass
@@ -73,6 +73,13 @@ def _int_tuple(value) -> bool:
                                                   for v in value)
 
 
+def _check_per_member(values, k: int, name: str, what: str, ok) -> None:
+  """One finite number per member passing `ok`, or none; ConfigError (one line) otherwise."""
+  if values and (len(values) != k or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                             and math.isfinite(v) and ok(v) for v in values)):
+    raise ConfigError(f"{name} must give one finite {what} per member ({k}), or none; got {values!r}")
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
   """The `population.*` fields and what they combine with; ConfigError (one line) otherwise."""
   if "population" not in config:
@@ -91,11 +98,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if p.subset_seeds and len(p.subset_seeds) != len(p.seeds):
     raise ConfigError(f"population.subset_seeds has {len(p.subset_seeds)} entries, population.seeds "
                       f"{len(p.seeds)}: give one subset seed per member (or none)")
-  rates = p.get("learning_rates", ())
-  if rates and (len(rates) != len(p.seeds) or not all(isinstance(r, (int, float)) and not isinstance(r, bool)
-                                                      and math.isfinite(r) and r > 0 for r in rates)):
-    raise ConfigError(f"population.learning_rates must give one finite learning rate > 0 per member "
-                      f"({len(p.seeds)}), or none; got {rates!r}")
+  _check_per_member(p.get("learning_rates", ()), len(p.seeds), "population.learning_rates", "learning rate > 0",
+                    lambda r: r > 0)
+  weights = p.get("ami_weights", ())
+  _check_per_member(weights, len(p.seeds), "population.ami_weights", "AMI weight >= 0", lambda w: w >= 0)
+  if weights and not config.ami.enabled:
+    raise ConfigError("population.ami_weights needs ami.enabled=True")
   if config.mesh.shard_state:
     raise ConfigError("population training keeps every member's state whole; mesh.shard_state=True is "
                       "not supported with population.seeds")
@@ -113,7 +121,9 @@ def member_config(config: ml_collections.ConfigDict, index: int) -> ml_collectio
   if p.get("learning_rates", ()):
     member.optim.learning_rate = float(p.learning_rates[index])
   member.population.seeds, member.population.subset_seeds, member.population.num_sentences = (), (), 0
-  member.population.learning_rates = ()
+  if p.get("ami_weights", ()):
+    member.ami.weight = float(p.ami_weights[index])
+  member.population.learning_rates, member.population.ami_weights = (), ()
   return member
 
 
@@ -201,9 +211,21 @@ def optimizer_config(config: ml_collections.ConfigDict) -> ml_collections.Config
 
 
 def hyper(config: ml_collections.ConfigDict) -> dict:
-  """The per-member hyper-parameters the step takes as an argument (`{}` when none differ)."""
-  rates = config.population.get("learning_rates", ())
-  return {"lr_peak": np.asarray(rates, np.float32)} if rates else {}
+  """The per-member hyper-parameters the step takes as an argument (`{}` when none differ):
+  `lr_peak` (`population.learning_rates`), `ami_weight` (`population.ami_weights`)."""
+  p, out = config.population, {}
+  if p.get("learning_rates", ()):
+    out["lr_peak"] = np.asarray(p.learning_rates, np.float32)
+  if p.get("ami_weights", ()):
+    out["ami_weight"] = np.asarray(p.ami_weights, np.float32)
+  return out
+
+
+def _with_ami_weight(config: ml_collections.ConfigDict, weight) -> ml_collections.ConfigDict:
+  """`config` with `ami.weight` a traced per-member scalar (the AMI term only multiplies by it)."""
+  traced = ml_collections.ConfigDict(config.to_dict(), type_safe=False)
+  traced.ami.weight = weight
+  return traced
 
 
 def _scaled(tx, schedule, peak):
@@ -253,9 +275,10 @@ def make_population_step(config: ml_collections.ConfigDict, nets, tx, schedule, 
   inner_mesh = None if mesh is None or _spread(mesh) else mesh
 
   def make_step(member_hyper):
+    member = _with_ami_weight(config, member_hyper["ami_weight"]) if "ami_weight" in member_hyper else config
     if "lr_peak" not in member_hyper:
-      return make_train_step(config, nets, tx, schedule, inner_mesh)
-    return make_train_step(config, nets, *_scaled(tx, schedule, member_hyper["lr_peak"]), inner_mesh)
+      return make_train_step(member, nets, tx, schedule, inner_mesh)
+    return make_train_step(member, nets, *_scaled(tx, schedule, member_hyper["lr_peak"]), inner_mesh)
 
   members_step = jax.vmap(member_step_fn(make_step, layout))
   if mesh is not None and _spread(mesh):  # each device steps its own members: nothing crosses devices
