@@ -29,6 +29,7 @@ from micse_jax.models.bert import ATTENTION_KERNELS
 from micse_jax.models.dtypes import DTYPES
 from micse_jax.models.remat import REMAT_POLICIES
 from micse_jax.optional import require
+from micse_jax.training import population
 from micse_jax.training.terms import OBJECTIVES
 from micse_jax.training.views import ADD_IMPORTANCE, SECOND_VIEWS
 
@@ -315,6 +316,8 @@ def config_differences(saved: dict, config_dict: dict) -> list[str]:
   for field in sorted(set(new) | set(old)):
     if field.startswith(RESUMABLE_CHANGES) or old.get(field) == new.get(field):
       continue
+    if field not in old and field in population.FIELD_DEFAULTS and new.get(field) == population.FIELD_DEFAULTS[field]:
+      continue  # written before population training existed: the default
     differences.append(f"{field} ({old.get(field, '<absent>')!r} -> {new.get(field, '<absent>')!r})")
   return differences
 
@@ -348,6 +351,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   check_fields(config)
   check_combinations(config)
   check_methods(config)
+  population.check_config(config)
   check_packages(config)
 
 

@@ -1,12 +1,13 @@
 """Export a trained encoder as a Hugging Face / sentence-transformers directory.
 
-    python -m micse_jax.convert --workdir DIR [--step N | --best] --output HF_DIR [--mlp_as_pooler]
+    python -m micse_jax.convert --workdir DIR [--member I] [--step N | --best] --output HF_DIR [--mlp_as_pooler]
     python -m micse_jax.convert --model HF_DIR_OR_HUB_NAME --output HF_DIR
 
 Add `--overwrite` to replace an existing non-empty output directory.
 
 `--workdir` reads a training run's Orbax checkpoint (the latest one unless `--step`/`--best`);
-`--model` re-exports a plain Hugging Face checkpoint. See `micse_jax.export` for what the
+`--member I` exports member I of a population run (`population.seeds`, numbered from 0; its folder
+`DIR/members/I`). `--model` re-exports a plain Hugging Face checkpoint. See `micse_jax.export` for what the
 output holds. Bad input (a `MicseError`) gives one `error:` line on stderr, exit status 1
 (a flag that does not parse: exit 2), and writes nothing; anything else is a bug and keeps its
 traceback. Installed: `micse-convert`.
@@ -30,6 +31,7 @@ def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "Training workdir to export from.")
   flags.DEFINE_string("model", None,
                       "Hugging Face directory or hub name to export from (instead of --workdir).")
+  flags.DEFINE_integer("member", None, "Population workdir: export this member (0-based, order of population.seeds).")
   flags.DEFINE_integer("step", None, "Export the checkpoint of this step (default: the latest).")
   flags.DEFINE_boolean("best", False, "Export the best (STS-B dev) checkpoint.")
   flags.DEFINE_string("output", None, "Output directory for the Hugging Face export.")
@@ -67,12 +69,15 @@ def check_args(*, output: str | None, workdir: str | None, model: str | None, st
   return checkpoint_choice(step, best)
 
 
-def restore_workdir(workdir: str, which: str | int) -> dict:
-  """`micse_jax.workdir.restore_trained_weights`; its input errors (`MicseError`) as one line."""
+def restore_workdir(workdir: str, which: str | int, member: int | None = None) -> dict:
+  """`micse_jax.workdir.restore_trained_weights` (of population member `member`); its input
+  errors (`MicseError`) as one line."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
   workdir_lib = importlib.import_module("micse_jax.workdir")
   try:
+    if member is not None:
+      workdir = workdir_lib.member_workdir(workdir, member)
     return workdir_lib.restore_trained_weights(workdir, which)
   except MicseError as e:  # anything else is a bug and keeps its traceback
     raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {one_line(e)}") from e
@@ -106,14 +111,16 @@ def _has_pooler_weights(model_dir: str) -> bool:
 
 def convert(*, output: str, workdir: str | None = None, model: str | None = None, step: int | None = None,
             best: bool = False, mlp_as_pooler: bool = False, overwrite: bool = False,
-            max_seq_length: int | None = None) -> str:
+            max_seq_length: int | None = None, member: int | None = None) -> str:
   """Checks everything cheap first, then restores/loads and exports; returns the output path."""
   from micse_jax import export
   which = check_args(output=output, workdir=workdir, model=model, step=step, best=best,
                      mlp_as_pooler=mlp_as_pooler)
+  if member is not None and (workdir is None or member < 0):
+    raise ConvertError(f"--member must be >= 0 and needs --workdir, got --member {member}")
   output = os.path.abspath(os.path.expanduser(output))
   export.check_output(output, overwrite)
-  source = load_model_dir(model) if model is not None else restore_workdir(workdir, which)
+  source = load_model_dir(model) if model is not None else restore_workdir(workdir, which, member)
   return export.export_hf(
       output, bert_config=source["bert_config"], encoder_params=source["encoder_params"],
       tokenizer_dir=source["tokenizer_dir"], head_params=source.get("head_params"),
@@ -127,7 +134,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
   convert_and_report(output=FLAGS.output, workdir=FLAGS.workdir, model=FLAGS.model, step=FLAGS.step,
                      best=FLAGS.best, mlp_as_pooler=FLAGS.mlp_as_pooler, overwrite=FLAGS.overwrite,
-                     max_seq_length=FLAGS.max_seq_length)
+                     max_seq_length=FLAGS.max_seq_length, member=FLAGS.member)
 
 
 def convert_and_report(**kwargs) -> str:

@@ -5,7 +5,8 @@
 
 `--transfer_protocol`: `senteval` (default; SentEval's own classifier, the protocol of the SimCSE /
 miCSE papers; `--fast` is SimCSE's `fasttest`) or `logreg` (exact logistic regression).
-`--model` is a Hugging Face directory, a hub name or a training workdir (`--checkpoint`).
+`--model` is a Hugging Face directory, a hub name or a training workdir (`--checkpoint`); with
+`--member I`, member I of a population workdir (numbered from 0 in the order of `population.seeds`).
 `--tasks`: `sts`, `transfer`, `all` or a comma list (STS12 ... STS16, STSBenchmark/STS-B,
 SICKRelatedness/SICK-R, MR, CR, SUBJ, MPQA, SST2, TREC, MRPC). Bad input (a `MicseError`) is
 reported as one line on stderr with exit code 1 (a flag that does not parse: exit 2), and no
@@ -66,6 +67,7 @@ def _check_inputs(flags_values) -> tuple[list[str], str]:
     raise ConfigError("--model is required (a HF model directory, hub name or training workdir)")
   if _looks_local(model) and not os.path.exists(model):
     raise ModelLoadError(f"model path not found: {model}")
+  _model_path(flags_values)  # --member names an existing member
   senteval_dir = flags_values.senteval_dir or paths.senteval_dir()
   if flags_values.download and not os.path.isdir(senteval_dir):
     print(f"downloading SentEval data to {senteval_dir} ...", file=sys.stderr)
@@ -74,12 +76,23 @@ def _check_inputs(flags_values) -> tuple[list[str], str]:
   return tasks, senteval_dir
 
 
+def _model_path(flags_values) -> str:
+  """`--model`, or with `--member I` the folder of member I of that population workdir."""
+  model, member = os.path.expanduser(flags_values.model), getattr(flags_values, "member", None)
+  if member is None:
+    return model
+  from micse_jax import workdir
+  if member < 0:
+    raise ConfigError(f"--member must be >= 0, got {member}")
+  return workdir.member_workdir(model, member)
+
+
 def _encode_fn(flags_values):
   """Loads the encoder and returns its encode function."""
   from micse_jax.encoder import load_encoder
   checkpoint = flags_values.checkpoint
   checkpoint = int(checkpoint) if checkpoint.isdigit() else checkpoint
-  encoder = load_encoder(os.path.expanduser(flags_values.model), checkpoint=checkpoint)
+  encoder = load_encoder(_model_path(flags_values), checkpoint=checkpoint)
   return lambda sentences: encoder.encode(sentences, pooler=flags_values.pooler,
                                           batch_size=flags_values.batch_size,
                                           max_length=flags_values.max_length)
@@ -131,6 +144,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_length", 512, "Token limit per sentence (longer ones are truncated).")
   flags.DEFINE_boolean("download", False, "Download SentEval data if --senteval_dir is missing.")
   flags.DEFINE_string("checkpoint", "best", "For a training workdir: best, latest or a step.")
+  flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
   flags.DEFINE_integer("seed", SEED, "Seed of the transfer-task folds (SentEval: 1111).")
 
 

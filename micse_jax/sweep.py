@@ -34,6 +34,10 @@ flags.DEFINE_bool("report", False, "Only aggregate finished runs into tables and
 flags.DEFINE_bool("dry_run", False, "Print the plan (write the sbatch script for SLURM); run nothing.")
 flags.DEFINE_float("step_ms", None, "Dry run: milliseconds per training step for the GPU-hours estimate "
                    "(default: the sweep config's step_ms, an assumption stated there).")
+flags.DEFINE_integer("population_size", 1, "Train runs that differ only in their seeds as populations of up to "
+                     "this many members, one program each (docs/population.md); 1: one program per run.")
+flags.DEFINE_float("population_step_ms", None, "Dry run: measured milliseconds per step of a population of "
+                   "--population_size members (default: that many times the step time: no speed-up assumed).")
 flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
@@ -57,13 +61,20 @@ def _print_cost(sweep, todo) -> None:
     return
   gpus = FLAGS.gpus_per_run if FLAGS.executor == "slurm" else 1
   done = {run.name: (runner.checkpoint_steps(run.workdir) or [0])[-1] for run in todo}
+  k = FLAGS.population_size
+  measured = {k: FLAGS.population_step_ms} if FLAGS.population_step_ms is not None else {}
   try:
-    steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus, done)
+    steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus, done, measured)
   except spec.SweepError as e:  # a step_ms <= 0 in the sweep config
     cli.fail(str(e), cli.USAGE_EXIT)
   source = "--step_ms" if FLAGS.step_ms is not None else sweep.get("step_ms_note") or "the sweep config"
+  members = sum(spec.population_size_of(run) for run in todo)
+  population = "" if k == 1 else (
+      f"; {members} member runs in {len(todo)} programs, a {k}-member step at "
+      + (f"{FLAGS.population_step_ms:g} ms (--population_step_ms)" if measured else f"{k} × {step_ms:g} ms (no "
+         "speed-up assumed; pass --population_step_ms with a measured figure)"))
   print(f"[sweep] expected cost: {len(todo)} runs, {steps:,} training steps × {step_ms:g} ms/step × {gpus} GPU/run "
-        f"= {hours:,.1f} GPU-hours (training steps only; evaluations not counted). Step time: {source}")
+        f"= {hours:,.1f} GPU-hours (training steps only; evaluations not counted). Step time: {source}{population}")
 
 
 def _dry_run(sweep, todo, sweep_dir: str, folder: str, slurm_params: dict | None) -> None:
@@ -79,6 +90,18 @@ def _dry_run(sweep, todo, sweep_dir: str, folder: str, slurm_params: dict | None
     with open(path, "w", encoding="utf-8") as f:
       f.write(script)
     print(f"[sweep] sbatch script (not submitted): {path}\n{script}")
+
+
+def _print_plan(name: str, launched, sweep_dir: str) -> list:
+  """Prints what each run (or population) will do; returns those not finished."""
+  from micse_jax.studies import runner
+  plans = {run.name: runner.plan(run) for run in launched}
+  todo = [run for run in launched if plans[run.name] != "skip"]
+  print(f"[sweep] {name}: {len(launched)} runs, {len(launched) - len(todo)} finished, {len(todo)} to run "
+        f"in {sweep_dir}")
+  for run in launched:
+    print(f"[sweep]   {plans[run.name]:<22} {run.name}")
+  return todo
 
 
 def check_packages(executor: str, dry_run: bool, report: bool) -> None:
@@ -103,17 +126,13 @@ def main(argv):
   try:
     runs = spec.expand(sweep, sweep_dir)
     spec.check_data(runs)
+    launched, runs = spec.group_populations(runs, FLAGS.population_size, sweep_dir)
   except spec.SweepError as e:
     cli.fail(str(e), cli.USAGE_EXIT)
   if FLAGS.report:
     _report(runs, sweep_dir, sweep.name)
     return
-  plans = {run.name: runner.plan(run) for run in runs}
-  todo = [run for run in runs if plans[run.name] != "skip"]
-  print(f"[sweep] {sweep.name}: {len(runs)} runs, {len(runs) - len(todo)} finished, {len(todo)} to run "
-        f"in {sweep_dir}")
-  for run in runs:
-    print(f"[sweep]   {plans[run.name]:<22} {run.name}")
+  todo = _print_plan(sweep.name, launched, sweep_dir)
   folder, params = os.path.join(sweep_dir, "submitit"), None
   if FLAGS.executor == "slurm":
     params = runner.slurm_parameters(partition=FLAGS.partition, gpus_per_run=FLAGS.gpus_per_run,

@@ -7,6 +7,16 @@ importing the trainer: the layout, the Orbax managers, the best-metric key, the 
     workdir/results.json          final evaluation of the best checkpoint
     workdir/tensorboard/          training and dev-score scalars
     workdir/timeline.json         seconds per phase, one entry per session (`micse_jax/timeline.py`)
+
+A population workdir (`population.seeds`, `training/population.py`) holds the members' stacked
+train states in `checkpoints/` (`{'step', 'members': TrainState with a leading member axis,
+'stopped_at'}`) and one folder per member, numbered from 0 in the order of `population.seeds`:
+
+    workdir/members/<i>/config.json   the member's solo config (seed = seeds[i], its subset)
+    workdir/members/<i>/best/ results.json timeline.json tensorboard/   as in a solo workdir
+
+A member folder reads like a solo workdir (`is_workdir`, `restore_params`): its rolling
+checkpoints are member i's slice of the population's (`member_of`).
 """
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ BEST_DIR = "best"
 RESULTS_FILE = "results.json"
 TENSORBOARD_DIR = "tensorboard"
 TIMELINE_FILE = "timeline.json"
+MEMBERS_DIR = "members"
 BEST_METRIC = "stsb_dev"  # the metric the best checkpoint is chosen by (STS-B dev Spearman x100)
 
 
@@ -35,8 +46,49 @@ def has_steps(directory: str) -> bool:
 
 
 def is_workdir(path: str) -> bool:
-  """A folder with `config.json` and `checkpoints/`: what the trainer writes."""
-  return os.path.isfile(os.path.join(path, CONFIG_FILE)) and os.path.isdir(os.path.join(path, ROLLING_DIR))
+  """A folder with `config.json` and `checkpoints/` (what the trainer writes), or a population member's folder."""
+  if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+    return False
+  return os.path.isdir(os.path.join(path, ROLLING_DIR)) or member_of(path) is not None
+
+
+def member_dir(workdir: str, index: int) -> str:
+  """`workdir/members/<index>/`, the folder of population member `index` (numbered from 0)."""
+  return os.path.join(os.path.abspath(workdir), MEMBERS_DIR, str(index))
+
+
+def population_seeds(workdir: str) -> list[int]:
+  """The `population.seeds` of a workdir's config.json ([] for a solo run or no workdir)."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    return []
+  return list(jsonio.read_json(path).get("population", {}).get("seeds", []) or [])
+
+
+def member_workdir(workdir: str, index: int) -> str:
+  """The member folder `--member index` names; CheckpointError (one line) when there is none."""
+  seeds = population_seeds(workdir)
+  if not seeds:
+    raise CheckpointError(f"{workdir} is not a population workdir (its {CONFIG_FILE} has no population.seeds); "
+                          "--member applies only to population runs")
+  if not 0 <= index < len(seeds):
+    raise CheckpointError(f"--member {index} out of range: {workdir} has {len(seeds)} members (0..{len(seeds) - 1})")
+  path = member_dir(workdir, index)
+  if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+    raise CheckpointError(f"member {index} of {workdir} has no {CONFIG_FILE} (the run did not start?)")
+  return path
+
+
+def member_of(path: str) -> tuple[str, int] | None:
+  """(population workdir, member index) when `path` is `W/members/<i>` of a population workdir W."""
+  path = os.path.abspath(path)
+  parent, name = os.path.split(path)
+  if os.path.basename(parent) != MEMBERS_DIR or not name.isdigit():
+    return None
+  workdir = os.path.dirname(parent)
+  if int(name) >= len(population_seeds(workdir)) or not os.path.isdir(os.path.join(workdir, ROLLING_DIR)):
+    return None
+  return workdir, int(name)
 
 
 def write_run_config(workdir: str, config_dict: dict) -> None:
@@ -98,14 +150,21 @@ def read_subtree(directory: str, step: int, key: str = "params", sharding=None):
   nothing else of the saved tree needs to be known. Orbax/TensorStore errors propagate.
   """
   reader = step_reader(directory)
+  path = key.split("/")  # "members/params": a population's stacked params
   try:
     tree = getattr(reader.item_metadata(step), "tree", None)
-    if not isinstance(tree, dict) or key not in tree:
-      raise CheckpointError(f"checkpoint step {step} in {directory} holds no {key!r}")
-    target = {key: abstract_on(tree[key], sharding or current_device_sharding())}
-    return reader.restore(step, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True))[key]
+    for part in path:
+      if not isinstance(tree, dict) or part not in tree:
+        raise CheckpointError(f"checkpoint step {step} in {directory} holds no {key!r}")
+      tree = tree[part]
+    target = abstract_on(tree, sharding or current_device_sharding())
+    for part in reversed(path):
+      target = {part: target}
+    restored = reader.restore(step, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+    for part in path:
+      restored = restored[part]
+    return restored
   finally:
     reader.close()
 
@@ -126,24 +185,30 @@ def restore_subtree(directory: str, step: int, key: str = "params", sharding=Non
     raise CheckpointError(f"checkpoint step {step} in {directory} is unreadable: {unreadable_reason(e)}") from e
 
 
-def restore_params(workdir: str, which: str | int = "latest", sharding=None) -> tuple[int, dict]:
+def restore_params(workdir: str, which: str | int = "latest", sharding=None,
+                   key: str = "params") -> tuple[int, dict]:
   """(step, params) of a workdir checkpoint, on the current devices whatever the training topology.
 
   which = 'best', 'latest' or a step number. An unreadable latest checkpoint falls back to the
   newest readable one with a warning; an unreadable 'best' or explicit step raises CheckpointError.
+  A population member's folder reads its slice of the population's checkpoints (`member_of`).
   """
+  population = member_of(workdir) if which != "best" else None
+  if population is not None:  # member i's slice of the population's rolling checkpoints
+    step, params = restore_params(population[0], which, sharding, key="members/params")
+    return step, jax.tree.map(lambda x: x[population[1]], params)
   directory = os.path.join(os.path.abspath(workdir), BEST_DIR if which == "best" else ROLLING_DIR)
-  key = "best" if which == "best" else "rolling"
+  kind = "best" if which == "best" else "rolling"
   steps = sorted(ocp.utils.checkpoint_steps(directory)) if os.path.isdir(directory) else []
   if not steps:
-    raise CheckpointError(f"no {key} checkpoint in {workdir}")
+    raise CheckpointError(f"no {kind} checkpoint in {workdir}")
   if which not in ("latest", "best"):
     if int(which) not in steps:
       raise CheckpointError(f"no checkpoint at step {which} in {workdir} (have {steps})")
-    return int(which), restore_subtree(directory, int(which), sharding=sharding)
+    return int(which), restore_subtree(directory, int(which), key, sharding)
   if which == "best":
-    return steps[-1], restore_subtree(directory, steps[-1], sharding=sharding)
-  return newest_readable(steps, lambda step: read_subtree(directory, step, sharding=sharding), directory)
+    return steps[-1], restore_subtree(directory, steps[-1], key, sharding)
+  return newest_readable(steps, lambda step: read_subtree(directory, step, key, sharding), directory)
 
 
 def newest_readable(steps, restore_fn, directory: str):
@@ -208,7 +273,26 @@ def run_summary(workdir: str) -> list[str]:
   return lines
 
 
+def population_summary(workdir: str) -> list[str]:
+  """Per member of a population workdir: its best STS-B dev score and the export command."""
+  wd, lines = os.path.abspath(workdir), []
+  for i, seed in enumerate(population_seeds(wd)):
+    folder = member_dir(wd, i)
+    best_step = best_manager(folder, read_only=True).best_step() if has_steps(os.path.join(folder, BEST_DIR)) else None
+    score = (f"best STS-B dev {float(best_manager(folder, read_only=True).metrics(best_step)[BEST_METRIC]):.2f} "
+             f"at step {best_step}" if best_step is not None else "no dev selection")
+    which = " --best" if best_step is not None else ""
+    lines.append(f"  member {i} (seed {seed}): {score}; {folder}; export: python -m micse_jax.convert "
+                 f"--workdir {wd} --member {i}{which} --output EXPORT_DIR")
+  return lines
+
+
 def print_run_summary(workdir: str) -> None:
   """Prints `run_summary` on the first process."""
   if jax.process_index() == 0:
-    print("\n".join(run_summary(workdir)), flush=True)
+    members = population_summary(workdir)
+    lines = run_summary(workdir) if not members else [f"population finished: {os.path.abspath(workdir)}", *members]
+    timeline_path = os.path.join(workdir, TIMELINE_FILE)
+    if members and os.path.isfile(timeline_path):
+      lines.append(f"  timeline (all members): {timeline.one_line(jsonio.read_json(timeline_path))}")
+    print("\n".join(lines), flush=True)

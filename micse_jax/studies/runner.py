@@ -26,10 +26,12 @@ class RunFailed(RuntimeError):
 
 
 def read_status(workdir: str) -> dict:
-  """A run's status.json (`{}` when it has none yet)."""
+  """A run's status.json (`{}` when it has none yet); a population member's is its population's."""
   path = os.path.join(workdir, STATUS_FILE)
   if not os.path.isfile(path):
-    return {}
+    from micse_jax.workdir import member_of
+    population = member_of(workdir)
+    return read_status(population[0]) if population is not None else {}
   with open(path, encoding="utf-8") as f:
     return json.load(f)
 

@@ -24,6 +24,11 @@ are overrides that follow it. `method` and `seed` cannot be zipped.
 
 Each run gets a workdir named by its axis values, e.g. `method=simcse__data.num_sentences=64__seed=0`,
 and is an ordinary `python -m micse_jax.main --config FILE --workdir DIR --config.<field>=<value> ...`.
+
+`group_populations(runs, K)` (`micse-sweep --population_size K`) trains runs that differ only in
+their seeds (`POPULATION_FIELDS`) as populations of up to K members (`training/population.py`):
+one program `...__seeds=(0,1,2)` whose member folders `members/<i>/` are the grouped runs'
+workdirs for the report.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from micse_jax import configs
 from micse_jax.errors import ConfigError, MicseError
 
 SPECIAL_AXES = ("method", "seed")
+POPULATION_FIELDS = ("seed", "data.subset_seed")  # what may differ between the members of a population
 
 
 class SweepError(ConfigError):
@@ -262,15 +268,71 @@ def main_command(run: RunSpec, python: str = sys.executable) -> list[str]:
 
 
 def estimated_gpu_hours(runs: list[RunSpec], step_ms: float, gpus_per_run: int = 1,
-                        done_steps: dict | None = None) -> tuple[int, float]:
+                        done_steps: dict | None = None, population_step_ms: dict | None = None) -> tuple[int, float]:
   """(training steps left, GPU-hours) of `runs` at `step_ms` milliseconds per step.
 
   GPU-hours = Σ_runs (num_train_steps - steps already checkpointed, from `done_steps` by run
   name) × step_ms / 3.6e6 × gpus_per_run: training steps only (the STS-B dev evaluations every
-  `eval_every` steps and the final STS suite are not counted).
+  `eval_every` steps and the final STS suite are not counted). A population of K members
+  (`population_size_of`) takes `population_step_ms[K]` per step when given (a measured
+  figure), else K × `step_ms` (no speed-up assumed).
   """
   if step_ms <= 0:
     raise SweepError(f"step time must be > 0 ms, got {step_ms}")
-  done_steps = done_steps or {}
-  steps = sum(max(int(run.override("num_train_steps")) - done_steps.get(run.name, 0), 0) for run in runs)
-  return steps, steps * step_ms / 3.6e6 * gpus_per_run
+  done_steps, population_step_ms = done_steps or {}, population_step_ms or {}
+  steps, ms = 0, 0.0
+  for run in runs:
+    k, left = population_size_of(run), max(int(run.override("num_train_steps")) - done_steps.get(run.name, 0), 0)
+    steps += left
+    ms += left * (step_ms if k == 1 else population_step_ms.get(k, k * step_ms))
+  return steps, ms / 3.6e6 * gpus_per_run
+
+
+def _population_run(chunk: list[RunSpec], sweep_dir: str) -> RunSpec:
+  """One population run training the runs of `chunk` (same overrides but their seeds) as members."""
+  first = chunk[0]
+  shared = [(k, v) for k, v in first.overrides if k not in POPULATION_FIELDS]
+  overrides = shared + [("population.seeds", tuple(int(r.override("seed")) for r in chunk))]
+  if all(r.override("data.subset_seed") is not None for r in chunk):
+    overrides.append(("population.subset_seeds", tuple(int(r.override("data.subset_seed")) for r in chunk)))
+  seeds = tuple(r.label("seed", r.override("seed")) for r in chunk)
+  labels = tuple((k, v) for k, v in first.labels if k != "seed") + (("seeds", seeds),)
+  name = _safe("__".join(f"{k}={_format(v)}" for k, v in labels))
+  config = load_config_file(first.config_file)
+  for key, value in overrides:
+    set_field(config, key, value, first.config_file)
+  _check_run_config(config.copy_and_resolve_references(), first.config_file)
+  return RunSpec(name=name, config_file=first.config_file, overrides=tuple(overrides), labels=labels,
+                 workdir=os.path.join(sweep_dir, name))
+
+
+def group_populations(runs: list[RunSpec], size: int, sweep_dir: str) -> tuple[list[RunSpec], list[RunSpec]]:
+  """(runs to launch, runs to report): runs that differ only in `POPULATION_FIELDS` (and have a
+  `seed` override) grouped, in sweep order, into populations of up to `size` members; a reported
+  run's workdir becomes its member folder `<population workdir>/members/<i>`. `size` 1: unchanged."""
+  if size < 1:
+    raise SweepError(f"--population_size must be >= 1, got {size}")
+  if size == 1:
+    return list(runs), list(runs)
+  groups: dict = {}
+  for run in runs:
+    key = (run.config_file, tuple((k, _format(v)) for k, v in run.overrides if k not in POPULATION_FIELDS),
+           run.override("seed") is None)
+    groups.setdefault(key, []).append(run)
+  launched, members = [], {}
+  for (_, _, unseeded), group in groups.items():
+    for start in range(0, len(group), size):
+      chunk = group[start:start + size]
+      if len(chunk) == 1 or unseeded:
+        launched += chunk
+        continue
+      population = _population_run(chunk, os.path.dirname(chunk[0].workdir))
+      launched.append(population)
+      for i, run in enumerate(chunk):
+        members[run.name] = dataclasses.replace(run, workdir=os.path.join(population.workdir, "members", str(i)))
+  return launched, [members.get(run.name, run) for run in runs]
+
+
+def population_size_of(run: RunSpec) -> int:
+  """Members a run trains (1 for a solo run)."""
+  return len(run.override("population.seeds", ()) or ()) or 1

@@ -27,7 +27,7 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, optim, precision
+from micse_jax.training import checkpoint, optim, population, population_trainer, precision
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training import state as state_lib
 from micse_jax.training.finite import FiniteWatch
@@ -67,7 +67,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     return _train_and_evaluate(config, workdir, session)
   finally:
-    _write_timeline(workdir, session)
+    _write_timeline(workdir, session, population_trainer.member_dirs(config, workdir))
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session: timeline.Timeline) -> dict:
@@ -75,6 +75,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   config = precision.with_resolved_dtype(config)  # "auto" → this accelerator's dtype, printed once
   config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
+  if population.enabled(config):  # K seeds in one jitted step (training/population.py)
+    return population_trainer.train(config, workdir, session)
   run = prepare(config)  # all input validation happens before the workdir is touched
   mesh = mesh_lib.data_mesh()
   tx = make_optimizer(config)
@@ -117,16 +119,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   return results
 
 
-def _write_timeline(workdir: str, session: timeline.Timeline) -> None:
+def _write_timeline(workdir: str, session: timeline.Timeline, member_dirs: list[str]) -> None:
   """Adds the session to `workdir/timeline.json` (first process; only once the run got as far as
-  its train state, i.e. all input checks passed)."""
+  its train state, i.e. all input checks passed), and to each population member's (the same
+  seconds: the members share them)."""
   entry = {"ended_at": timeline.now_iso(), **session.finish()}
   if jax.process_index() != 0 or "steps" not in entry:
     return
-  try:
-    timeline.add_session(os.path.join(workdir, workdir_lib.TIMELINE_FILE), entry)
-  except OSError as e:
-    logging.warning("could not write %s: %s", workdir_lib.TIMELINE_FILE, e)
+  for directory in [workdir, *member_dirs]:
+    try:
+      timeline.add_session(os.path.join(directory, workdir_lib.TIMELINE_FILE), entry)
+    except OSError as e:
+      logging.warning("could not write %s: %s", workdir_lib.TIMELINE_FILE, e)
 
 
 @dataclasses.dataclass
