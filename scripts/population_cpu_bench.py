@@ -18,20 +18,10 @@ import jax
 
 def measure(config, k: int, steps: int) -> dict:
   """Compile, warm up and time `steps` population steps of the first `k` seeds."""
-  from micse_jax.data.packing import BatchLayout
-  from micse_jax.training import population, setup
-  from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+  from micse_jax.training import population, population_trainer
   config.population.seeds = tuple(range(1, k + 1))
-  runs = [setup.prepare(mc) for mc in population.member_configs(config)]
-  shared = population.optimizer_config(config)
-  tx = make_optimizer(shared)
-  mesh = population.population_mesh(k)
-  pstate = population.initial_state([jax.device_get(setup.initial_state(r, tx)) for r in runs])
-  sharding = population.state_sharding(jax.eval_shape(lambda: pstate), mesh)
-  pstate = jax.device_put(pstate, sharding)
-  layout = BatchLayout.of(runs[0].batches.batch(0))
-  step = population.jit_population_step(shared, runs[0].nets, tx, learning_rate_schedule(shared), layout, mesh,
-                                        sharding)
+  f = population_trainer.fresh_population(config)
+  runs, layout, mesh, step, pstate = f.runs, f.layout, f.mesh, f.step, f.state
   batches = [population.stacked_batch([r.batches for r in runs], layout, s, mesh) for s in range(steps + 3)]
   start = time.perf_counter()
   pstate, metrics = step(pstate, batches[0], {})

@@ -3,8 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from micse_jax.data.packing import BatchLayout
-from micse_jax.training import population, setup
+from micse_jax.training import population, population_trainer, setup
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
 
@@ -12,16 +11,8 @@ from micse_jax.training.step import make_train_step
 def run_population(config, steps: int, devices=None, hlo: list | None = None):
   """(final PopulationState on the host, per-step metrics) of `steps` population steps on `devices`;
   appends the compiled step's HLO text to `hlo` when given."""
-  runs = [setup.prepare(mc) for mc in population.member_configs(config)]
-  shared = population.optimizer_config(config)
-  tx = make_optimizer(shared)
-  mesh = population.population_mesh(len(runs), devices)
-  pstate = population.initial_state([jax.device_get(setup.initial_state(r, tx)) for r in runs])
-  sharding = population.state_sharding(jax.eval_shape(lambda: pstate), mesh)
-  pstate = jax.device_put(pstate, sharding)
-  layout = BatchLayout.of(runs[0].batches.batch(0))
-  step = population.jit_population_step(shared, runs[0].nets, tx, learning_rate_schedule(shared), layout, mesh,
-                                        sharding)
+  f = population_trainer.fresh_population(config, devices)
+  runs, layout, mesh, step, pstate = f.runs, f.layout, f.mesh, f.step, f.state
   hyper = population.hyper(config)
   batches = [r.batches for r in runs]
   if hlo is not None:

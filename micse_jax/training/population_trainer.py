@@ -29,7 +29,7 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, population
+from micse_jax.training import checkpoint, population, summaries
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.setup import Run, initial_state, prepare
 
@@ -62,7 +62,7 @@ class _Members:
     run = runs[0]
     encoder = SentenceEncoder(BertModel(run.bert_config, dtype=run.nets.online.dtype), None, run.tokenizer,
                               model_dir=run.model_dir)
-    writers = [_summary_writer(d) for d in dirs]
+    writers = [summaries.summary_writer(d) for d in dirs]
     return cls(config, runs, dirs, DevSelection(encoder, run.config.eval, run.config.eval_every), best, scores,
                writers, HeldoutMetrics.create(encoder, run.config))
 
@@ -88,7 +88,7 @@ class _Members:
     """Each training member's step metrics into its own TensorBoard folder."""
     host = jax.device_get(metrics)
     for i in self.alive(pstate):
-      _write_scalars(self.writers[i], done, population.member_metrics(host, i))
+      summaries.write_scalars(self.writers[i], done, population.member_metrics(host, i))
 
   def evaluate(self, pstate, bar) -> None:
     """Every training member's held-out metrics (`analysis.*`) and dev selection (a better score
@@ -98,7 +98,7 @@ class _Members:
       params = population.member(pstate.members.params, i)
       if self.heldout is not None:
         stats = self.heldout(params["encoder"])
-        _write_scalars(self.writers[i], done, stats)
+        summaries.write_scalars(self.writers[i], done, stats)
         bar.write(f"step {done} member {i}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
       if not self.selection.enabled:
         continue
@@ -107,7 +107,7 @@ class _Members:
         self.best_scores[i] = scores[workdir_lib.BEST_METRIC]
         with timeline.phase("save"):
           checkpoint.save_best(self.best[i], done, params, self.best_scores[i], wait=False)
-      _write_scalars(self.writers[i], done, self.selection.tagged(scores))
+      summaries.write_scalars(self.writers[i], done, self.selection.tagged(scores))
       bar.write(f"step {done} member {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
 
   def close(self) -> None:
@@ -122,19 +122,32 @@ def _config_json(run: Run) -> dict:
   return {**run.config.to_dict(), "model_dir": run.model_dir, "bert_config": run.bert_config.to_dict()}
 
 
-def _summary_writer(directory: str):
-  if jax.process_index() != 0:
-    return None
-  from tensorboardX import SummaryWriter
-  return SummaryWriter(os.path.join(directory, workdir_lib.TENSORBOARD_DIR))
+@dataclasses.dataclass
+class FreshPopulation:
+  """A population at step 0, ready to step: its runs, the shared optimizer config and `tx`, the
+  mesh, the state's sharding, the batch layout, the jitted step and the placed state."""
+  runs: list[Run]
+  shared: ml_collections.ConfigDict
+  tx: object
+  mesh: object
+  sharding: object
+  layout: BatchLayout
+  step: object
+  state: object
 
 
-def _write_scalars(writer, step: int, scalars: dict) -> None:
-  if writer is None:
-    return
-  for k, v in scalars.items():
-    writer.add_scalar(k if "/" in k else f"train/{k}", float(v), step)
-  writer.flush()
+def fresh_population(config: ml_collections.ConfigDict, devices=None) -> FreshPopulation:
+  """`config`'s population at step 0 on `devices` (default: all), without a workdir (the bench, tests)."""
+  runs = [prepare(mc) for mc in population.member_configs(config)]
+  shared = population.optimizer_config(config)
+  tx = make_optimizer(shared)
+  mesh = population.population_mesh(len(runs), devices)
+  pstate = population.initial_state([jax.device_get(initial_state(r, tx)) for r in runs])
+  sharding = population.state_sharding(jax.eval_shape(lambda: pstate), mesh)
+  layout = BatchLayout.of(runs[0].batches.batch(0))
+  step = population.jit_population_step(shared, runs[0].nets, tx, learning_rate_schedule(shared), layout, mesh,
+                                        sharding)
+  return FreshPopulation(runs, shared, tx, mesh, sharding, layout, step, jax.device_put(pstate, sharding))
 
 
 def _start(config, runs: list[Run], tx, mesh, rolling, session):

@@ -13,7 +13,6 @@ import time
 
 import jax
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
@@ -27,7 +26,7 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, optim, population, population_trainer, precision
+from micse_jax.training import checkpoint, optim, population, population_trainer, precision, summaries
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training import state as state_lib
 from micse_jax.training.finite import FiniteWatch
@@ -102,7 +101,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   train_step = jit_train_step(run, tx, mesh, state_sharding, layout)
   with session.phase("eval"):  # the dev sets read and tokenised once
     evaluators = _Evaluators.create(run, workdir)
-  writer = _summary_writer(workdir)
+  writer = summaries.summary_writer(workdir)
   try:
     with session.phase("train"):
       state = _loop(run, state, train_step, (mesh, layout), rolling, evaluators, writer)
@@ -165,11 +164,11 @@ class _Evaluators:
         self.best_score = scores[workdir_lib.BEST_METRIC]
         with timeline.phase("save"):
           checkpoint.save_best(self.best, done, state.params, self.best_score, wait=False)  # waited for at the end
-      _write_scalars(writer, done, self.selection.tagged(scores))
+      summaries.write_scalars(writer, done, self.selection.tagged(scores))
       bar.write(f"step {done}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
     if self.heldout is not None:
       stats = self.heldout(state.params["encoder"])  # alignment, uniformity, attention MI
-      _write_scalars(writer, done, stats)
+      summaries.write_scalars(writer, done, stats)
       bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
 
 
@@ -205,7 +204,7 @@ def _log(bar, writer, metrics, done: int, every: int, tick: float) -> float:
   now = time.perf_counter()
   host["steps_per_sec"] = every / max(now - tick, 1e-9)
   bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi") if k in host})
-  _write_scalars(writer, done, host)
+  summaries.write_scalars(writer, done, host)
   return now
 
 
@@ -235,17 +234,3 @@ def _loop(run: Run, state, train_step, placement, rolling, evaluators: _Evaluato
   return state
 
 
-def _summary_writer(workdir: str):
-  if jax.process_index() != 0:
-    return None
-  from tensorboardX import SummaryWriter
-  return SummaryWriter(os.path.join(workdir, workdir_lib.TENSORBOARD_DIR))
-
-
-def _write_scalars(writer, step: int, scalars: dict) -> None:
-  if writer is None:
-    return
-  for k, v in scalars.items():
-    tag = k if "/" in k else f"train/{k}"  # evaluators tag their own (DevSelection.PREFIX, ...)
-    writer.add_scalar(tag, float(np.asarray(v)), step)
-  writer.flush()
