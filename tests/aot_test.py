@@ -78,6 +78,18 @@ def test_h100_float32_encode_never_uses_cudnn_attention():
   assert hlo_kernels.summary(compiled.as_text())["by_kind"].get("attention (cuDNN)", 0) == 0
 
 
+def test_h100_population_step_is_one_program_holding_every_member(h100):
+  """A population of 3 (training/population.py) compiles to one vmapped program: about the single
+  step's kernels (not 3 programs' worth), and memory for 3 members' float32 state."""
+  jax.config.update("jax_platforms", "cpu")
+  pop = aot.run("h100", 1, "tiny", 8, 16, "bfloat16", encode=False, population=3)
+  assert pop["population"] == 3 and pop["kernels_per_member_step"] == pop["kernels_per_step"] / 3
+  assert pop["kernels_per_step"] < 2 * h100["kernels_per_step"]
+  assert pop["peak_bytes_per_device"] > 3 * 4 * 4 * tiny_bert_parameters()  # params, EMA, mu, nu per member
+  assert pop["peak_bytes_per_member"] == pop["peak_bytes_per_device"] / 3
+  assert sum(v["count"] for v in pop["collectives"].values()) == 0
+
+
 def test_tpu_v5e_four_chips_step_has_gradient_collectives(v5e):
   check_step(v5e)
   assert v5e["num_devices"] == 4 and "v5" in v5e["device_kind"].lower()

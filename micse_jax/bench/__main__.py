@@ -75,6 +75,8 @@ def parse_args(argv):
                  help="instead: encode throughput with the fused attention (cuDNN flash attention on a GPU in "
                       "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
+  p.add_argument("--population", type=int, default=0, metavar="K",
+                 help="with --aot: compile the step of a population of K runs (training/population.py) instead")
   p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
                  help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
@@ -83,6 +85,8 @@ def parse_args(argv):
     p.error(f"--torch_mode {args.torch_mode!r}: comma-separated choices of {', '.join(TORCH_MODES)}")
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1 or args.devices < 1:
     p.error("--batch_size, --steps and --devices must be >= 1, --max_length >= 4")
+  if args.population and not args.aot or args.population < 0:
+    p.error("--population K (K >= 1) goes with --aot")
   if args.aot and args.dtype == "auto":
     p.error("--aot needs an explicit --dtype (float32, bfloat16 or float16): 'auto' reads the local device")
   return args
@@ -230,7 +234,8 @@ def run_aot(args) -> dict:
   from micse_jax import cli
   jax.config.update("jax_platforms", "cpu")  # the target is not here; compile on the host
   with cli.input_errors_as_one_line():
-    result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype)
+    result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype,
+                     encode=not args.population, population=args.population)
   print("\n".join(aot.report_lines(result)))
   if args.output:
     write_json_atomically(args.output, result)

@@ -125,6 +125,41 @@ def compile_step(devices, model: str, batch_size: int, max_length: int, dtype: s
   return compiled, time.perf_counter() - start, config
 
 
+def compile_population_step(devices, model: str, batch_size: int, max_length: int, dtype: str, members: int):
+  """(compiled step, compile seconds) of a population of `members` runs of the bench's miCSE step
+  (`training/population.py`: states stacked, the step vmapped) on `devices`, as the trainer
+  places it (whole members per device when the devices divide them, else rows split)."""
+  import numpy as np
+
+  from micse_jax.bench.jax_step import bench_config
+  from micse_jax.data.packing import BatchLayout
+  from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
+  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training import population
+  from micse_jax.training.networks import build_networks
+  from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+  bert_config = bert_config_for(model)
+  config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
+  config.population.seeds = tuple(range(1, members + 1))
+  shared = population.optimizer_config(config)
+  nets, tx = build_networks(shared, bert_config), make_optimizer(shared)
+  mesh = population.population_mesh(members, devices)
+  shapes = population.abstract_state(abstract_state(shared, bert_config, nets, tx), members)
+  sharding = population.state_sharding(shapes, mesh)
+  rows = mesh_lib.padded_batch_size(batch_size, len(devices))  # as `setup.prepare` pads a member's batch
+  sample = {k: np.zeros((rows, max_length), np.int32) for k in ("input_ids", "attention_mask", "token_type_ids")}
+  sample[SENTENCE_IDS_KEY] = np.zeros((rows,), np.int32)
+  if rows != batch_size:
+    sample[ROW_MASK_KEY] = np.ones((rows,), np.int32)
+  layout = BatchLayout.of(sample)
+  packed = jax.ShapeDtypeStruct((members, *layout.pack(sample).shape), jnp.int32,
+                                sharding=population.batch_sharding(mesh))
+  step = population.jit_population_step(shared, nets, tx, learning_rate_schedule(shared), layout, mesh, sharding)
+  start = time.perf_counter()
+  compiled = step.lower(_placed(shapes, sharding), packed, {}).compile()
+  return compiled, time.perf_counter() - start
+
+
 def compile_encode(device, model: str, batch_size: int, max_length: int, dtype: str):
   """(compiled encode program, compile seconds): `SentenceEncoder._embed` (eval mode, CLS) on one device."""
   from jax.sharding import SingleDeviceSharding
@@ -154,11 +189,16 @@ def memory(compiled) -> dict:
 
 
 def run(target: str, num_devices: int, model: str, batch_size: int, max_length: int, dtype: str,
-        encode: bool = True) -> dict:
-  """Compiles the step (and the encode program) for `target`; returns the JSON-able report."""
+        encode: bool = True, population: int = 0) -> dict:
+  """Compiles the step (and the encode program) for `target`; returns the JSON-able report.
+  `population` K > 0: the step of K stacked runs (`compile_population_step`), with its kernels and
+  memory per member-step beside the totals."""
   devices = target_devices(target, num_devices)
   try:
-    compiled, compile_s, _ = compile_step(devices, model, batch_size, max_length, dtype)
+    if population:
+      compiled, compile_s = compile_population_step(devices, model, batch_size, max_length, dtype, population)
+    else:
+      compiled, compile_s, _ = compile_step(devices, model, batch_size, max_length, dtype)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
   text = compiled.as_text()
@@ -169,6 +209,9 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
             "jax_version": jax.__version__, "compile_s": compile_s, **kernels,
             "memory_per_device": mem, "peak_bytes_per_device": mem["peak"],
             "collectives": collective_table(text)}
+  if population:
+    result.update(population=population, kernels_per_member_step=kernels["kernels_per_step"] / population,
+                  peak_bytes_per_member=mem["peak"] * len(devices) / population)
   if encode:
     enc, enc_s = compile_encode(devices[0], model, batch_size, max_length, dtype)
     enc_kernels = hlo_kernels.summary(enc.as_text())
@@ -195,6 +238,9 @@ def report_lines(r: dict) -> list[str]:
   m = r["memory_per_device"]
   lines.append(f"  memory per device: peak {gib(m['peak'])} (arguments {gib(m['arguments'])}, outputs "
                f"{gib(m['outputs'])}, aliased {gib(m['aliased'])}, temporaries {gib(m['temporaries'])})")
+  if r.get("population"):
+    lines.append(f"  population of {r['population']}: {r['kernels_per_member_step']:.1f} kernels and "
+                 f"{gib(r['peak_bytes_per_member'])} of peak memory per member")
   used = {k: v for k, v in r["collectives"].items() if v["count"]}
   lines.append("  collectives: " + (", ".join(f"{k} {v['count']} ({v['bytes'] / 2 ** 20:.1f} MiB)"
                                                for k, v in used.items()) or "none"))
