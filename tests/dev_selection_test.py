@@ -32,7 +32,7 @@ def test_each_evaluator_tags_its_own_scalars():
   """TensorBoard tags come from the evaluator that made the value (`DevSelection.PREFIX`,
   `heldout.PREFIX`), not from its name: a training metric named like `dev...` stays `train/`."""
   from micse_jax.evaluators.dev_selection import DevSelection
-  from micse_jax.training import trainer
+  from micse_jax.training import summaries
 
   class Writer:
     def __init__(self):
@@ -48,6 +48,6 @@ def test_each_evaluator_tags_its_own_scalars():
   writer = Writer()
   scalars = {**selection.tagged({"stsb_dev_spearman": 80.0, "sickr_dev": 70.0}), "devices_seen": 4.0,
              "loss": 1.5, "analysis/alignment": 0.25}
-  trainer._write_scalars(writer, 7, scalars)
+  summaries.write_scalars(writer, 7, scalars)
   assert writer.tags == [("eval/stsb_dev_spearman", 80.0, 7), ("eval/sickr_dev", 70.0, 7),
                          ("train/devices_seen", 4.0, 7), ("train/loss", 1.5, 7), ("analysis/alignment", 0.25, 7)]

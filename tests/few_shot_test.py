@@ -68,7 +68,8 @@ def test_tiny_few_shot_run_masks_what_the_arithmetic_predicts(tmp_path, minilm_d
                                 **{"data.num_sentences": n, "momentum.queue_size": q,
                                    "momentum.mask_same_sentence": mask})
   logged = {}
-  monkeypatch.setattr(trainer, "_write_scalars", lambda writer, step, scalars: logged.update({step: scalars}))
+  from micse_jax.training import summaries
+  monkeypatch.setattr(summaries, "write_scalars", lambda writer, step, scalars: logged.update({step: scalars}))
   with caplog.at_level(logging.WARNING):
     trainer.train_and_evaluate(config, str(tmp_path / "wd"))
   warnings = [r.getMessage() for r in caplog.records if "few-shot regime" in r.getMessage()]

@@ -93,8 +93,9 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=3, checkpoint_every=3)
   config.model.dtype, config.model.loss_scale_init = "float16", 2.0 ** 40
   logged = {}
-  real_write = trainer._write_scalars
-  monkeypatch.setattr(trainer, "_write_scalars",
+  from micse_jax.training import summaries
+  real_write = summaries.write_scalars
+  monkeypatch.setattr(summaries, "write_scalars",
                       lambda writer, step, scalars: (logged.setdefault(step, dict(scalars)),
                                                      real_write(writer, step, scalars)))
   workdir = str(tmp_path / "fp16_overflow")

@@ -30,8 +30,9 @@ def test_long_run_loss_stays_finite(tmp_path, minilm_dir, monkeypatch, case):
   config.checkpoint_every = STEPS
   config.log_every = 1  # every step's loss is pulled to the host and checked for finiteness
   logged = []
-  write = trainer._write_scalars
-  monkeypatch.setattr(trainer, "_write_scalars",
+  from micse_jax.training import summaries
+  write = summaries.write_scalars
+  monkeypatch.setattr(summaries, "write_scalars",
                       lambda writer, step, scalars: (logged.append((step, dict(scalars))),
                                                      write(writer, step, scalars)))
   trainer.train_and_evaluate(config, str(tmp_path / "wd"))  # NonFiniteLossError on NaN/inf
