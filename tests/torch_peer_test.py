@@ -8,9 +8,18 @@ from micse_jax.bench import jax_step
 torch = pytest.importorskip("torch")
 
 
-def _pair(batch):
+def _six_layer_bert(directory) -> str:
+  """A random 6-layer BERT (hidden 64): two layers AMI does not read, so the compiled peer's SDPA runs."""
+  import transformers
+  torch.manual_seed(0)
+  config = transformers.BertConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, intermediate_size=128)
+  transformers.BertModel(config).save_pretrained(str(directory))
+  return str(directory)
+
+
+def _pair(batch, model_dir=None):
   from micse_jax.bench.torch_step import TorchMicseStep
-  model_dir = jax_step.model_dir_for("tiny")
+  model_dir = model_dir or jax_step.model_dir_for("tiny")
   steps = {}
   for mode in ("eager", "compiled"):
     torch.manual_seed(0)  # the same MLP head and initial queue for both
@@ -18,14 +27,20 @@ def _pair(batch):
   return steps
 
 
-def test_compiled_peer_computes_the_eager_loss_and_attention_where_ami_reads_it(monkeypatch):
+def test_compiled_peer_computes_the_eager_loss_and_attention_where_ami_reads_it(monkeypatch, tmp_path):
   import torch._inductor.config as inductor_config
   monkeypatch.setattr(inductor_config, "fallback_random", True)  # inductor draws PyTorch's eager random numbers
   batch = jax_step.random_batch(4, 16, 30522, seed=3)
-  steps = _pair(batch)
-  layers = steps["compiled"].model.encoder.layer
-  kinds = [layer.attention.self.config._attn_implementation for layer in layers]
-  assert kinds == ["sdpa"] * (len(layers) - 4) + ["eager"] * 4 if len(layers) > 4 else ["eager"] * len(layers)
+  steps = _pair(batch, _six_layer_bert(tmp_path / "bert6"))
+  kinds = [layer.attention.self.config._attn_implementation for layer in steps["compiled"].model.encoder.layer]
+  assert kinds == ["sdpa", "sdpa", "eager", "eager", "eager", "eager"]
+  sdpa_calls = []
+  real_sdpa = torch.nn.functional.scaled_dot_product_attention
+  monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                      lambda *a, **k: (sdpa_calls.append(1), real_sdpa(*a, **k))[1])
+  with torch.no_grad():  # eagerly: the two first layers run PyTorch's SDPA, the last four return probabilities
+    out = steps["compiled"].model(**steps["compiled"].batch, output_attentions=True)
+  assert len(sdpa_calls) == 2 and len([a for a in out.attentions if a is not None]) == 4
   losses = {}
   for mode, step in steps.items():
     step.model.eval()  # dropout off: both see the same network
