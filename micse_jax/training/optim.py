@@ -38,6 +38,11 @@ def flatten(tree) -> jax.Array:
   return jnp.pad(vector, (0, flat_size(vector.size) - vector.size))
 
 
+def all_finite(tree) -> jax.Array:
+  """Whether every leaf of `tree` is finite: one reduction over `flatten(tree)`, not one per leaf."""
+  return jnp.all(jnp.isfinite(flatten(tree)))
+
+
 def global_grad_norm(grads) -> jax.Array:
   """‖g‖₂ over all leaves, as one reduction over `flatten(grads)` (the clipping norm; XLA shares it)."""
   return optax.global_norm(flatten(grads))

@@ -240,13 +240,6 @@ def _scaled(tx, schedule, peak):
   return optax.GradientTransformation(tx.init, update), lambda step: schedule(step) * peak
 
 
-def _all_finite(tree) -> jax.Array:
-  """Whether every float leaf of `tree` is finite: one reduction over the raveled leaves (one kernel,
-  not one per leaf; `optim.flatten`'s layout)."""
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-  return jnp.all(jnp.isfinite(optim.flatten(leaves))) if leaves else jnp.asarray(True)
-
-
 def member_step_fn(make_step: Callable, layout: BatchLayout) -> Callable:
   """One member's masked step: (state, packed batch, stopped_at, hyper) → (state, metrics, went_bad);
   `make_step(hyper)` is the member's pure train step.
@@ -258,7 +251,7 @@ def member_step_fn(make_step: Callable, layout: BatchLayout) -> Callable:
   def masked(state, packed, stopped_at, member_hyper):
     new, metrics = make_step(member_hyper)(state, layout.unpack(packed))
     applied = metrics.get("step_skipped", jnp.asarray(0)) == 0
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & _all_finite(new.params)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & optim.all_finite(new.params)
     bad = applied & ~finite
     keep_new = (stopped_at == STOPPED) & ~bad
     kept = jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, state)

@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 
 from micse_jax.errors import ConfigError
 from micse_jax.models.dtypes import AUTO, DTYPES, auto_dtype, device_dtype, dtype_name  # noqa: F401 (re-export)
 from micse_jax.optional import require
+from micse_jax.training import optim
 
 COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
 
@@ -107,7 +107,7 @@ def keep_if_finite(grads, updated: Any, previous: Any, period: int) -> tuple[Any
   if not state:
     return updated, {}
   jmp = _jmp()
-  finite = jnp.all(jnp.isfinite(ravel_pytree(grads)[0]))  # one reduction over all leaves
+  finite = optim.all_finite(grads)  # one reduction over all leaves
   kept = jmp.select_tree(finite, updated, previous.replace(step=updated.step))
   adjusted = _as_jmp(state, period).adjust(finite)
   skipped = 1 - finite.astype(jnp.int32)
