@@ -4,7 +4,7 @@ Reproduces the comparison table of docs/transfer-protocol.md (issue 29). Needs t
 transformers, scikit-learn and prettytable, and a checkout of princeton-nlp/SimCSE (which vendors
 SentEval); it is not part of the test suite (tens of minutes per model and seed on 2 CPU cores).
 
-  # SentEval's own numbers (one process per model and seed; results land in --out_dir):
+  # SentEval's own numbers (one process per task, --jobs at a time; results land in --out_dir):
   python scripts/senteval_transfer_compare.py reference --simcse /path/to/SimCSE \
       --model minilm --seeds 1111,2222,3333 --out_dir runs/transfer-compare
   # ours, same models and seeds:
@@ -20,8 +20,14 @@ temporary folder (the checkout is not modified):
 * `tokenizer.batch_encode_plus(...)` -> `tokenizer(...)` (removed in transformers 5);
 * `inspect.getargspec` -> `inspect.getfullargspec` (removed in Python 3.11);
 * SentEval's classifier: `.cuda()` and `torch.device('cuda')` -> the available device;
-* `params['seed']` set from `--seeds` (SimCSE leaves SentEval's default, 1111);
-* the `results` dict written to a JSON file (evaluation.py only prints it).
+* the task loop run once per seed of `--seeds`, `params['seed']` set before each (SimCSE
+  leaves SentEval's default, 1111), each result written to a JSON file (evaluation.py only
+  prints them);
+* the batcher memoised on its exact input, so the second and third seed do not encode the same
+  sorted batches again (SentEval reseeds NumPy and torch in every classifier it builds, so a
+  seed's score does not depend on the seeds run before it in the process).
+Each reference process runs one CPU thread (`OMP_NUM_THREADS=1`; SentEval's minibatches are too
+small to gain from more), `--jobs` of them at a time.
 The agreement rule (issue 29): for every task, |ours - SentEval| (means over the seeds) must be
 at most max(spread of SentEval's seeds (max - min), 0.5) points.
 """
@@ -40,6 +46,38 @@ import numpy as np
 TASKS = ("MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC")
 
 _DEVICE_LINE = ("_DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')\n")
+
+# evaluation.py's task loop, and what replaces it: the same loop once per seed of COMPARE_SEEDS
+# (params['seed'] set before each SentEval engine is built), every result written to
+# COMPARE_OUT.format(seed=..., task=...) as soon as it exists, and the batcher memoised on its
+# exact input (the same sorted batches recur for every seed, so a seed after the first does
+# not encode again; SentEval reseeds NumPy and torch in every classifier it builds, so a
+# seed's result does not depend on the seeds run before it in the same process).
+_RESULTS_LOOP = ("    results = {}\n\n"
+                 "    for task in args.tasks:\n"
+                 "        se = senteval.engine.SE(params, batcher, prepare)\n"
+                 "        result = se.eval(task)\n"
+                 "        results[task] = result\n")
+_SEEDS_LOOP = """    results = {}
+    import json
+    _encoded = {}
+    _encode_batch = batcher
+
+    def batcher(params, batch, max_length=None):
+        key = (tuple(tuple(s) for s in batch), max_length)
+        if key not in _encoded:
+            _encoded[key] = _encode_batch(params, batch, max_length)
+        return _encoded[key]
+
+    for _seed in [int(s) for s in os.environ['COMPARE_SEEDS'].split(',')]:
+        params['seed'] = _seed
+        for task in args.tasks:
+            se = senteval.engine.SE(params, batcher, prepare)
+            result = se.eval(task)
+            results[task] = result
+            with open(os.environ['COMPARE_OUT'].format(seed=_seed, task=task), 'w') as _f:
+                json.dump({task: result}, _f, default=float, indent=1)
+"""
 
 
 def model_dir(name: str) -> str:
@@ -72,14 +110,7 @@ def _patched_senteval(simcse: str, root: str, senteval_data: str) -> None:
   with open(os.path.join(simcse, "evaluation.py")) as f:
     text = f.read()
   text = _replace(text, "tokenizer.batch_encode_plus(", "tokenizer(", "evaluation.py")
-  text = _replace(text, "    # SentEval prepare and batcher\n",
-                  "    params['seed'] = int(os.environ['COMPARE_SEED'])\n"
-                  "    # SentEval prepare and batcher\n", "evaluation.py")
-  text = _replace(text, "        results[task] = result\n",
-                  "        results[task] = result\n"
-                  "        import json\n"
-                  "        with open(os.environ['COMPARE_OUT'], 'w') as _f:\n"
-                  "            json.dump(results, _f, default=float, indent=1)\n", "evaluation.py")
+  text = _replace(text, _RESULTS_LOOP, _SEEDS_LOOP, "evaluation.py")
   with open(os.path.join(root, "evaluation.py"), "w") as f:
     f.write(text)
 
@@ -94,30 +125,43 @@ def _edit(path: str, replacements) -> None:
 
 
 def run_reference(args) -> None:
-  """SimCSE's evaluation.py (test mode), one process per (task, seed); tasks in --tasks order."""
+  """SimCSE's evaluation.py (test mode): one process per task running every missing seed of it,
+  `--jobs` processes at a time (one CPU thread each), tasks started in --tasks order."""
   os.makedirs(args.out_dir, exist_ok=True)
+  pending = []
   for task in args.tasks.split(","):
-    for seed in _seeds(args.seeds):
-      out = os.path.join(args.out_dir, f"senteval_{args.model}_{seed}_{task}.json")
-      if not os.path.exists(out):
-        _reference_once(args, task, seed, out)
+    seeds = [s for s in _seeds(args.seeds)
+             if not os.path.exists(_reference_path(args.out_dir, args.model, s, task))]
+    if seeds:
+      pending.append((task, seeds))
+  running: list[tuple[subprocess.Popen, tempfile.TemporaryDirectory, str]] = []
+  while pending or running:
+    while pending and len(running) < args.jobs:
+      task, seeds = pending.pop(0)
+      running.append(_start_reference(args, task, seeds) + (task,))
+    process, root, task = running.pop(0)
+    if process.wait() != 0:
+      raise SystemExit(f"error: SentEval reference for {task} exited with {process.returncode}")
+    root.cleanup()
 
 
-def _reference_once(args, task: str, seed: int, out: str) -> None:
-  with tempfile.TemporaryDirectory() as root:
-    _patched_senteval(args.simcse, root, args.senteval_dir)
-    env = dict(os.environ, COMPARE_SEED=str(seed), COMPARE_OUT=out + ".partial",
-               PYTHONPATH=os.pathsep.join(filter(None, [args.extra_path,
-                                                        os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "evaluation.py", "--model_name_or_path", model_dir(args.model),
-               "--pooler", args.pooler, "--mode", "test", "--task_set", "na", "--tasks", task]
-    subprocess.run(command, cwd=root, env=env, check=True)
-  os.replace(out + ".partial", out)
+def _reference_path(out_dir: str, model: str, seed, task: str) -> str:
+  return os.path.join(out_dir, f"senteval_{model}_{seed}_{task}.json")
 
 
-def _complete(path: str) -> bool:
-  with open(path) as f:
-    return all(task in json.load(f) for task in TASKS)
+def _start_reference(args, task: str, seeds: list[int]):
+  root = tempfile.TemporaryDirectory()
+  _patched_senteval(args.simcse, root.name, args.senteval_dir)
+  out = _reference_path(os.path.abspath(args.out_dir), args.model, "{seed}", task)
+  env = dict(os.environ, COMPARE_SEEDS=",".join(map(str, seeds)), COMPARE_OUT=out,
+             OMP_NUM_THREADS="1",
+             MKL_NUM_THREADS="1",
+             PYTHONPATH=os.pathsep.join(filter(None, [args.extra_path,
+                                                      os.environ.get("PYTHONPATH")])))
+  command = [sys.executable, "evaluation.py", "--model_name_or_path", model_dir(args.model),
+             "--pooler", args.pooler, "--mode", "test", "--task_set", "na", "--tasks", task]
+  log = open(os.path.join(args.out_dir, f"senteval_{args.model}_{task}.log"), "w")
+  return subprocess.Popen(command, cwd=root.name, env=env, stdout=log, stderr=subprocess.STDOUT), root
 
 
 def _seeds(text: str) -> list[int]:
@@ -125,13 +169,14 @@ def _seeds(text: str) -> list[int]:
 
 
 def run_ours(args) -> None:
-  """Our protocol (micse_jax.evaluation.transfer) on the same model, seeds and tasks; one JSON
-  file per (seed, task). `--embedding_cache` (a pickle of {sentence: vector}) skips encoding."""
+  """Our protocol (micse_jax.evaluation.transfer) on the same model, seeds and tasks (in --tasks
+  order, every seed of a task before the next task); one JSON file per (seed, task).
+  `--embedding_cache` (a pickle of {sentence: vector}) skips encoding."""
   from micse_jax.evaluation import transfer
   os.makedirs(args.out_dir, exist_ok=True)
   encode = _cached_encoder(args)
-  for seed in _seeds(args.seeds):
-    for task in args.tasks.split(","):
+  for task in args.tasks.split(","):
+    for seed in _seeds(args.seeds):
       out = os.path.join(args.out_dir, f"ours-{args.protocol}_{args.model}_{seed}_{task}.json")
       if os.path.exists(out):
         continue
@@ -223,6 +268,7 @@ def main() -> None:
   parser.add_argument("--senteval_dir", default=None)
   parser.add_argument("--extra_path", default="", help="PYTHONPATH entry for the reference "
                       "(e.g. where prettytable is installed)")
+  parser.add_argument("--jobs", type=int, default=2, help="reference: processes at a time")
   parser.add_argument("--embedding_cache", default="", help="ours: pickle {sentence: vector}")
   parser.add_argument("--out_dir", default=os.path.join("runs", "transfer-compare"))
   args = parser.parse_args()
