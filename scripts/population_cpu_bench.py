@@ -4,39 +4,17 @@
 
 Each population trains the given model (the tests' tiny random BERT if --model is omitted) on a
 synthetic 96-sentence corpus with the tiny training config (batch 8, length 16, AMI + momentum
-queue); the step is compiled and warmed up (3 steps) before `--steps` timed steps.
-Prints one JSON line per K: compile seconds, seconds per population step, member-steps per second.
+queue); the step is compiled and warmed up (2 steps) before `--steps` timed steps
+(`micse_jax.bench.population.measure`, which `python -m micse_jax.bench --population_members`
+runs on the bench's miCSE config at BERT shapes). Prints one JSON line per K: the first call's
+seconds (compile), ms per population step, member-steps per second.
 """
 import argparse
 import json
 import pathlib
 import tempfile
-import time
 
-import jax
-
-
-def measure(config, k: int, steps: int) -> dict:
-  """Compile, warm up and time `steps` population steps of the first `k` seeds."""
-  from micse_jax.training import population, population_trainer
-  config.population.seeds = tuple(range(1, k + 1))
-  f = population_trainer.fresh_population(config)
-  runs, layout, mesh, step, pstate = f.runs, f.layout, f.mesh, f.step, f.state
-  batches = [population.stacked_batch([r.batches for r in runs], layout, s, mesh) for s in range(steps + 3)]
-  start = time.perf_counter()
-  pstate, metrics = step(pstate, batches[0], {})
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - start
-  for s in range(1, 3):
-    pstate, metrics = step(pstate, batches[s], {})
-  jax.block_until_ready(pstate)
-  start = time.perf_counter()
-  for s in range(3, steps + 3):
-    pstate, metrics = step(pstate, batches[s], {})
-  jax.block_until_ready(pstate)
-  per_step = (time.perf_counter() - start) / steps
-  return {"members": k, "first_call_s": round(compile_s, 2), "ms_per_population_step": round(1e3 * per_step, 2),
-          "member_steps_per_s": round(k / per_step, 2)}
+from micse_jax.bench import population
 
 
 def main():
@@ -57,7 +35,9 @@ def main():
     config.cache.compilation = False
     if args.model:
       config.model.name_or_path = args.model
-    print(json.dumps(measure(config, k, args.steps)), flush=True)
+    config.population.seeds = tuple(range(1, k + 1))
+    measured = population.measure(config, args.steps, warmup=2)
+    print(json.dumps({key: round(v, 2) if isinstance(v, float) else v for key, v in measured.items()}), flush=True)
 
 
 if __name__ == "__main__":

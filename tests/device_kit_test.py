@@ -176,8 +176,12 @@ def test_acceptance_kit_runs_to_the_end_in_cpu_dry_mode_in_an_image_like_venv(tm
   (aot,), (encode,), (caches,) = report["aot"], report["encode_attention"], report["model_caches"]
   assert caches["ok"] and encode["ok"] and encode["result"]["cudnn_attention_calls"] == 0  # CPU: XLA attention
   assert aot["ok"] or "jax-cuda13-plugin" in aot["tail"], aot["tail"]  # the image-like venv may lack the plugin
-  assert len(read_json_lines(str(out / "acceptance.jsonl"))) == 10
+  (pop,) = report["population"]
+  assert pop["ok"], pop["tail"]
+  assert [m["members"] for m in pop["result"]["population"]] == [1, 2]
+  assert len(read_json_lines(str(out / "acceptance.jsonl"))) == 11
   md = (out / "acceptance.md").read_text()
   assert "CPU dry run" in md and "## miCSE training" in md and "| float16 | 4 | ok |" in md
+  assert "## Population training (issue 27)" in md
   assert "## Host side" in md and f"**{100 * dev['fraction_of_step_time']:.2f} %** of step time" in md
   assert (out / "acceptance.log").stat().st_size > 0

@@ -77,6 +77,10 @@ def parse_args(argv):
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--population", type=int, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
+  p.add_argument("--population_members", metavar="K,K,...",
+                 help="instead: member-steps per second of population training for these population sizes "
+                      "on this machine's devices, and the paper's few-shot protocol projected in device-hours "
+                      "(bench/population.py)")
   p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
                  help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
@@ -85,11 +89,21 @@ def parse_args(argv):
     p.error(f"--torch_mode {args.torch_mode!r}: comma-separated choices of {', '.join(TORCH_MODES)}")
   if args.batch_size < 1 or args.max_length < 4 or args.steps < 1 or args.devices < 1:
     p.error("--batch_size, --steps and --devices must be >= 1, --max_length >= 4")
+  if args.population_members is not None and not _positive_ints(args.population_members):
+    p.error(f"--population_members {args.population_members!r}: comma-separated population sizes >= 1")
   if args.population and not args.aot or args.population < 0:
     p.error("--population K (K >= 1) goes with --aot")
   if args.aot and args.dtype == "auto":
     p.error("--aot needs an explicit --dtype (float32, bfloat16 or float16): 'auto' reads the local device")
   return args
+
+
+def _positive_ints(text: str) -> list[int]:
+  """`1,5,25` -> [1, 5, 25]; [] unless every item is an integer >= 1."""
+  items = text.split(",")
+  if not all(i.strip().isdigit() and int(i) >= 1 for i in items):
+    return []
+  return [int(i) for i in items]
 
 
 def _ms(times) -> float:
@@ -260,6 +274,22 @@ def run_encode_attention(args) -> dict:
   return result
 
 
+def run_population(args) -> dict:
+  """`--population_members K,...`: population training measured here, printed, then the JSON line."""
+  from micse_jax.bench import population
+  result = population.run(jax_step.model_dir_for(args.model), _positive_ints(args.population_members),
+                          args.batch_size, args.max_length, args.dtype, args.steps, args.warmup)
+  result.update(model=args.model, batch_size=args.batch_size, max_length=args.max_length, dtype=args.dtype,
+                device=hardware.device_kind(), num_devices=jax.device_count())
+  print(f"population training ({args.model}, batch {args.batch_size} x {args.max_length} tokens, {args.dtype}, "
+        f"{result['num_devices']} x {result['device']}):")
+  print("\n".join(population.report_lines(result)))
+  if args.output:
+    write_json_atomically(args.output, result)
+  print(json.dumps(result))
+  return result
+
+
 def main(argv=None) -> dict:
   """Command-line entry: runs, prints the report and the JSON row; returns the row."""
   args = parse_args(argv)
@@ -269,6 +299,8 @@ def main(argv=None) -> dict:
     return run_aot(args)
   if args.encode_attention:
     return run_encode_attention(args)
+  if args.population_members:
+    return run_population(args)
   if args.collectives:
     result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
     if args.output:

