@@ -165,6 +165,8 @@ def main(argv):
   if FLAGS.step_ms is not None and FLAGS.step_ms <= 0:
     cli.fail(f"--step_ms must be > 0, got {FLAGS.step_ms:g}", cli.USAGE_EXIT)
   sweep_dir = os.path.abspath(FLAGS.sweep_dir or os.path.join("runs", "sweeps", sweep.name))
+  from micse_jax.studies import population_size
+  population_size.start_backend(FLAGS.population_target)
   try:
     runs = spec.expand(sweep, sweep_dir)
     spec.check_data(runs)

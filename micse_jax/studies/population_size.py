@@ -130,6 +130,18 @@ def _no_preallocation():
       os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = before
 
 
+def start_backend(target: str | None) -> None:
+  """Starts JAX's backend in the sweep's process before anything else does (the config checks
+  resolve `model.dtype=auto`): for a `target`, the CPU only (the target is compiled for
+  deviceless; this machine's GPU is left alone), else without preallocating a GPU's memory,
+  which the runs this process starts need."""
+  import jax
+  if target:
+    jax.config.update("jax_platforms", "cpu")
+  with _no_preallocation():
+    jax.local_devices()
+
+
 def local_device(capacity_gib: float | None = None) -> Device | None:
   """This machine's devices: an accelerator's `bytes_limit` (the least over its devices), or
   `capacity_gib` on any device; None on a CPU without `capacity_gib`."""
@@ -148,10 +160,10 @@ def local_device(capacity_gib: float | None = None) -> Device | None:
 
 
 def target_device(target: str, num_devices: int, capacity_gib: float | None = None) -> Device:
-  """`num_devices` devices of a named target (`bench/aot.py`), compiled for deviceless on this CPU;
+  """`num_devices` devices of a named target (`bench/aot.py`), compiled for deviceless on this CPU
+  (`start_backend(target)` first);
   the capacity: `capacity_gib`, else a GPU's `device_memory_size` × the memory fraction JAX gives a
   run (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75). A TPU target needs `capacity_gib`."""
-  import jax
 
   from micse_jax.bench import aot
   from micse_jax.errors import ConfigError
@@ -161,7 +173,6 @@ def target_device(target: str, num_devices: int, capacity_gib: float | None = No
   if capacity_gib is None and total is None:
     raise SweepError(f"--population_target {target}: the TPU topology does not give the chip's memory; pass "
                      "--population_device_gib (the HBM a run may use per chip, e.g. 16 for a v5e)")
-  jax.config.update("jax_platforms", "cpu")  # compile for the target; never hold this machine's GPU
   try:
     devices = tuple(aot.target_devices(target, num_devices))
   except ConfigError as e:
