@@ -31,7 +31,7 @@ from micse_jax.studies import spec
 from micse_jax.studies.spec import SweepError
 
 GIB = 2 ** 30
-JAX_GPU_MEMORY_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION: what a GPU run may use
+JAX_GPU_MEMORY_FRACTION = 0.75  # JAX's default XLA_CLIENT_MEM_FRACTION: what a GPU run may use
 CACHE_FILE = "population_size.json"
 MAX_COMPILES = 6  # per measured config
 # Config fields that do not change the step's shapes or buffers: configs differing only here share a measurement.
@@ -163,7 +163,7 @@ def target_device(target: str, num_devices: int, capacity_gib: float | None = No
   """`num_devices` devices of a named target (`bench/aot.py`), compiled for deviceless on this CPU
   (`start_backend(target)` first);
   the capacity: `capacity_gib`, else a GPU's `device_memory_size` × the memory fraction JAX gives a
-  run (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75). A TPU target needs `capacity_gib`."""
+  run (`gpu_memory_fraction`). A TPU target needs `capacity_gib`."""
 
   from micse_jax.bench import aot
   from micse_jax.errors import ConfigError
@@ -180,9 +180,22 @@ def target_device(target: str, num_devices: int, capacity_gib: float | None = No
   name = f"{num_devices} × {target} (compiled deviceless)"
   if capacity_gib is not None:
     return Device(devices, int(capacity_gib * GIB), name, f"--population_device_gib {capacity_gib:g}")
-  fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_MEMORY_FRACTION))
+  variable, fraction = gpu_memory_fraction()
   return Device(devices, int(total * fraction), name, f"{target} device_memory_size {gib(total)} × {fraction:g} "
-                "(JAX's XLA_PYTHON_CLIENT_MEM_FRACTION)")
+                f"({variable})")
+
+
+def gpu_memory_fraction() -> tuple[str, float]:
+  """(where it comes from, the fraction of a GPU's memory a JAX run may use): XLA_CLIENT_MEM_FRACTION
+  or the deprecated XLA_PYTHON_CLIENT_MEM_FRACTION as set here (a run started by this sweep inherits
+  it), else JAX's default 0.75."""
+  for variable in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+    if os.environ.get(variable):
+      try:
+        return variable, float(os.environ[variable])
+      except ValueError as e:
+        raise SweepError(f"{variable}={os.environ[variable]!r} is not a fraction") from e
+  return "JAX's default memory fraction", JAX_GPU_MEMORY_FRACTION
 
 
 # ---------------------------------------------------------------- measuring a group
@@ -284,8 +297,8 @@ def choose_for_group(group: list, device: Device, use: float, cache: Cache) -> C
   config = run_config(group[0])
   if config.mesh.shard_state:
     return Choice(1, name, "mesh.shard_state=True (FSDP) does not combine with population training")
-  key, known, counter = measurement_key(config, device), None, {"compiles": 0, "seconds": 0.0}
-  known = cache.peaks(key)
+  key, counter = measurement_key(config, device), {"compiles": 0, "seconds": 0.0}
+  known = cache.peaks(key)  # every K measured for this config and device, by earlier groups or launches too
 
   def peak_of(k: int) -> int:
     if k not in known:
@@ -297,18 +310,19 @@ def choose_for_group(group: list, device: Device, use: float, cache: Cache) -> C
     return known[k]
   budget = int(use * device.capacity)
   try:
-    k, peaks = choose(peak_of, limit, budget)
+    k, _ = choose(peak_of, limit, budget)
   except SweepError as e:
-    raise SweepError(f"group {name} on {device.name}: {e}") from e
-  return Choice(k, name, _reason(k, limit, peaks, budget, use, device), peaks, counter["compiles"],
-                counter["seconds"])
+    raise SweepError(f"group {name} on {device.name}: {e} ({use:g} × {gib(device.capacity)}: {device.source})") from e
+  return Choice(k, name, _reason(k, limit, known, budget, use, device), dict(sorted(known.items())),
+                counter["compiles"], counter["seconds"])
 
 
 def _reason(k: int, limit: int, peaks: dict, budget: int, use: float, device: Device) -> str:
-  """Why K: the budget, one run's peak, the per-member slope and the peak at K (or the K that did not fit)."""
+  """Why K: the budget, one run's peak, the per-member slope and the peak at K, and what stopped it
+  (the group's size, or the smallest K known not to fit)."""
   slope_k = k if k > 1 else min(peaks, key=lambda j: (j == 1, j))
   per_member = (peaks[slope_k] - peaks[1]) / (slope_k - 1) if slope_k > 1 else 0
-  over = sorted(j for j, p in peaks.items() if p > budget)
+  over = sorted(j for j, p in peaks.items() if p > budget and j > k)
   why = f"all {limit} runs of the group fit" if k == limit else (
       f"K={over[0]} needs {gib(peaks[over[0]])}" if over else "the line through the measurements predicts no more")
   return (f"peak {gib(peaks[k])} per device at K={k} ≤ budget {gib(budget)} ({use:g} × {gib(device.capacity)}: "
