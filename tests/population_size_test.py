@@ -176,17 +176,23 @@ def test_cli_auto_on_this_cpu_and_one_line_errors(tmp_path):
     assert message in lines[0]
 
 
+def _tiny_sweep_file(tmp_path, model_dir):
+  """A sweep file: the tiny model's miCSE run × seeds 0, 1, 2 (one group)."""
+  path = tmp_path / "tiny_sweep.py"
+  path.write_text(f'''import ml_collections
+def get_config(arg=None):
+  return ml_collections.ConfigDict({{"name": "t", "base_config": "configs/micse.py", "num_train_steps": 10,
+      "eval_tasks": "STSBenchmark", "step_ms": 10.0, "overrides": {_sweep(model_dir).overrides!r},
+      "axes": (("seed", (0, 1, 2)),)}})
+''', encoding="utf-8")
+  return path
+
+
 @pytest.mark.slow
 def test_cli_auto_end_to_end_on_this_cpu_with_a_given_capacity(tmp_path, tiny_real_dir):
   """The whole path: compile on this CPU against --population_device_gib; a capacity between K=2's and
   K=3's peak gives K=2 from the cache; a capacity below one run's peak is one error line."""
-  sweep_file = tmp_path / "tiny_sweep.py"
-  sweep_file.write_text(f'''import ml_collections
-def get_config(arg=None):
-  return ml_collections.ConfigDict({{"name": "t", "base_config": "configs/micse.py", "num_train_steps": 10,
-      "eval_tasks": "STSBenchmark", "step_ms": 10.0, "overrides": {_sweep(tiny_real_dir).overrides!r},
-      "axes": (("seed", (0, 1, 2)),)}})
-''', encoding="utf-8")
+  sweep_file = _tiny_sweep_file(tmp_path, tiny_real_dir)
   sweep_dir = tmp_path / "sw"
 
   def cli(*args):
@@ -209,12 +215,16 @@ def get_config(arg=None):
 
 @pytest.mark.slow
 def test_h100_target_sizes_the_tiny_run_deviceless(tmp_path, tiny_real_dir):
+  """`--population_target h100` (its own process: the CUDA topology needs JAX on the CPU platform from
+  the start): capacity 80 GiB × JAX's 0.75, three compiles, all three seeds in one population."""
   pytest.importorskip("jax_cuda13_plugin", reason="needs the extra 'aot' (pip install 'micse-jax[aot]')")
-  import jax
-  jax.config.update("jax_platforms", "cpu")
-  device = sizing.target_device("h100", 1)
-  assert device.capacity == int(80 * GIB * 0.75) and device.devices[0].device_kind.startswith("NVIDIA H100")
-  runs = spec.expand(_sweep(tiny_real_dir), str(tmp_path))
-  choices = sizing.choose_sizes(spec.population_groups(runs), device, 0.9, sizing.Cache(str(tmp_path)))
-  assert [c.k for c in choices] == [3, 3] and [c.compiles for c in choices] == [3, 0]
-  assert 0 < choices[0].peaks[1] < choices[0].peaks[2] < choices[0].peaks[3] < device.capacity
+  sweep_file = _tiny_sweep_file(tmp_path, tiny_real_dir)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+  done = subprocess.run([sys.executable, "-m", "micse_jax.sweep", f"--config={sweep_file}", "--dry_run",
+                         f"--sweep_dir={tmp_path / 'sw'}", "--population_target=h100"], cwd=REPO, capture_output=True,
+                        text=True, timeout=900, env=env)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "population size auto on 1 × h100 (compiled deviceless):" in done.stdout
+  assert ("budget 54.00 GiB (0.9 × 60.00 GiB: h100 device_memory_size 80.00 GiB × 0.75 (JAX's default memory "
+          "fraction))") in done.stdout
+  assert "all 3 runs of the group fit [3 compile(s)" in done.stdout and "seeds=(0,1,2)" in done.stdout
