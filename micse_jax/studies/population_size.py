@@ -263,16 +263,20 @@ class Cache:
         self.data.update(json.load(f))
 
   def peaks(self, key: str) -> dict:
+    """{K: peak bytes per device} measured for `key`."""
     return {int(k): int(v) for k, v in self.data["peaks"].get(key, {}).items()}
 
   def record(self, key: str, k: int, peak: int) -> None:
+    """Adds one measurement and writes the file (an interrupted launch keeps what it compiled)."""
     self.data["peaks"].setdefault(key, {})[str(k)] = int(peak)
     self.save()
 
   def chosen(self) -> dict:
+    """{a group's first run: K} of the last launch (what `--report` groups by)."""
     return dict(self.data["chosen"])
 
   def save(self, chosen: dict | None = None) -> None:
+    """Writes the file atomically, with `chosen` as the sizes chosen when given."""
     if chosen is not None:
       self.data["chosen"] = dict(chosen)
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
