@@ -126,6 +126,9 @@ def population_sizes(runs, sweep_dir: str, report: bool):
   from micse_jax.studies import spec
   k = sizing.parse_size(FLAGS.population_size)
   if k is not None:
+    if FLAGS.population_target or FLAGS.population_device_gib is not None:
+      raise spec.SweepError(f"--population_target / --population_device_gib choose the population size; they do "
+                            f"not combine with --population_size {k} (drop them, or use --population_size auto)")
     return k
   use = FLAGS.population_memory_use
   if not 0 < use <= 1:

@@ -168,7 +168,8 @@ def test_cli_auto_on_this_cpu_and_one_line_errors(tmp_path):
   assert "3 runs, 0 finished, 3 to run" in done.stdout
   cases = [(("--population_size=0",), "--population_size must be an integer >= 1 or 'auto', got '0'"),
            (("--population_memory_use=1.5",), "--population_memory_use must be in (0, 1], got 1.5"),
-           (("--population_target=tpu-v5e",), "--population_target tpu-v5e: the TPU topology does not give")]
+           (("--population_target=tpu-v5e",), "--population_target tpu-v5e: the TPU topology does not give"),
+           (("--population_size=2", "--population_target=h100"), "they do not combine with --population_size 2")]
   for args, message in cases:
     failed = _cli(tmp_path, *args)
     lines = failed.stderr.strip().splitlines()
