@@ -114,6 +114,10 @@ def test_sizes_per_group_and_the_cache_is_reused(tmp_path, monkeypatch):
   launched, _ = spec.group_populations(runs, sizing.Cache(str(tmp_path)).chosen(), str(tmp_path))
   assert [r.name for r in launched] == ["data.num_sentences=8__seeds=(0,1)", "data.num_sentences=8__seed=2",
                                         "data.num_sentences=16__seeds=(0,1)", "data.num_sentences=16__seed=2"]
+  (tmp_path / "broken").mkdir()
+  (tmp_path / "broken" / sizing.CACHE_FILE).write_text("{", encoding="utf-8")
+  with pytest.raises(spec.SweepError, match="population_size.json is unreadable .*; delete it to measure again"):
+    sizing.Cache(str(tmp_path / "broken"))
   # Another device (or jax version, or a config field that shapes the step) is another measurement.
   other = sizing.Device((), 20 * GIB, "other device", "a test")
   sizing.choose_sizes(spec.population_groups(runs), other, 0.5, sizing.Cache(str(tmp_path)))

@@ -259,8 +259,11 @@ class Cache:
     self.path = os.path.join(sweep_dir, CACHE_FILE)
     self.data = {"peaks": {}, "chosen": {}}
     if os.path.isfile(self.path):
-      with open(self.path, encoding="utf-8") as f:
-        self.data.update(json.load(f))
+      try:
+        with open(self.path, encoding="utf-8") as f:
+          self.data.update(json.load(f))
+      except (ValueError, OSError) as e:
+        raise SweepError(f"{self.path} is unreadable ({e}); delete it to measure again") from e
 
   def peaks(self, key: str) -> dict:
     """{K: peak bytes per device} measured for `key`."""
