@@ -205,7 +205,7 @@ def test_cli_auto_end_to_end_on_this_cpu_with_a_given_capacity(tmp_path, tiny_re
                            f"--sweep_dir={sweep_dir}", *args], cwd=REPO, capture_output=True, text=True, timeout=900)
   first = cli("--population_device_gib=100")
   assert first.returncode == 0, first.stderr[-3000:]
-  assert "K=3" in first.stdout and "all 3 runs of the group fit [3 compile(s)" in first.stdout
+  assert "K=3" in first.stdout and "all 3 runs of the group fit (memory for about" in first.stdout and "[3 compile(s)" in first.stdout
   assert "seeds=(0,1,2)" in first.stdout and "3 member runs in 1 programs, a 3-member step" in first.stdout
   peaks = next(iter(json.load(open(sweep_dir / sizing.CACHE_FILE, encoding="utf-8"))["peaks"].values()))
   gib = (int(peaks["2"]) + int(peaks["3"])) / 2 / 0.9 / GIB  # K=2 fits 90 % of it, K=3 does not
@@ -232,4 +232,4 @@ def test_h100_target_sizes_the_tiny_run_deviceless(tmp_path, tiny_real_dir):
   assert "population size auto on 1 × h100 (compiled deviceless):" in done.stdout
   assert ("budget 54.00 GiB (0.9 × 60.00 GiB: h100 device_memory_size 80.00 GiB × 0.75 (JAX's default memory "
           "fraction))") in done.stdout
-  assert "all 3 runs of the group fit [3 compile(s)" in done.stdout and "seeds=(0,1,2)" in done.stdout
+  assert "all 3 runs of the group fit (memory for about" in done.stdout and "[3 compile(s)" in done.stdout and "seeds=(0,1,2)" in done.stdout

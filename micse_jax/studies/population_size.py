@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -330,7 +331,8 @@ def _reason(k: int, limit: int, peaks: dict, budget: int, use: float, device: De
   slope_k = k if k > 1 else min(peaks, key=lambda j: (j == 1, j))
   per_member = (peaks[slope_k] - peaks[1]) / (slope_k - 1) if slope_k > 1 else 0
   over = sorted(j for j, p in peaks.items() if p > budget and j > k)
-  why = f"all {limit} runs of the group fit" if k == limit else (
+  room = _predict(peaks[1], k, peaks[k], budget, 10 ** 6) if k > 1 else 1
+  why = f"all {limit} runs of the group fit (memory for about {room} by the line)" if k == limit else (
       f"K={over[0]} needs {gib(peaks[over[0]])}" if over else "the line through the measurements predicts no more")
   return (f"peak {gib(peaks[k])} per device at K={k} ≤ budget {gib(budget)} ({use:g} × {gib(device.capacity)}: "
           f"{device.source}); one run {gib(peaks[1])}, +{gib(per_member)} per member; {why}")
@@ -347,11 +349,14 @@ def choose_sizes(groups: list, device: Device | None, use: float, cache: Cache) 
 
 
 def plan_lines(choices: list[Choice], device: Device | None) -> list[str]:
-  """The plan's lines: the device and each group's K with why (and its compiles, or 'cached')."""
+  """The plan's lines: the device, then K and why for each run of consecutive groups with the same
+  K and reason (with the compiles it took, or 'cached')."""
   if device is None:
     return [f"[sweep] population size auto → 1: {choices[0].reason}" if choices else ""]
   lines = [f"[sweep] population size auto on {device.name}:"]
-  for c in choices:
-    measured = "" if not c.peaks else (f" [{c.compiles} compile(s), {c.seconds:.0f} s]" if c.compiles else " [cached]")
-    lines.append(f"[sweep]   K={c.k:<3} {c.group}: {c.reason}{measured}")
+  for (k, reason), same in itertools.groupby(choices, key=lambda c: (c.k, c.reason)):
+    same = list(same)
+    compiles, seconds = sum(c.compiles for c in same), sum(c.seconds for c in same)
+    measured = "" if not same[0].peaks else (f" [{compiles} compile(s), {seconds:.0f} s]" if compiles else " [cached]")
+    lines.append(f"[sweep]   K={k:<3} {', '.join(c.group for c in same)}: {reason}{measured}")
   return lines
