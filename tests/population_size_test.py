@@ -14,6 +14,9 @@ from micse_jax.studies import spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2 ** 30
+# The CPU cases: with the extra 'aot' installed on a machine without a GPU, JAX's CUDA plugin logs its
+# failed start on stderr unless the platform is fixed (a --population_target run fixes it itself).
+CPU_ONLY = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def _linear(points: dict):
@@ -162,7 +165,7 @@ def get_config(arg=None):
 ''', encoding="utf-8")
   return subprocess.run([sys.executable, "-m", "micse_jax.sweep", f"--config={cfg}", "--dry_run",
                          f"--sweep_dir={tmp_path / 'sw'}", *args], cwd=REPO, capture_output=True, text=True,
-                        timeout=600)
+                        timeout=600, env=CPU_ONLY)
 
 
 def test_cli_auto_on_this_cpu_and_one_line_errors(tmp_path):
@@ -202,10 +205,12 @@ def test_cli_auto_end_to_end_on_this_cpu_with_a_given_capacity(tmp_path, tiny_re
 
   def cli(*args):
     return subprocess.run([sys.executable, "-m", "micse_jax.sweep", f"--config={sweep_file}", "--dry_run",
-                           f"--sweep_dir={sweep_dir}", *args], cwd=REPO, capture_output=True, text=True, timeout=900)
+                           f"--sweep_dir={sweep_dir}", *args], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=CPU_ONLY)
   first = cli("--population_device_gib=100")
   assert first.returncode == 0, first.stderr[-3000:]
-  assert "K=3" in first.stdout and "all 3 runs of the group fit (memory for about" in first.stdout and "[3 compile(s)" in first.stdout
+  assert "K=3" in first.stdout and "[3 compile(s)" in first.stdout
+  assert "all 3 runs of the group fit (memory for about" in first.stdout
   assert "seeds=(0,1,2)" in first.stdout and "3 member runs in 1 programs, a 3-member step" in first.stdout
   peaks = next(iter(json.load(open(sweep_dir / sizing.CACHE_FILE, encoding="utf-8"))["peaks"].values()))
   gib = (int(peaks["2"]) + int(peaks["3"])) / 2 / 0.9 / GIB  # K=2 fits 90 % of it, K=3 does not
@@ -232,4 +237,5 @@ def test_h100_target_sizes_the_tiny_run_deviceless(tmp_path, tiny_real_dir):
   assert "population size auto on 1 × h100 (compiled deviceless):" in done.stdout
   assert ("budget 54.00 GiB (0.9 × 60.00 GiB: h100 device_memory_size 80.00 GiB × 0.75 (JAX's default memory "
           "fraction))") in done.stdout
-  assert "all 3 runs of the group fit (memory for about" in done.stdout and "[3 compile(s)" in done.stdout and "seeds=(0,1,2)" in done.stdout
+  assert "all 3 runs of the group fit (memory for about" in done.stdout and "[3 compile(s)" in done.stdout
+  assert "seeds=(0,1,2)" in done.stdout
