@@ -239,3 +239,15 @@ def test_h100_target_sizes_the_tiny_run_deviceless(tmp_path, tiny_real_dir):
           "fraction))") in done.stdout
   assert "all 3 runs of the group fit (memory for about" in done.stdout and "[3 compile(s)" in done.stdout
   assert "seeds=(0,1,2)" in done.stdout
+
+
+def test_the_sweeps_backend_starts_without_preallocation_and_leaves_the_runs_environment(monkeypatch):
+  """The sweep's process must not take 75 % of a GPU; the runs it starts keep JAX's default."""
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  seen = []
+  monkeypatch.setattr("jax.local_devices", lambda: seen.append(os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")) or [])
+  sizing.start_backend(None)
+  assert seen == ["false"] and "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+  sizing.start_backend(None)
+  assert seen == ["false", "false"] and os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
