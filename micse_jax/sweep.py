@@ -5,6 +5,8 @@ starting anything, then runs the unfinished runs through submitit: `--executor l
 machine (`--parallel` at a time) or `--executor slurm` as one array job. Re-running skips finished
 runs and resumes interrupted ones. `--report` writes results.{json,md,csv} and the figures in the
 sweep directory. `--dry_run` prints the plan (and, for SLURM, writes the sbatch script) only.
+`--population_size auto` (default) trains the runs that differ only in their seeds as populations
+as large as the device memory allows (studies/population_size.py, docs/population.md).
 """
 import logging
 import os
@@ -34,10 +36,20 @@ flags.DEFINE_bool("report", False, "Only aggregate finished runs into tables and
 flags.DEFINE_bool("dry_run", False, "Print the plan (write the sbatch script for SLURM); run nothing.")
 flags.DEFINE_float("step_ms", None, "Dry run: milliseconds per training step for the GPU-hours estimate "
                    "(default: the sweep config's step_ms, an assumption stated there).")
-flags.DEFINE_integer("population_size", 1, "Train runs that differ only in their seeds as populations of up to "
-                     "this many members, one program each (docs/population.md); 1: one program per run.")
-flags.DEFINE_float("population_step_ms", None, "Dry run: measured milliseconds per step of a population of "
-                   "--population_size members (default: that many times the step time: no speed-up assumed).")
+flags.DEFINE_string("population_size", "auto", "Train runs that differ only in their seeds as populations of up "
+                    "to K members, one program each (docs/population.md); 1: one program per run; auto: per group "
+                    "the largest K whose compiled step fits --population_memory_use of the device memory (this "
+                    "machine's accelerator or --population_target; 1 on a CPU without one).")
+flags.DEFINE_string("population_target", None, "auto: size populations for this device, compiled deviceless here "
+                    "(h100, a100, tpu-v5e, ...: bench --aot's targets; needs the extra 'aot' or 'tpu'), e.g. from "
+                    "a SLURM login node; with --executor slurm on --gpus_per_run devices.")
+flags.DEFINE_float("population_device_gib", None, "auto: GiB of device memory a run may use per device (default: "
+                   "the accelerator's bytes_limit, or the GPU target's memory x JAX's 0.75 memory fraction; "
+                   "required for a TPU target; on a CPU it sizes populations for the CPU).")
+flags.DEFINE_float("population_memory_use", 0.9, "auto: fraction of that memory a population's compiled step may "
+                   "need at its peak (the rest is headroom for evaluation and the allocator).")
+flags.DEFINE_float("population_step_ms", None, "Dry run: measured milliseconds per step of the largest population "
+                   "launched (default: that many times the step time: no speed-up assumed).")
 flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
@@ -61,18 +73,21 @@ def _print_cost(sweep, todo) -> None:
     return
   gpus = FLAGS.gpus_per_run if FLAGS.executor == "slurm" else 1
   done = {run.name: (runner.checkpoint_steps(run.workdir) or [0])[-1] for run in todo}
-  k = FLAGS.population_size
-  measured = {k: FLAGS.population_step_ms} if FLAGS.population_step_ms is not None else {}
+  sizes = sorted({spec.population_size_of(run) for run in todo} - {1})
+  k = sizes[-1] if sizes else 1
+  measured = {k: FLAGS.population_step_ms} if FLAGS.population_step_ms is not None and sizes else {}
   try:
     steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus, done, measured)
   except spec.SweepError as e:  # a step_ms <= 0 in the sweep config
     cli.fail(str(e), cli.USAGE_EXIT)
   source = "--step_ms" if FLAGS.step_ms is not None else sweep.get("step_ms_note") or "the sweep config"
   members = sum(spec.population_size_of(run) for run in todo)
-  population = "" if k == 1 else (
+  others = ", ".join(f"{j} × {step_ms:g} ms" for j in sizes[:-1])
+  population = "" if not sizes else (
       f"; {members} member runs in {len(todo)} programs, a {k}-member step at "
       + (f"{FLAGS.population_step_ms:g} ms (--population_step_ms)" if measured else f"{k} × {step_ms:g} ms (no "
-         "speed-up assumed; pass --population_step_ms with a measured figure)"))
+         "speed-up assumed; pass --population_step_ms with a measured figure)")
+      + (f", smaller populations at {others}" if others else ""))
   print(f"[sweep] expected cost: {len(todo)} runs, {steps:,} training steps × {step_ms:g} ms/step × {gpus} GPU/run "
         f"= {hours:,.1f} GPU-hours (training steps only; evaluations not counted). Step time: {source}{population}")
 
@@ -104,6 +119,36 @@ def _print_plan(name: str, launched, sweep_dir: str) -> list:
   return todo
 
 
+def population_sizes(runs, sweep_dir: str, report: bool):
+  """`--population_size`: K, or (auto) {a group's first run: K} chosen from the device memory
+  (`studies/population_size.py`), its plan printed; for `--report`, the sizes the launch chose."""
+  from micse_jax.studies import population_size as sizing
+  from micse_jax.studies import spec
+  k = sizing.parse_size(FLAGS.population_size)
+  if k is not None:
+    if FLAGS.population_target or FLAGS.population_device_gib is not None:
+      raise spec.SweepError(f"--population_target / --population_device_gib choose the population size; they do "
+                            f"not combine with --population_size {k} (drop them, or use --population_size auto)")
+    return k
+  use = FLAGS.population_memory_use
+  if not 0 < use <= 1:
+    raise spec.SweepError(f"--population_memory_use must be in (0, 1], got {use:g}")
+  if FLAGS.population_device_gib is not None and FLAGS.population_device_gib <= 0:
+    raise spec.SweepError(f"--population_device_gib must be > 0, got {FLAGS.population_device_gib:g}")
+  cache = sizing.Cache(sweep_dir)
+  if report:
+    return cache.chosen()
+  if FLAGS.population_target:
+    gpus = FLAGS.gpus_per_run if FLAGS.executor == "slurm" else 1
+    device = sizing.target_device(FLAGS.population_target, gpus, FLAGS.population_device_gib)
+  else:
+    device = sizing.local_device(FLAGS.population_device_gib)
+  groups = spec.population_groups(runs)
+  choices = sizing.choose_sizes(groups, device, use, cache)
+  print("\n".join(sizing.plan_lines(choices, device)))
+  return {group[0].name: c.k for group, c in zip(groups, choices)}
+
+
 def check_packages(executor: str, dry_run: bool, report: bool) -> None:
   """The optional packages this invocation needs (submitit to run or write an sbatch script,
   matplotlib for the report's figures), checked before anything runs or is written."""
@@ -123,10 +168,13 @@ def main(argv):
   if FLAGS.step_ms is not None and FLAGS.step_ms <= 0:
     cli.fail(f"--step_ms must be > 0, got {FLAGS.step_ms:g}", cli.USAGE_EXIT)
   sweep_dir = os.path.abspath(FLAGS.sweep_dir or os.path.join("runs", "sweeps", sweep.name))
+  from micse_jax.studies import population_size
+  population_size.start_backend(FLAGS.population_target)
   try:
     runs = spec.expand(sweep, sweep_dir)
     spec.check_data(runs)
-    launched, runs = spec.group_populations(runs, FLAGS.population_size, sweep_dir)
+    size = population_sizes(runs, sweep_dir, FLAGS.report)
+    launched, runs = spec.group_populations(runs, size, sweep_dir)
   except spec.SweepError as e:
     cli.fail(str(e), cli.USAGE_EXIT)
   if FLAGS.report:

@@ -19,6 +19,7 @@ jax; cuDNN's libcudnn for cuDNN attention) or `tpu` (libtpu); see docs/AOT.md.
 from __future__ import annotations
 
 import importlib.resources
+import re
 import time
 
 import jax
@@ -41,6 +42,15 @@ TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
 def gpu_target_config(target: str) -> str:
   """The shipped GpuTargetConfigProto text of a GPU target (bench/targets/, README there)."""
   return importlib.resources.files("micse_jax.bench").joinpath("targets", GPU_TARGETS[target]).read_text()
+
+
+def device_memory_bytes(target: str) -> int | None:
+  """A GPU target's device memory (its GpuTargetConfigProto's `device_memory_size`); None for a TPU
+  target, whose deviceless topology does not give the chip's memory."""
+  if target not in GPU_TARGETS:
+    return None
+  match = re.search(r"^\s*device_memory_size:\s*(\d+)", gpu_target_config(target), re.MULTILINE)
+  return int(match.group(1)) if match else None
 
 
 def target_devices(target: str, num_devices: int = 1) -> list:
@@ -77,12 +87,16 @@ def _placed(shapes, shardings):
 
 
 def abstract_state(config, bert_config, nets, tx):
-  """The step-0 train state's shapes by the trainer's set-up (`training/setup.py`), never materialised."""
+  """The step-0 train state's shapes by the trainer's set-up (`training/setup.py`), never materialised
+  (with the checkpoint's MLM head where the method reads it, as `setup.prepare` loads it)."""
+  from micse_jax import config_checks
+  from micse_jax.models.bert import BertModel
   from micse_jax.training import setup
   ids = jnp.zeros((1, config.model.max_length), jnp.int32)
+  encoder_model = BertModel(bert_config, add_mlm_head=True) if config_checks.needs_mlm_head(config) else nets.online
 
   def init():
-    encoder = nets.online.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
+    encoder = encoder_model.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
     params, frozen = setup.initial_params(config, nets, encoder)
     return setup.new_train_state(config, bert_config.hidden_size, tx, params, frozen)
   return jax.eval_shape(init)
@@ -129,25 +143,38 @@ def compile_population_step(devices, model: str, batch_size: int, max_length: in
   """(compiled step, compile seconds) of a population of `members` runs of the bench's miCSE step
   (`training/population.py`: states stacked, the step vmapped) on `devices`, as the trainer
   places it (whole members per device when the devices divide them, else rows split)."""
+  from micse_jax.bench.jax_step import bench_config
+  bert_config = bert_config_for(model)
+  config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
+  config.population.seeds = tuple(range(1, members + 1))
+  return compile_population_config(devices, config, bert_config)
+
+
+def compile_population_config(devices, config, bert_config, tokens=None):
+  """(compiled step, compile seconds) of the population step of a training `config` whose
+  `population.seeds` holds K members, on `devices` (abstract shapes: no weights, no data): the
+  trainer's networks (`tokens`: the checkpoint's special token ids, `networks.SpecialTokens`),
+  optimizer, state, placement and batch layout. `model.dtype="auto"` is resolved for `devices[0]`."""
   import numpy as np
 
-  from micse_jax.bench.jax_step import bench_config
   from micse_jax.data.packing import BatchLayout
-  from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
+  from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY, TOKEN_KEYS
+  from micse_jax.models.dtypes import AUTO, device_dtype
   from micse_jax.training import mesh as mesh_lib
   from micse_jax.training import population
   from micse_jax.training.networks import build_networks
   from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-  bert_config = bert_config_for(model)
-  config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
-  config.population.seeds = tuple(range(1, members + 1))
+  config = config.copy_and_resolve_references()
+  if config.model.dtype == AUTO:
+    config.model.dtype = device_dtype(devices[0])
+  members, batch_size, max_length = population.size(config), config.batch_size, config.model.max_length
   shared = population.optimizer_config(config)
-  nets, tx = build_networks(shared, bert_config), make_optimizer(shared)
+  nets, tx = build_networks(shared, bert_config, tokens), make_optimizer(shared)
   mesh = population.population_mesh(members, devices)
   shapes = population.abstract_state(abstract_state(shared, bert_config, nets, tx), members)
   sharding = population.state_sharding(shapes, mesh)
   rows = mesh_lib.padded_batch_size(batch_size, len(devices))  # as `setup.prepare` pads a member's batch
-  sample = {k: np.zeros((rows, max_length), np.int32) for k in ("input_ids", "attention_mask", "token_type_ids")}
+  sample = {k: np.zeros((rows, max_length), np.int32) for k in TOKEN_KEYS}
   sample[SENTENCE_IDS_KEY] = np.zeros((rows,), np.int32)
   if rows != batch_size:
     sample[ROW_MASK_KEY] = np.ones((rows,), np.int32)
@@ -156,7 +183,7 @@ def compile_population_step(devices, model: str, batch_size: int, max_length: in
                                 sharding=population.batch_sharding(mesh))
   step = population.jit_population_step(shared, nets, tx, learning_rate_schedule(shared), layout, mesh, sharding)
   start = time.perf_counter()
-  compiled = step.lower(_placed(shapes, sharding), packed, {}).compile()
+  compiled = step.lower(_placed(shapes, sharding), packed, population.hyper(config)).compile()
   return compiled, time.perf_counter() - start
 
 

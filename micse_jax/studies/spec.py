@@ -28,7 +28,8 @@ and is an ordinary `python -m micse_jax.main --config FILE --workdir DIR --confi
 `group_populations(runs, K)` (`micse-sweep --population_size K`) trains runs that differ only in
 their seeds (`POPULATION_FIELDS`) as populations of up to K members (`training/population.py`):
 one program `...__seeds=(0,1,2)` whose member folders `members/<i>/` are the grouped runs'
-workdirs for the report.
+workdirs for the report. `--population_size auto` (the default) chooses K per group from the
+device memory (`studies/population_size.py`).
 """
 from __future__ import annotations
 
@@ -306,24 +307,35 @@ def _population_run(chunk: list[RunSpec], sweep_dir: str) -> RunSpec:
                  workdir=os.path.join(sweep_dir, name))
 
 
-def group_populations(runs: list[RunSpec], size: int, sweep_dir: str) -> tuple[list[RunSpec], list[RunSpec]]:
-  """(runs to launch, runs to report): runs that differ only in `POPULATION_FIELDS` (and have a
-  `seed` override) grouped, in sweep order, into populations of up to `size` members; a reported
-  run's workdir becomes its member folder `<population workdir>/members/<i>`. `size` 1: unchanged."""
-  if size < 1:
-    raise SweepError(f"--population_size must be >= 1, got {size}")
+def population_groups(runs: list[RunSpec]) -> list[list[RunSpec]]:
+  """The runs that differ only in `POPULATION_FIELDS`, in sweep order (a run without a `seed`
+  override is a group of its own: it has no seed to vary)."""
+  groups: dict = {}
+  for i, run in enumerate(runs):
+    unseeded = run.override("seed") is None
+    key = (run.config_file, tuple((k, _format(v)) for k, v in run.overrides if k not in POPULATION_FIELDS),
+           i if unseeded else None)
+    groups.setdefault(key, []).append(run)
+  return list(groups.values())
+
+
+def group_populations(runs: list[RunSpec], size, sweep_dir: str) -> tuple[list[RunSpec], list[RunSpec]]:
+  """(runs to launch, runs to report): each group of `population_groups` split, in sweep order,
+  into populations of up to `size` members (an int, or a dict {a group's first run's name: K}, as
+  `--population_size auto` chooses per group); a reported run's workdir becomes its member folder
+  `<population workdir>/members/<i>`. `size` 1: unchanged."""
+  sizes = size if isinstance(size, dict) else None
+  for k in (sizes or {"": size}).values():
+    if k < 1:
+      raise SweepError(f"--population_size must be >= 1, got {k}")
   if size == 1:
     return list(runs), list(runs)
-  groups: dict = {}
-  for run in runs:
-    key = (run.config_file, tuple((k, _format(v)) for k, v in run.overrides if k not in POPULATION_FIELDS),
-           run.override("seed") is None)
-    groups.setdefault(key, []).append(run)
   launched, members = [], {}
-  for (_, _, unseeded), group in groups.items():
-    for start in range(0, len(group), size):
-      chunk = group[start:start + size]
-      if len(chunk) == 1 or unseeded:
+  for group in population_groups(runs):
+    k = sizes.get(group[0].name, 1) if sizes is not None else size
+    for start in range(0, len(group), k):
+      chunk = group[start:start + k]
+      if len(chunk) == 1:
         launched += chunk
         continue
       population = _population_run(chunk, os.path.dirname(chunk[0].workdir))
