@@ -139,10 +139,14 @@ def run_reference(args) -> None:
     while pending and len(running) < args.jobs:
       task, seeds = pending.pop(0)
       running.append(_start_reference(args, task, seeds) + (task,))
-    process, root, task = running.pop(0)
-    if process.wait() != 0:
-      raise SystemExit(f"error: SentEval reference for {task} exited with {process.returncode}")
-    root.cleanup()
+    finished = [r for r in running if r[0].poll() is not None]
+    if not finished:
+      time.sleep(1.0)
+    for process, root, task in finished:
+      running.remove((process, root, task))
+      root.cleanup()
+      if process.returncode != 0:
+        raise SystemExit(f"error: SentEval reference for {task} exited with {process.returncode}")
 
 
 def _reference_path(out_dir: str, model: str, seed, task: str) -> str:

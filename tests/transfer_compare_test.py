@@ -64,10 +64,34 @@ def test_reference_runs_every_missing_seed_of_a_task_in_one_process(tmp_path, mo
   assert started == [("TREC", [1111, 3333]), ("MRPC", [1111, 2222, 3333])]
 
 
+def test_reference_starts_the_next_task_as_soon_as_any_one_ends(tmp_path, monkeypatch):
+  script = _script()
+  started = []
+
+  class Process:
+    def __init__(self, task):
+      self.task, self.returncode = task, None
+
+    def poll(self):  # MR runs until TREC has started: a pool waiting on MR first would never end
+      if self.task != "MR" or "TREC" in started:
+        self.returncode = 0
+      return self.returncode
+
+  def start(args, task, seeds):
+    started.append(task)
+    return Process(task), _Root()
+
+  monkeypatch.setattr(script, "_start_reference", start)
+  monkeypatch.setattr(script.time, "sleep", lambda s: None)
+  args = type("Args", (), dict(out_dir=str(tmp_path), model="m", seeds="1111", tasks="MR,CR,TREC", jobs=2))
+  script.run_reference(args)
+  assert started == ["MR", "CR", "TREC"]
+
+
 class _Done:
   returncode = 0
 
-  def wait(self):
+  def poll(self):
     return 0
 
 
