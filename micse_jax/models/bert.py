@@ -59,9 +59,14 @@ def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
   """Several `nn.Dense` layers of the same input as one: their kernels and biases concatenated
   along the output axis, applied by one `nn.Dense` (one GEMM), the result split back.
 
-  Each output column is the same dot product and bias add as in its own `nn.Dense`."""
+  Each output column is the same dot product and bias add as in its own `nn.Dense`. The
+  parameters are cast to `dtype` before the concatenation (the cast `nn.Dense` makes: the same
+  values), and the concatenated kernel passes an `optimization_barrier`, so XLA casts and
+  concatenates the weights in one kernel that the forward and the backward GEMMs both read;
+  without it XLA moves the concatenation into the GEMM and casts each weight in its own kernel."""
   widths = [p["bias"].shape[0] for p in params]
-  both = {name: jnp.concatenate([p[name] for p in params], axis=-1) for name in ("kernel", "bias")}
+  both = {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}
+  both["kernel"] = jax.lax.optimization_barrier(both["kernel"])
   y = nn.Dense(sum(widths), dtype=dtype).apply({"params": both}, x)
   return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
 
