@@ -5,7 +5,9 @@ Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings
 table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
 the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
 to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`, `models/attention.py`). Layers may be
-rematerialised (`remat`, see `models/remat.py`).
+rematerialised (`remat`, see `models/remat.py`). Each layer's query, key and value projections
+run as one GEMM over their three HF-named parameter sets (`fused_dense`; the parameter tree is
+HF's, unchanged).
 """
 from __future__ import annotations
 
