@@ -5,10 +5,13 @@ Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings
 table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
 the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
 to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`, `models/attention.py`). Layers may be
-rematerialised (`remat`, see `models/remat.py`).
+rematerialised (`remat`, see `models/remat.py`). Each layer's query, key and value projections
+run as one GEMM over their three HF-named parameter sets (`fused_dense`; the parameter tree is
+HF's, unchanged).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Sequence
 
@@ -40,6 +43,34 @@ class BertOutput:
 def _dense(features: int, config: BertConfig, dtype, name: str) -> nn.Dense:
   init = nn.initializers.normal(stddev=config.initializer_range)
   return nn.Dense(features, dtype=dtype, kernel_init=init, name=name)
+
+
+class DenseParams(nn.Module):
+  """The `kernel` and `bias` an `nn.Dense(features)` named like this module would create (same
+  names, shapes, dtype and initialisers, hence the same initial values), returned unapplied."""
+  features: int
+  kernel_init: Any
+
+  @nn.compact
+  def __call__(self, in_features: int) -> dict:
+    return {"kernel": self.param("kernel", self.kernel_init, (in_features, self.features), jnp.float32),
+            "bias": self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)}
+
+
+def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
+  """Several `nn.Dense` layers of the same input as one: their kernels and biases concatenated
+  along the output axis, applied by one `nn.Dense` (one GEMM), the result split back.
+
+  Each output column is the same dot product and bias add as in its own `nn.Dense`. The
+  parameters are cast to `dtype` before the concatenation (the cast `nn.Dense` makes: the same
+  values), and the concatenated kernel passes an `optimization_barrier`, so XLA casts and
+  concatenates the weights in one kernel that the forward and the backward GEMMs both read;
+  without it XLA moves the concatenation into the GEMM and casts each weight in its own kernel."""
+  widths = [p["bias"].shape[0] for p in params]
+  both = {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}
+  both["kernel"] = jax.lax.optimization_barrier(both["kernel"])
+  y = nn.Dense(sum(widths), dtype=dtype).apply({"params": both}, x)
+  return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
 
 
 def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> nn.LayerNorm:
@@ -88,7 +119,8 @@ class BertSelfAttention(nn.Module):
   flash attention when compiled for an NVIDIA GPU in bfloat16/float16 with a head dim cuDNN
   takes, XLA's `jax.nn.dot_product_attention` otherwise (float32, CPU, TPU). No fused kernel
   here drops individual probabilities, so training with attention dropout > 0 keeps the
-  explicit path; "explicit" forces it everywhere.
+  explicit path; "explicit" forces it everywhere. The query, key and value projections run as
+  one GEMM (`fused_dense`) over the three HF-named parameter sets `query`, `key`, `value`.
   """
   config: BertConfig
   sow_probs: bool = False
@@ -101,9 +133,9 @@ class BertSelfAttention(nn.Module):
     c = self.config
     heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
     split = lambda t: t.reshape(t.shape[:2] + (heads, head_dim))  # [B,T,h,d]
-    q = split(_dense(c.hidden_size, c, self.dtype, "query")(x))
-    k = split(_dense(c.hidden_size, c, self.dtype, "key")(x))
-    v = split(_dense(c.hidden_size, c, self.dtype, "value")(x))
+    init = nn.initializers.normal(stddev=c.initializer_range)
+    qkv = [DenseParams(c.hidden_size, init, name=n)(x.shape[-1]) for n in ("query", "key", "value")]
+    q, k, v = map(split, fused_dense(x, qkv, self.dtype))  # one GEMM for the three projections
     needs_probs = (self.attention == "explicit" or self.sow_probs
                    or (not deterministic and c.attention_probs_dropout_prob > 0))
     if not needs_probs:  # nothing needs the probabilities: a fused kernel (cuDNN on GPU where it applies)
