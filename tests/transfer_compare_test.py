@@ -46,9 +46,9 @@ def test_agreement_rule_on_hand_computed_scores(tmp_path):
   table = _script().agreement_table(str(tmp_path), "m")
   mr = _row(table, "MR")
   assert mr[2:4] == ["71.50", "1.00"] and mr[5:9] == ["71.77", "0.27", "1.00", "yes"]
-  assert _row(table, "CR")[5:9] == ["78.80", "0.80", "0.50", "NO"]
+  assert _row(table, "CR")[5:9] == ["78.80", "0.80", "0.50", "NO (partial: SentEval 1/3, ours 1/3)"]
   assert _row(table, "SUBJ")[-1] == "not run"
-  assert _row(table, "MPQA")[6:9] == ["0.30", "0.50", "yes"]
+  assert _row(table, "MPQA")[6:9] == ["0.30", "0.50", "yes (partial: SentEval 1/3, ours 1/3)"]
   assert table.splitlines()[0] == "m: SentEval seeds [1111, 2222, 3333], ours seeds [1111, 2222, 3333]"
 
 
