@@ -156,7 +156,7 @@ def test_flat_step_equals_per_leaf_step_for_every_config(tmp_path, tiny_real_dir
 
 @pytest.mark.slow  # a 4-device subprocess: micse and simcse, shard_state on and off
 def test_flat_step_equals_per_leaf_step_on_four_devices(tmp_path, tiny_real_dir):
-  results = run_device_worker("tests.flat_update_worker", tmp_path, tiny_real_dir)
+  results = run_device_worker("tests.step_equality_worker", tmp_path, tiny_real_dir, "tests.flat_update_test")
   assert results.pop("num_devices") == 4 and len(results) == 4
   for result in results.values():
     check(result, clipped=True)

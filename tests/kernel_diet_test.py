@@ -115,7 +115,7 @@ def test_step_equals_the_unfused_step_for_every_config(tmp_path, tiny_real_dir, 
 
 @pytest.mark.slow  # a 4-device subprocess: micse and simcse, shard_state on and off
 def test_step_equals_the_unfused_step_on_four_devices(tmp_path, tiny_real_dir):
-  results = run_device_worker("tests.kernel_diet_worker", tmp_path, tiny_real_dir)
+  results = run_device_worker("tests.step_equality_worker", tmp_path, tiny_real_dir, "tests.kernel_diet_test")
   assert results.pop("num_devices") == 4 and len(results) == 4
   for result in results.values():
     check_result(result, None)

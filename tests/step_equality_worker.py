@@ -1,5 +1,10 @@
-"""Run with XLA_FLAGS=--xla_force_host_platform_device_count=4 (kernel_diet_test.py): the fused and
-the unfused model's 20-step runs on 4 devices, state replicated and sharded; prints the differences."""
+"""Run with XLA_FLAGS=--xla_force_host_platform_device_count=4: a test module's `compare(config,
+shard_state)` (flat_update_test: flat vs per-leaf optimizer; kernel_diet_test: fused vs unfused
+projections) over 20 steps on 4 devices, state replicated and sharded; prints the differences.
+
+    python -m tests.step_equality_worker TMP MODEL_DIR tests.flat_update_test
+"""
+import importlib
 import json
 import pathlib
 import sys
@@ -7,9 +12,9 @@ import sys
 import jax
 
 
-def main(tmp, model_dir):
+def main(tmp, model_dir, test_module):
   from tests.flat_update_test import step_config
-  from tests.kernel_diet_test import compare
+  compare = importlib.import_module(test_module).compare
   assert jax.device_count() == 4, jax.devices()
   results = {"num_devices": jax.device_count()}
   for variant in ("micse", "simcse"):
