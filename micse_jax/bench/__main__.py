@@ -77,10 +77,8 @@ def parse_args(argv):
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--population", type=int, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
-  p.add_argument("--population_members", metavar="K,K,...",
-                 help="instead: member-steps per second of population training for these population sizes "
-                      "on this machine's devices, and the paper's few-shot protocol projected in device-hours "
-                      "(bench/population.py)")
+  p.add_argument("--population_members", metavar="K,K,...", help="instead: population training of these sizes "
+                 "measured here, and the paper's few-shot protocol in device-hours (bench/population.py)")
   p.add_argument("--collectives_layouts", default=",".join(scaling.LAYOUTS),
                  help="with --collectives: comma-separated state/remat layouts to compile")
   args = p.parse_args(argv)
