@@ -162,6 +162,7 @@ def test_flat_step_equals_per_leaf_step_on_four_devices(tmp_path, tiny_real_dir)
     check(result, clipped=True)
 
 
+@pytest.mark.slow  # 24 s of the default run (CI budget)
 def test_old_per_leaf_workdir_resumes_converted(tmp_path, tiny_real_dir, monkeypatch):
   """A workdir saved as the previous release did (per-leaf optimizer state, the queue as loose
   fields; 3 steps) resumes under this one to step 6,

@@ -146,6 +146,7 @@ def test_add_view_drops_least_attended_by_the_current_encoder(tmp_path, tiny_rea
 
 # ---------------------------------------------------------------- InfoCSE gradient isolation
 
+@pytest.mark.slow  # 38 s of the default run (CI budget); InfoCSE's step is in the slow equality sets too
 def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_real_dir):
   """d L_aux / d θ_encoder == (d [CLS] / d θ)ᵀ · d L_aux / d [CLS]: the chain through [CLS] alone."""
   config = _config(tmp_path, tiny_real_dir, "infocse")

@@ -51,6 +51,7 @@ def _train_in_two_processes(config, workdir: str) -> None:
   assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.slow  # 40 s of the default run (CI budget); tests/train_test.py's 4-device run stays
 def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path, minilm_dir):
   # n = B = 8: from step 1 every anchor meets its own sentence in the queue, so the hosts' rows
   # of global corpus ids and the same-sentence mask are part of what must match.
@@ -86,7 +87,7 @@ def test_two_processes_match_one_process_then_convert_and_resume_in_one(tmp_path
   _assert_close(c, a, RESUME_ATOL)
 
 
-@pytest.mark.slow  # the even split above stays in the default run
+@pytest.mark.slow  # like the even split above (CI budget)
 def test_two_processes_with_an_odd_split_match_one_process(tmp_path, minilm_dir):
   # Global batch 7 on 2 processes x 2 devices: padded to 8 rows, host 0 holds 4 real rows, host 1
   # holds 3 real rows and 1 padding row (no anchor, no negative, never enqueued). The run must

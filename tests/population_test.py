@@ -75,6 +75,7 @@ def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
   assert max_difference(compared_parts(population.member(pstate.members, 2)), compared_parts(solo)) < TOLERANCE
 
 
+@pytest.mark.slow  # 18 s of the default run (CI budget); test_a_non_finite_member_stops_alone stays
 def test_a_per_member_ami_weight_is_the_same_program_as_a_constant_one(tmp_path, minilm_dir):
   """population.ami_weights=(0, 0.3): member 1 is bit for bit the member of seed 3 in a population
   whose ami.weight is the constant 0.3; member 0's loss is its InfoNCE alone (λ = 0)."""

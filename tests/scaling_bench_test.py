@@ -2,6 +2,7 @@
 train state it is given, and remat lowers the temporaries (1 device, tiny BERT, compile only)."""
 import jax
 import numpy as np
+import pytest
 
 from micse_jax.bench import scaling
 from micse_jax.models.bert import BertConfig
@@ -19,6 +20,7 @@ def _state_bytes(batch_size):
   return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
 
 
+@pytest.mark.slow  # 18 s of the default run (three compiles; CI budget)
 def test_memory_analysis_accounts_for_the_state_and_remat_saves_temporaries():
   batch = 64
   reports = {layout: scaling.memory_per_device(scaling.compile_step(layout, batch, 32, "float32", TINY))

@@ -27,6 +27,7 @@ def _pair(batch, model_dir=None):
   return steps
 
 
+@pytest.mark.slow  # 20 s of the default run (torch.compile on CPU; CI budget)
 def test_compiled_peer_computes_the_eager_loss_and_attention_where_ami_reads_it(monkeypatch, tmp_path):
   import torch._inductor.config as inductor_config
   monkeypatch.setattr(inductor_config, "fallback_random", True)  # inductor draws PyTorch's eager random numbers

@@ -7,7 +7,7 @@ the `intermediates` collection (miCSE's AMI regulariser reads them); all other l
 to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`, `models/attention.py`). Layers may be
 rematerialised (`remat`, see `models/remat.py`). Each layer's query, key and value projections
 run as one GEMM over their three HF-named parameter sets (`fused_dense`; the parameter tree is
-HF's, unchanged).
+HF's, unchanged). LayerNorm is `models/layer_norm.py`'s (flax's parameters, its own VJP).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from micse_jax.models.attention import fused_attention
 from micse_jax.models.bert_config import ACTIVATIONS, SUPPORTED_MODEL_TYPES, BertConfig  # noqa: F401 (re-export)
 from micse_jax.models.dropout import Dropout
 from micse_jax.models.embed import Embed
+from micse_jax.models.layer_norm import LayerNorm
 from micse_jax.models.remat import remat_layer
 from micse_jax.tokenization import TOKEN_KEYS
 
@@ -73,8 +74,9 @@ def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
   return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
 
 
-def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> nn.LayerNorm:
-  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, name=name)
+def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> LayerNorm:
+  """flax `nn.LayerNorm`'s parameters and values in fewer kernels (`models/layer_norm.py`)."""
+  return LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, name=name)
 
 
 def position_ids_for(input_ids: Array, attention_mask: Array, config: BertConfig) -> Array:
