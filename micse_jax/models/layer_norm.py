@@ -95,4 +95,3 @@ class LayerNorm(nn.Module):
     scale = self.param("scale", nn.initializers.ones_init(), features, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), features, jnp.float32)
     return layer_norm(x, scale, bias, self.epsilon, self.dtype)
-
