@@ -133,3 +133,28 @@ def test_half_precision_embedding_lookup_and_its_gradient_stay_float32(dtype):
   program = jax.jit(jax.grad(loss)).lower(params).as_text()
   scatters = [line for line in program.splitlines() if ") -> tensor<5x4x" in line]
   assert scatters and all("5x4xf32" in line for line in scatters), scatters
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_gelu_is_x_times_the_normal_cdf_and_so_is_its_gradient(dtype):
+  """`gelu_erf` against x·Φ(x) and Φ(x) + x·φ(x) in float64 (scipy) and against PyTorch's `F.gelu`.
+  float32: the erf form's 1 + erf(x/√2) cancels to 0 below x ≈ −5.3, where |x·Φ(x)| < 1e-6 (PyTorch's
+  kernel keeps that tail), hence the absolute bound. Half inputs: the float64 value rounded once to the
+  dtype (one ulp), or that float32 tail."""
+  import torch
+  from scipy import special
+
+  from micse_jax.models.bert_config import gelu_erf
+  x = np.concatenate([np.linspace(-9, 9, 4001), [0.0, -1e-3, 1e-3, -30.0, 30.0]])
+  x = np.asarray(jnp.asarray(x, dtype), np.float64)  # representable in the dtype
+  cdf = 0.5 * (1 + special.erf(x / np.sqrt(2)))
+  ours = np.asarray(gelu_erf(jnp.asarray(x, dtype)), np.float64)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(ours, x * cdf, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(ours, torch.nn.functional.gelu(torch.tensor(x, dtype=torch.float32)).numpy(),
+                               rtol=2e-6, atol=1e-6)
+    grad = jax.vmap(jax.grad(gelu_erf))(jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(grad, cdf + x * np.exp(-x ** 2 / 2) / np.sqrt(2 * np.pi), rtol=2e-6, atol=1e-6)
+  else:
+    spacing = np.abs(np.asarray(jnp.asarray(x * cdf, dtype), np.float64)) * float(jnp.finfo(dtype).eps)
+    assert np.all(np.abs(ours - x * cdf) <= np.maximum(spacing, 1e-6)), dtype

@@ -1,8 +1,10 @@
 """The kernel diet (issue 26) changes no result: the fused query/key/value GEMM (`bert.fused_dense`)
 equals three `nn.Dense` and its parameters initialise as theirs, and 20 train steps (params, EMA,
-Adam moments, queue) equal those of the model as it was before the diet, one GEMM per projection
-and flax's `nn.LayerNorm` (1 and 4 devices, `shard_state` on and off, every config). The
-LayerNorm itself: `tests/layer_norm_test.py`."""
+Adam moments, queue) equal those of the model and step as they were before the diet: one GEMM per
+projection, flax's `nn.LayerNorm`, `jax.nn.gelu`, the kernels cast inside the step (no
+`compute_weights` copies), on 1 and 4 devices, `shard_state` on and off, every config. The
+LayerNorm itself: `tests/layer_norm_test.py`; the GELU: `tests/bert_test.py`; the copies:
+`tests/compute_weights_test.py`."""
 import contextlib
 from unittest import mock
 
@@ -12,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from micse_jax.models import bert
-from micse_jax.training import optim
+from micse_jax.models import bert, bert_config
+from micse_jax.training import compute_weights, optim
 from tests.flat_update_test import KEY_BIAS_ATOL, check, differences, step_config, train
 from tests.helpers import run_device_worker
 
@@ -40,10 +42,18 @@ def flax_layer_norm(config, dtype, name="LayerNorm"):
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, name=name)
 
 
+def jax_gelu(x):
+  """The reference GELU: `jax.nn.gelu`'s erfc form, as the model ran before."""
+  return jax.nn.gelu(x, approximate=False)
+
+
 @contextlib.contextmanager
 def unfused_model():
-  """The model as it was: separate query/key/value GEMMs, flax's LayerNorm."""
-  with mock.patch.object(bert, "fused_dense", separate_dense), mock.patch.object(bert, "_layer_norm", flax_layer_norm):
+  """The model and step as they were: separate query/key/value GEMMs, flax's LayerNorm, jax's GELU,
+  no half-precision weight copies in the train state."""
+  with mock.patch.object(bert, "fused_dense", separate_dense), mock.patch.object(bert, "_layer_norm", flax_layer_norm), \
+       mock.patch.dict(bert_config.ACTIVATIONS, {"gelu": jax_gelu}), \
+       mock.patch.object(compute_weights, "of", lambda *args: {}):
     yield
 
 

@@ -87,7 +87,7 @@ def test_sharded_state_equals_replicated_on_four_devices(four_device_runs):
   assert len(split) >= 2 * 14 + 2, split
   moments = [name for name in layout if name.startswith(".opt_state.inner_state") and name[-3:] in (".mu", ".nu")]
   assert len(moments) == 2 and all(layout[m][1][0] * 4 == layout[m][0][0] for m in moments), moments
-  queue = ".queue"  # [12, 64]: 768 elements, replicated
+  queue = ".queue.embeddings"  # [12, 64]: 768 elements, replicated (the `Queue` struct's field)
   assert layout[queue][0] == layout[queue][1]
 
 

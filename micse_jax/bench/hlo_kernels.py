@@ -29,8 +29,9 @@ import dataclasses
 import re
 
 PHASES = ("views", "encode", "loss/contrastive", "loss/ami", "loss/reconstruction", "loss/mlm", "loss/infocse",
-          "optimizer", "ema", "momentum_forward", "enqueue", "finite")
-UPDATE_PHASES = ("optimizer", "ema", "finite")  # AdamW + clipping, the EMA, the finite check
+          "optimizer", "ema", "compute_weights", "momentum_forward", "enqueue", "finite")
+# AdamW + clipping, the EMA, the half-precision weight copies (training/compute_weights.py), the finite check
+UPDATE_PHASES = ("optimizer", "ema", "compute_weights", "finite")
 NO_PHASE = "(no phase)"
 _NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
             "replica-id", "add-dependency", "opt-barrier", "domain"}

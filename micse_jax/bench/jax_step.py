@@ -5,8 +5,8 @@ Its breakdown is read from the step itself, not from separately jitted copies of
 `phase_ms` profiles a few full steps and adds up each XLA op's (XLA:CPU) or kernel's (GPU,
 the device's `XLA Ops` line) time under the phase of the step's `jax.named_scope`s that the op
 belongs to (`bench/hlo_kernels.py`: `views`, `encode` forward / backward, each loss term,
-`optimizer`, `ema`, `momentum_forward`, `enqueue`, `finite`; `(no phase)` for the step's key
-derivation and metrics).
+`optimizer`, `ema`, `compute_weights`, `momentum_forward`, `enqueue`, `finite`; `(no phase)` for
+the step's key derivation and metrics).
 """
 from __future__ import annotations
 

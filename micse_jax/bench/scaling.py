@@ -43,6 +43,7 @@ def bench_config(batch_size: int, max_length: int, dtype: str, shard_state: bool
 
 def abstract_state(config, bert_config, nets, tx):
   """The train state's shapes and dtypes (random init, never materialised)."""
+  from micse_jax.training.networks import compute_dtype
   from micse_jax.training.precision import initial_loss_scale_state
   from micse_jax.training.state import create_train_state
   ids = jnp.zeros((1, config.model.max_length), jnp.int32)
@@ -52,7 +53,7 @@ def abstract_state(config, bert_config, nets, tx):
     head = nets.head.init(jax.random.PRNGKey(1), jnp.zeros((1, bert_config.hidden_size)))["params"]
     return create_train_state({"encoder": encoder, "head": head}, tx, seed=0, momentum=True,
                               queue_size=config.momentum.queue_size, dim=bert_config.hidden_size,
-                              loss_scale=initial_loss_scale_state(config))
+                              loss_scale=initial_loss_scale_state(config), compute_dtype=compute_dtype(config))
   return jax.eval_shape(init)
 
 

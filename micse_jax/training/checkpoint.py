@@ -21,6 +21,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from micse_jax.errors import CheckpointError
+from micse_jax.training import compute_weights
 from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, step_reader, unreadable_reason
 
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -29,7 +30,7 @@ UNREADABLE_DIR = "unreadable_checkpoints"
 def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
   """Asynchronous save of the full train state at its step (returns once the arrays are on the host;
   Orbax writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one)."""
-  manager.save(int(state.step), args=ocp.args.StandardSave(state), metrics=metrics)
+  manager.save(int(state.step), args=ocp.args.StandardSave(compute_weights.dropped(state)), metrics=metrics)
 
 
 def on_current_devices(abstract_state):
@@ -52,10 +53,12 @@ class Legacy:
 
 def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, legacy: Legacy | None):
   """The state at `step` on `abstract_state`; a checkpoint in the `legacy` layout is restored in it
-  and converted (one warning line). Errors are those of the current layout's restore."""
+  and converted (one warning line). Errors are those of the current layout's restore. The
+  half-precision weight copies, never saved, are rebuilt (`compute_weights.rebuilt`)."""
   restore = lambda target: manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(target)))
+  with_copies = lambda state: compute_weights.rebuilt(state, on_current_devices(abstract_state))
   try:
-    return restore(abstract_state)
+    return with_copies(restore(compute_weights.dropped(abstract_state)))
   except Exception as current_error:
     if legacy is None:
       raise
@@ -65,7 +68,7 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, leg
       raise current_error from None
   logging.warning("checkpoint step %d in %s has an older release's layout (per-leaf optimizer state, the queue "
                   "as loose fields); converted", step, manager.directory)
-  return legacy.convert(old)
+  return with_copies(legacy.convert(old))
 
 
 def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps, legacy: Legacy | None = None):
@@ -114,7 +117,7 @@ def check_layout(manager: ocp.CheckpointManager, abstract_state, legacy: Legacy 
     return
   finally:
     reader.close()
-  wanted = state_layout(abstract_state)
+  wanted = state_layout(compute_weights.dropped(abstract_state))
   if saved != wanted and (legacy is None or saved != state_layout(legacy.abstract_state)):
     raise CheckpointError(
         f"checkpoint step {step} in {manager.directory} has another train-state layout than this micse_jax "

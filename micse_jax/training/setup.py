@@ -21,7 +21,7 @@ from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained,
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import self_collision_warning
-from micse_jax.training.networks import Networks, SpecialTokens, build_networks, method_params
+from micse_jax.training.networks import Networks, SpecialTokens, build_networks, compute_dtype, method_params
 from micse_jax.training.precision import initial_loss_scale_state
 from micse_jax.training.state import TrainState, create_train_state
 
@@ -82,7 +82,8 @@ def new_train_state(config: ml_collections.ConfigDict, hidden_size: int, tx, par
   """The step-0 train state of `params` (empty queue, EMA = online encoder, initial loss scale)."""
   return create_train_state(params, tx, seed=config.seed, momentum=config.momentum.enabled,
                             queue_size=config.momentum.queue_size, dim=hidden_size,
-                            frozen_params=frozen, loss_scale=initial_loss_scale_state(config))
+                            frozen_params=frozen, loss_scale=initial_loss_scale_state(config),
+                            compute_dtype=compute_dtype(config))
 
 
 def initial_state(run: Run, tx) -> TrainState:

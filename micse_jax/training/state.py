@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from micse_jax.training import compute_weights
 from micse_jax.training.momentum import Queue
 
 Params = dict[str, Any]  # a Flax params tree: {'encoder': BERT params, 'head': MLP params, ...}
@@ -15,7 +16,8 @@ Params = dict[str, Any]  # a Flax params tree: {'encoder': BERT params, 'head': 
 
 @flax.struct.dataclass
 class TrainState:
-  """Everything a step reads and writes; checkpointed whole, so a restore resumes bit-identically.
+  """Everything a step reads and writes; checkpointed whole (but for `compute_weights`, derived from
+  the weights and rebuilt on restore), so a restore resumes bit-identically.
 
   The step number is the data position (`TrainBatches.batch(step)` is random access) and the
   step's random keys are `step_keys(rng, step)` (`training/step.py`).
@@ -29,17 +31,22 @@ class TrainState:
   # float16 only: {'scale', 'counter', 'skipped_steps'} of dynamic loss scaling (precision.py)
   loss_scale: dict[str, jax.Array] = flax.struct.field(default_factory=dict)
   frozen_params: Params = flax.struct.field(default_factory=dict)  # never trained (InfoCSE's lower half)
+  # half-precision compute only: {'encoder', 'ema'} copies of the Dense kernels at the compute dtype,
+  # derived from params/ema_params and never checkpointed (`compute_weights.py`)
+  compute_weights: dict = flax.struct.field(default_factory=dict)
 
 
 def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed: int, momentum: bool,
                        queue_size: int, dim: int, frozen_params: Params | None = None,
-                       loss_scale: dict | None = None) -> TrainState:
-  """Step 0: the given params and optimizer state, an empty queue and EMA = online encoder (if momentum)."""
+                       loss_scale: dict | None = None, compute_dtype=None) -> TrainState:
+  """Step 0: the given params and optimizer state, an empty queue and EMA = online encoder (if momentum);
+  with a half-precision `compute_dtype`, the kernels' copies at that dtype (`compute_weights.py`)."""
+  ema_params = jax.tree.map(jnp.copy, params["encoder"]) if momentum else {}
   return TrainState(
-      step=jnp.zeros((), jnp.int32), params=params,
-      ema_params=jax.tree.map(jnp.copy, params["encoder"]) if momentum else {},
+      step=jnp.zeros((), jnp.int32), params=params, ema_params=ema_params,
       opt_state=tx.init(params), queue=Queue.empty(queue_size, dim) if momentum else None,
-      rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {}, loss_scale=loss_scale or {})
+      rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {}, loss_scale=loss_scale or {},
+      compute_weights=compute_weights.of(params, ema_params, compute_dtype))
 
 
 LEGACY_QUEUE_FIELDS = {"queue": "embeddings", "queue_valid": "valid", "queue_ptr": "ptr", "queue_ids": "ids"}

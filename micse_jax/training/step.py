@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import infocse, optim, precision, terms
+from micse_jax.training import compute_weights, infocse, optim, precision, terms
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import Queue, ema_update, momentum_embeddings
 from micse_jax.training.networks import Networks
@@ -93,7 +93,12 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     keys = step_keys(state.rng, state.step)
     queue = None if state.queue is None else state.queue.replace(embeddings=whole(state.queue.embeddings))
-    grad_fn = precision.value_and_unscaled_grad(loss_fn, state.loss_scale, config.model.loss_scale_period)
+    copies = whole(state.compute_weights)  # half precision: the kernels cast once per update, not per forward
+
+    def loss_on_copies(params, *args):
+      return loss_fn(dict(params, encoder=compute_weights.substituted(params["encoder"], copies.get("encoder"))),
+                     *args)
+    grad_fn = precision.value_and_unscaled_grad(loss_on_copies, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
                                      state.step)
     with jax.named_scope("optimizer"):  # clipping + AdamW over one flat buffer (training/optim.py)
@@ -102,13 +107,15 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if state.queue is not None:
       with jax.named_scope("momentum_forward"):
-        embeddings = momentum_embeddings(nets, whole(state.ema_params), whole(state.params["head"]), batch,
-                                         keys["momentum"])
+        ema_params = compute_weights.substituted(whole(state.ema_params), copies.get("ema"))
+        embeddings = momentum_embeddings(nets, ema_params, whole(state.params["head"]), batch, keys["momentum"])
       with jax.named_scope("enqueue"):  # padding rows are never enqueued
         pushed = state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY))
       with jax.named_scope("ema"):
         new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
                           queue=pushed)
+    with jax.named_scope("compute_weights"):
+      new = compute_weights.refreshed(new)
     with jax.named_scope("finite"):
       new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
     with jax.named_scope("optimizer"):

@@ -1,0 +1,98 @@
+"""Half-precision copies of the Dense kernels, kept in the train state (issue 26, kernel diet).
+
+With `model.dtype` bfloat16 or float16 every Dense layer multiplies by its kernel cast to that
+dtype (`nn.Dense(dtype=...)`, `bert.fused_dense`); the parameters stay float32 (`precision.py`).
+Cast inside the step, that is one GPU kernel per weight and forward — XLA fuses no narrowing cast
+into a Triton GEMM — 77 of a BERT-base miCSE step's kernels (the two-view forward and the
+momentum encoder's; `BENCHMARKS.md`, kernel diet). Cast where the weights change instead, after
+the optimizer and the EMA update, and the forwards read the copies:
+
+  copies_{t+1} = cast(θ_{t+1}),  copies of the EMA weights likewise     (`refreshed`)
+  forward_t reads copies_t = cast(θ_t): the values the in-step cast gives, bit for bit (`substituted`)
+
+The gradient reaches the float32 parameter as through the cast (`_as_copy`: the cotangent cast to
+the parameter's dtype), so gradients, loss scaling and the optimizer see what they saw before.
+The copies are derived: checkpoints leave them out and a restore rebuilds them (`dropped`,
+`rebuilt`), so a workdir's layout is the same with and without them.
+
+Only `params["encoder"]` (the BERT encoder and its MLM head) and the EMA encoder have copies:
+their kernels are all read at the compute dtype. With float32 compute there is nothing to copy.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+KERNEL = "kernel"  # the leaf name of a Dense layer's weight matrix (flax)
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def kernel_copies(tree, dtype):
+  """`tree` with each Dense kernel cast to `dtype` and every other leaf None."""
+  def copy(path, leaf):
+    return leaf.astype(dtype) if getattr(path[-1], "key", None) == KERNEL else None
+  return jax.tree_util.tree_map_with_path(copy, tree)
+
+
+def of(params: dict, ema_params, dtype) -> dict:
+  """The copies of a state's weights for compute `dtype`: {} unless it is a half-precision dtype."""
+  if dtype is None or jnp.dtype(dtype) not in map(jnp.dtype, HALF_DTYPES):
+    return {}
+  return {"encoder": kernel_copies(params["encoder"], dtype), "ema": kernel_copies(ema_params, dtype)}
+
+
+def dtype_of(copies: dict):
+  """The dtype the copies hold (None without copies)."""
+  leaves = jax.tree.leaves(copies)
+  return leaves[0].dtype if leaves else None
+
+
+def refreshed(state):
+  """`state` with its copies recast from its weights (a no-op without copies)."""
+  if not state.compute_weights:
+    return state
+  return state.replace(compute_weights=of(state.params, state.ema_params, dtype_of(state.compute_weights)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _as_copy(param, copy, param_dtype):
+  """`copy` (= param cast to the compute dtype) in place of `param`; the gradient as the cast's."""
+  del param, param_dtype
+  return copy
+
+
+def _as_copy_forward(param, copy, param_dtype):
+  del param, param_dtype
+  return copy, None
+
+
+def _as_copy_backward(param_dtype, _, cotangent):
+  return cotangent.astype(param_dtype), None
+
+
+_as_copy.defvjp(_as_copy_forward, _as_copy_backward)
+
+
+def substituted(tree, copies):
+  """`tree` with each leaf that has a copy read as that copy (differentiable w.r.t. `tree`)."""
+  if not copies:
+    return tree
+  return jax.tree.map(lambda leaf, copy: leaf if copy is None else _as_copy(leaf, copy, leaf.dtype),
+                      tree, copies, is_leaf=lambda v: v is None)
+
+
+def dropped(state):
+  """`state` without its copies: what a checkpoint holds."""
+  return state.replace(compute_weights={}) if hasattr(state, "compute_weights") else state
+
+
+def rebuilt(state, abstract_state):
+  """A restored `state` given the copies `abstract_state` has (their dtype, their shardings)."""
+  wanted = getattr(abstract_state, "compute_weights", None)
+  if not wanted:
+    return state
+  copies = of(state.params, state.ema_params, dtype_of(wanted))
+  place = lambda copy, like: copy if getattr(like, "sharding", None) is None else jax.device_put(copy, like.sharding)
+  return state.replace(compute_weights=jax.tree.map(place, copies, wanted))
