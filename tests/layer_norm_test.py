@@ -1,8 +1,11 @@
-"""`models/layer_norm.py` (issue 26's kernel diet): the values and gradients of a LayerNorm.
+"""`models/layer_norm.py` (issue 26's kernel diet): the values and gradients of a LayerNorm, and
+which backward each platform lowers.
 
 Forward against the formula in NumPy float64 (two-pass variance, as PyTorch computes it);
 gradients against float64 finite differences of that formula and against autodiff of flax's
 `nn.LayerNorm`; parameters against `nn.LayerNorm`'s."""
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -81,3 +84,30 @@ def test_module_equals_flax_layer_norm_values_and_gradients(dtype):
   assert ours_grads[1].dtype == dtype
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                        rtol=tol, atol=tol * 10), ours_grads, theirs_grads)
+
+
+def _lowered_gradient(platform: str) -> str:
+  from micse_jax.models.layer_norm import platform_layer_norm
+  x, scale, bias = _inputs(shape=(4, 8))
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(platform_layer_norm(*a, EPS, jnp.float32) ** 2), argnums=(0, 1, 2)))
+  return grad.trace(x, scale, bias).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_cuda_lowering_keeps_the_hand_written_backward_and_cpu_lets_jax_differentiate():
+  """CUDA: the backward's sums (x and x², g and g·x, dγ and dβ) are three variadic reductions;
+  CPU: none (one reduction per sum)."""
+  variadic = lambda text: len(re.findall(r"stablehlo\.reduce\(%\S+ init: %\S+\), \(%\S+ init", text))
+  assert variadic(_lowered_gradient("cuda")) == 3
+  assert variadic(_lowered_gradient("cpu")) == 0
+
+
+def test_module_gradients_equal_the_hand_written_vjp_on_cpu():
+  x, scale, bias = _inputs(shape=(2, 3, 8))
+  weights = jax.random.normal(jax.random.PRNGKey(5), x.shape)
+  module = LayerNorm(epsilon=EPS)
+  params = {"params": {"scale": scale, "bias": bias}}
+  ours = jax.grad(lambda p, x: jnp.sum(weights * module.apply(p, x)), argnums=(0, 1))(params, x)
+  own = jax.grad(_loss(lambda *a: layer_norm(*a, EPS, jnp.float32), weights), argnums=(0, 1, 2))(x, scale, bias)
+  np.testing.assert_allclose(ours[1], own[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ours[0]["params"]["scale"], own[1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ours[0]["params"]["bias"], own[2], rtol=1e-5, atol=1e-5)

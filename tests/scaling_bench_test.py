@@ -21,10 +21,6 @@ def _state_bytes(batch_size):
 
 
 @pytest.mark.slow  # 18 s of the default run (three compiles; CI budget)
-@pytest.mark.xfail(strict=True, reason=(
-    "since the custom-VJP LayerNorm (f8b647d) remat=full no longer lowers the step's temporaries below "
-    "remat=none here (159.1 vs 167.9 MiB at batch 64, 1241 vs 1304 at 512; with flax's LayerNorm in its "
-    "place 180.1 vs 178.9): none fell 12 %, full 6 %. BENCHMARKS.md, kernel diet; to examine with --aot h100"))
 def test_memory_analysis_accounts_for_the_state_and_remat_saves_temporaries():
   batch = 64
   reports = {layout: scaling.memory_per_device(scaling.compile_step(layout, batch, 32, "float32", TINY))

@@ -1,4 +1,4 @@
-"""LayerNorm with a hand-written VJP: BERT's LayerNorm in fewer GPU kernels (issue 26).
+"""LayerNorm with a hand-written VJP on CUDA: BERT's LayerNorm in fewer GPU kernels.
 
   y = x̂ · γ + β,   x̂ = (x − μ) · rstd,   μ = mean(x),   rstd = 1 / sqrt(mean((x − μ)²) + ε)
 
@@ -22,6 +22,12 @@ column sums (dγ, dβ) are variadic reductions; dx's elementwise part fuses into
 whatever consumes it (dropout's backward). Written with two-pass statistics and plain
 reductions instead, XLA's Triton norm rewriter takes the backward apart into more kernels and
 float32 temporaries (`BENCHMARKS.md`, kernel diet).
+
+Only where it pays: the module (`LayerNorm`, via `platform_layer_norm`) takes the hand-written
+VJP when the program is lowered for CUDA (`jax.lax.platform_dependent`, so a program compiled on
+this CPU for a GPU that is not here gets it too) and lets JAX differentiate the same forward
+everywhere else: XLA:CPU runs the variadic reductions as scalar loops (the LayerNorm backward 1.9x
+and the whole CPU step 1.7-2x slower) and, under `model.remat=full`, keeps more than it saves.
 """
 from __future__ import annotations
 
@@ -85,7 +91,7 @@ layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 class LayerNorm(nn.Module):
-  """`flax.linen.LayerNorm(epsilon, dtype)`'s parameters and values (two-pass variance) via `layer_norm`."""
+  """`flax.linen.LayerNorm(epsilon, dtype)`'s parameters and values (two-pass variance) via `platform_layer_norm`."""
   epsilon: float = 1e-6
   dtype: Any = jnp.float32
 
@@ -94,4 +100,18 @@ class LayerNorm(nn.Module):
     features = (x.shape[-1],)
     scale = self.param("scale", nn.initializers.ones_init(), features, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), features, jnp.float32)
-    return layer_norm(x, scale, bias, self.epsilon, self.dtype)
+    return platform_layer_norm(x, scale, bias, self.epsilon, self.dtype)
+
+
+def _autodiff_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any) -> Array:
+  """`layer_norm`'s forward, differentiated by JAX."""
+  return (_normalise(x, epsilon)[0] * scale + bias).astype(dtype)
+
+
+def platform_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any) -> Array:
+  """`layer_norm` (its own VJP) when lowered for CUDA; elsewhere the same forward differentiated by
+  JAX, because XLA:CPU runs the variadic reductions of the hand-written backward as scalar loops
+  (the CPU step 1.9x slower) and keeps more under `model.remat=full` (BENCHMARKS.md)."""
+  own = lambda x, scale, bias: layer_norm(x, scale, bias, epsilon, dtype)
+  plain = lambda x, scale, bias: _autodiff_layer_norm(x, scale, bias, epsilon, dtype)
+  return jax.lax.platform_dependent(x, scale, bias, cuda=own, default=plain)
