@@ -26,6 +26,7 @@ from micse_jax.errors import ConfigError
 from micse_jax.evaluation import senteval_data
 from micse_jax.losses.ami import AMI_VARIANTS
 from micse_jax.models.bert import ATTENTION_KERNELS
+from micse_jax.models.dropout import RNG_IMPLS
 from micse_jax.models.dtypes import DTYPES
 from micse_jax.models.remat import REMAT_POLICIES
 from micse_jax.optional import require
@@ -104,6 +105,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "mesh.shard_state": _bool,
     "mesh.shard_min_elements": _int(1),
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",
+    "model.rng_impl": _choice(*RNG_IMPLS),
     "data.corpus": _text,
     "data.num_sentences": _int(0),
     "data.subset_seed": _int(0),

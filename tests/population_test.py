@@ -53,6 +53,20 @@ def test_each_member_equals_its_solo_run_after_20_steps(tmp_path, minilm_dir):
   assert not np.array_equal(finals[0].queue.ids, finals[1].queue.ids)
 
 
+@pytest.mark.slow  # ~40 s: two solo runs and a population of two, 3 steps each
+def test_each_member_equals_its_solo_run_with_the_rbg_dropout_generator(tmp_path, minilm_dir):
+  """`model.rng_impl=rbg`: under the population's vmap each member draws its dropout masks from its
+  own key (models/dropout.py), as its solo run does; XLA's batched RngBitGenerator alone would
+  give member 2 a slice of member 1's draw."""
+  config = _population_config(tmp_path, minilm_dir, steps=3, seeds=(1, 2))
+  config.model.rng_impl = "rbg"
+  pstate, history = run_population(config, 3)
+  for i, member_config in enumerate(population.member_configs(config)):
+    solo, losses = run_solo(member_config, 3)
+    np.testing.assert_allclose([float(h["loss"][i]) for h in history], losses, rtol=1e-5, atol=1e-6)
+    assert max_difference(compared_parts(population.member(pstate.members, i)), compared_parts(solo)) < TOLERANCE
+
+
 def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
   """Member 1's absurd learning rate (a per-member peak: the same program) makes it non-finite;
   it keeps its last finite state, members 0 and 2 go on. Member 2, with its own learning rate (a

@@ -37,6 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.loss_scale_init = 2.0 ** 15  # float16 only: dynamic loss scaling (jmp), initial scale
   c.model.loss_scale_period = 2000    # float16 only: finite steps before the scale doubles
   c.model.dropout_random_bits = 32    # 32: flax Dropout; 16: two decisions per random word (opt-in)
+  c.model.rng_impl = "threefry"       # dropout bits: threefry (flax's) | rbg | unsafe_rbg (XLA's RngBitGenerator)
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shard_state = False          # FSDP/ZeRO-3: params, EMA, optimizer state, queue sharded over devices

@@ -7,7 +7,7 @@ the `intermediates` collection (miCSE's AMI regulariser reads them); all other l
 to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`, `models/attention.py`). Layers may be
 rematerialised (`remat`, see `models/remat.py`). Each layer's query, key and value projections
 run as one GEMM over their three HF-named parameter sets (`fused_dense`; the parameter tree is
-HF's, unchanged). LayerNorm is `models/layer_norm.py`'s (flax's parameters, its own VJP).
+HF's, unchanged). LayerNorm is `models/layer_norm.py`'s (flax's parameters, its own VJP on CUDA).
 """
 from __future__ import annotations
 
@@ -79,6 +79,11 @@ def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> LayerNorm
   return LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, name=name)
 
 
+def _dropout(config: BertConfig, rate: float) -> Dropout:
+  """A dropout site with the config's draw (`dropout_random_bits`) and generator (`dropout_rng_impl`)."""
+  return Dropout(rate, config.dropout_random_bits, config.dropout_rng_impl)
+
+
 def position_ids_for(input_ids: Array, attention_mask: Array, config: BertConfig) -> Array:
   """BERT: 0..T-1. RoBERTa: pad+1+rank among non-pad tokens, pad for padding (HF rule)."""
   if config.model_type == "roberta":
@@ -101,7 +106,7 @@ class BertEmbeddings(nn.Module):
     self.token_type_embeddings = Embed(c.type_vocab_size, c.hidden_size,
                                        embedding_init=init, dtype=self.dtype)
     self.LayerNorm = _layer_norm(c, self.dtype)
-    self.dropout = Dropout(c.hidden_dropout_prob, c.dropout_random_bits)
+    self.dropout = _dropout(c, c.hidden_dropout_prob)
 
   def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool):
     x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
@@ -149,7 +154,7 @@ class BertSelfAttention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1)
     if not self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
       probs = probs.astype(self.dtype)
-    probs = Dropout(c.attention_probs_dropout_prob, c.dropout_random_bits)(probs, deterministic=deterministic)
+    probs = _dropout(c, c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
     if self.sow_probs:
       self.sow("intermediates", "attention_probs", probs)
     ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
@@ -164,7 +169,7 @@ class BertResidualOutput(nn.Module):
   @nn.compact
   def __call__(self, x: Array, residual: Array, deterministic: bool) -> Array:
     x = _dense(self.config.hidden_size, self.config, self.dtype, "dense")(x)
-    x = Dropout(self.config.hidden_dropout_prob, self.config.dropout_random_bits)(x, deterministic=deterministic)
+    x = _dropout(self.config, self.config.hidden_dropout_prob)(x, deterministic=deterministic)
     return _layer_norm(self.config, self.dtype)(x + residual)
 
 

@@ -32,6 +32,7 @@ class BertConfig:
   initializer_range: float = 0.02
   model_type: str = "bert"
   dropout_random_bits: int = 32  # not HF: 16 = two dropout decisions per random word (dropout.py)
+  dropout_rng_impl: str = "threefry"  # not HF: the generator of the dropout bits (dropout.RNG_IMPLS)
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -68,7 +68,8 @@ def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None
   dtype = compute_dtype(config)
   options = model_options(config)
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
-  bert_config = bert_config.replace(dropout_random_bits=config.model.dropout_random_bits)
+  bert_config = bert_config.replace(dropout_random_bits=config.model.dropout_random_bits,
+                                   dropout_rng_impl=config.model.rng_impl)
   p = config.momentum.dropout
   momentum_config = bert_config.replace(hidden_dropout_prob=p, attention_probs_dropout_prob=p)
   extras = {}
