@@ -255,3 +255,40 @@ def test_platform_choice_leaves_a_gpu_and_an_explicit_choice_alone():
     outputs[case] = done.stdout.strip()
   assert outputs == {"gpu": "False None", "none": "True 'cpu'", "explicit": "False 'cuda,cpu'"}
 
+
+
+# ---------------------------------------------------------------- both caches damaged, real runs
+
+def _train(config, workdir, env):
+  from tests.startup_cost_test import _train_command
+  done = subprocess.run(_train_command(config, workdir), env=env, cwd=REPO, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  from micse_jax import workdir as workdir_lib
+  document = jsonio.read_json(os.path.join(workdir, workdir_lib.TIMELINE_FILE))
+  return done.stderr, document["compile_s"], workdir_lib.restore_params(str(workdir), "latest")
+
+
+@pytest.mark.slow  # three tiny trainings, 45-90 s on the shared 2-core CPU
+@pytest.mark.parametrize("how", ["truncate", "cut", "flip"])
+def test_run_with_both_caches_damaged_heals_equals_a_fresh_run_and_the_next_is_warm(tmp_path, minilm_dir, how):
+  from tests.train_utils import tiny_training_config
+  config = tiny_training_config(tmp_path, minilm_dir)
+  env = {**_plain_env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  _, cold_compile, fresh = _train(config, tmp_path / "fresh", env)
+  root = tmp_path / "xdg" / "micse_jax"
+  (tokens,) = glob.glob(str(root / "tokenized" / "*.npz"))
+  step_program = max(glob.glob(str(root / "jax_compilation_cache" / "*-cache")), key=os.path.getsize)
+  damage(tokens, how)
+  damage(step_program, how)
+  stderr, _, healed = _train(config, tmp_path / "healed", env)
+  lines = [line for line in stderr.splitlines() if "damaged" in line]
+  assert len(lines) == 2 and tokens in lines[0] + lines[1] and step_program in lines[0] + lines[1], stderr[-3000:]
+  assert "Traceback" not in stderr
+  stderr, warm_compile, warm = _train(config, tmp_path / "warm", env)
+  assert "damaged" not in stderr and warm_compile <= 0.25 * cold_compile, (cold_compile, warm_compile)
+  for run in (healed, warm):  # the same steps as with a fresh cache, bit for bit (CPU)
+    assert run[0] == fresh[0] == 3
+    for a, b in zip(jax.tree.leaves(fresh[1]), jax.tree.leaves(run[1])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
