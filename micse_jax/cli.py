@@ -77,7 +77,7 @@ def cpu_when_no_gpu() -> bool:
   except (ImportError, AttributeError):  # another jax: keep its own choice (and its output)
     return False
   jax.config.update("jax_platforms", "cpu")
-  logging.info("the CUDA plugin finds no NVIDIA GPU here: JAX uses the CPU")
+  logging.debug("the CUDA plugin finds no NVIDIA GPU here: JAX uses the CPU")
   return True
 
 

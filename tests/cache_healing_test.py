@@ -229,16 +229,14 @@ def _plain_env():
 
 @pytest.mark.skipif(not _cuda_plugin_without_gpu(), reason="needs the CUDA plugin installed and no NVIDIA GPU")
 def test_cpu_machine_with_the_cuda_plugin_starts_quietly(tmp_path):
-  """A command that starts JAX (the compute dtype is resolved) and then refuses its input: one
-  error line, no traceback, at most one line about the GPU."""
+  """A command that starts JAX (the compute dtype is resolved) and then refuses its input: its
+  one error line is all of stderr (no traceback, no line about the GPU)."""
   done = subprocess.run([sys.executable, "-m", "micse_jax.main", "--config", "micse:demo", "--workdir",
                          str(tmp_path / "w"), "--config.batch_size=-3"], env=_plain_env(), cwd=REPO,
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 1, done.stderr
   assert "Traceback" not in done.stderr and "cuFFT" not in done.stderr, done.stderr
-  assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == \
-      ["error: invalid config: batch_size must be >= 2, got -3"]
-  assert len([line for line in done.stderr.splitlines() if "GPU" in line]) <= 1
+  assert done.stderr.splitlines() == ["error: invalid config: batch_size must be >= 2, got -3"], done.stderr
   assert "(auto on cpu" in done.stdout
 
 
