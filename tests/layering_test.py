@@ -121,7 +121,7 @@ MAX_FUNCTION_LINES = 60
 # Lowest first; a module imports only from its own layer or below (top-level or inside functions).
 LAYERS = (
     ("micse_jax.errors", "micse_jax.paths", "micse_jax.jsonio", "micse_jax.optional", "micse_jax.cli",
-     "micse_jax.configs", "micse_jax.caches", "micse_jax.timeline"),
+     "micse_jax.configs", "micse_jax.caches", "micse_jax.cache_healing", "micse_jax.timeline"),
     ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.models", "micse_jax.losses",
      "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
     ("micse_jax.workdir", "micse_jax.encoder"),

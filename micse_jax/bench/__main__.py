@@ -316,6 +316,7 @@ def entry(argv=None) -> None:
   """`python -m micse_jax.bench`: `main`, with a user error (a missing optional package, a model
   path that does not load, ...: any `MicseError`) as one `error:` line and exit 1; anything else
   keeps its traceback."""
+  cli.cpu_when_no_gpu()
   try:
     main(argv)
   except MicseError as e:

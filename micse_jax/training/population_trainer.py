@@ -228,6 +228,7 @@ def _loop(members: _Members, pstate, step_fn, placement, rolling):
       if save:
         with timeline.phase("save"):
           checkpoint.save_state(rolling, pstate)
+        timeline.checkpoint_saved(done)
   return pstate
 
 

@@ -62,11 +62,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   The session's seconds per phase are added to `workdir/timeline.json` (`micse_jax/timeline.py`),
   also when training fails; never when the input was refused (nothing is written then)."""
-  session = timeline.Timeline().start()
+  session = timeline.Timeline(lambda: _timeline_files(config, workdir)).start()
   try:
     return _train_and_evaluate(config, workdir, session)
   finally:
-    _write_timeline(workdir, session, population_trainer.member_dirs(config, workdir))
+    session.finish()
+    session.record()  # also written at each checkpoint (timeline.checkpoint_saved)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session: timeline.Timeline) -> dict:
@@ -118,18 +119,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   return results
 
 
-def _write_timeline(workdir: str, session: timeline.Timeline, member_dirs: list[str]) -> None:
-  """Adds the session to `workdir/timeline.json` (first process; only once the run got as far as
-  its train state, i.e. all input checks passed), and to each population member's (the same
-  seconds: the members share them)."""
-  entry = {"ended_at": timeline.now_iso(), **session.finish()}
-  if jax.process_index() != 0 or "steps" not in entry:
-    return
-  for directory in [workdir, *member_dirs]:
-    try:
-      timeline.add_session(os.path.join(directory, workdir_lib.TIMELINE_FILE), entry)
-    except OSError as e:
-      logging.warning("could not write %s: %s", workdir_lib.TIMELINE_FILE, e)
+def _timeline_files(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
+  """`timeline.json` of the workdir and of each population member's folder (the same seconds:
+  the members share them)."""
+  dirs = [workdir, *population_trainer.member_dirs(config, workdir)]
+  return [os.path.join(d, workdir_lib.TIMELINE_FILE) for d in dirs]
 
 
 @dataclasses.dataclass
@@ -231,6 +225,7 @@ def _loop(run: Run, state, train_step, placement, rolling, evaluators: _Evaluato
       if save:
         with timeline.phase("save"):
           checkpoint.save_state(rolling, state)
+        timeline.checkpoint_saved(done)
   return state
 
 
