@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax import optional
+from micse_jax.aot import time_model
 from micse_jax.bench import hlo_kernels
 from micse_jax.bench.collectives import collective_table
 from micse_jax.errors import ConfigError
 
-GPU_TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb", "v100": "v100.txtpb"}
+GPU_TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100": "a100.txtpb", "v100": "v100.txtpb"}
 TPU_TARGETS = {  # target -> (libtpu's chip name, slice shapes to pick the smallest that holds --devices)
     "tpu-v4": ("v4", ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")),
     "tpu-v5e": ("v5e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
@@ -236,6 +237,7 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
             "jax_version": jax.__version__, "compile_s": compile_s, **kernels,
             "memory_per_device": mem, "peak_bytes_per_device": mem["peak"],
             "collectives": collective_table(text)}
+  result.update(time_model.predict(text, target, members=population or 1))  # predicted time (aot/time_model.py)
   if population:
     result.update(population=population, kernels_per_member_step=kernels["kernels_per_step"] / population,
                   peak_bytes_per_member=mem["peak"] * len(devices) / population)
@@ -271,6 +273,7 @@ def report_lines(r: dict) -> list[str]:
   used = {k: v for k, v in r["collectives"].items() if v["count"]}
   lines.append("  collectives: " + (", ".join(f"{k} {v['count']} ({v['bytes'] / 2 ** 20:.1f} MiB)"
                                                for k, v in used.items()) or "none"))
+  lines += time_model.report_lines(r)
   if "encode_kernels" in r:
     lines.append(f"  encode program: {r['encode_kernels']} kernels, cuDNN attention calls "
                  f"{r['encode_cudnn_attention_calls']}, peak {gib(r['encode_peak_bytes'])}, "
