@@ -182,11 +182,18 @@ def _written(program: Program, body: list[hlo.Instruction], params: set[str]) ->
 
 
 def _dot_flops(program: Program, ins: hlo.Instruction) -> tuple[float, str]:
-  """(2 × output elements × contracted size, operand type) of a `dot`."""
-  lhs = operands(ins)[0]
-  (dtype, dims), = arrays(program.shapes[lhs])[:1] or [("f32", ())]
-  contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.text)
-  k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+  """(2 × output elements × contracted size, operand type) of a `dot`, or of a `convolution`
+  (a TPU's matmuls: the kernel's input-feature and spatial sizes, from `dim_labels`)."""
+  lhs, rhs = (operands(ins) + ["", ""])[:2]
+  (dtype, dims), = arrays(program.shapes.get(lhs, ""))[:1] or [("f32", ())]
+  if ins.opcode == "convolution":
+    labels = re.search(r"dim_labels=\w*_(\w+)->", ins.text)
+    kernel = arrays(program.shapes.get(rhs, ""))[:1]
+    k = math.prod(d for label, d in zip(labels.group(1), kernel[0][1]) if label == "i" or label.isdigit()) \
+        if labels and kernel else 1
+  else:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.text)
+    k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
   out = sum(math.prod(d) for _, d in arrays(program.shapes[ins.name]))
   if dtype == "f32":
     dtype = "f32" if "HIGHEST" in ins.text else "tf32"

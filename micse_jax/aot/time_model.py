@@ -109,6 +109,23 @@ def memory_efficiency(cost: kernel_cost.Cost) -> float:
   return REDUCTION_EFFICIENCY if cost.reduces else MEMORY_EFFICIENCY
 
 
+def kernel_class(cost: kernel_cost.Cost) -> str:
+  """The model's class of a kernel: which term and efficiency time it (for per-class errors)."""
+  if cost.flops:
+    return cost.kind if cost.kind.startswith("GEMM") else "GEMM (other)"
+  if cost.rounds:
+    return "threefry (inline RNG)"
+  if cost.sort_traffic:
+    return "sort"
+  if cost.atomic_updates:
+    return "scatter-add"
+  if cost.concat_operands > WIDE_CONCAT:
+    return "concatenate (wide)"
+  if cost.narrow_columns:
+    return "column reduction (narrow)"
+  return "reduction" if cost.reduces else "elementwise / copy / transpose"
+
+
 def kernel_seconds(cost: kernel_cost.Cost, device: Device) -> float:
   """One kernel's predicted time (see the module docstring)."""
   memory = cost.bytes / (device.bandwidth * memory_efficiency(cost))

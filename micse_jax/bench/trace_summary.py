@@ -121,6 +121,7 @@ def _stem(name: str) -> str:
 _MEMSET = re.compile(r"^memset", re.IGNORECASE)
 
 
+_XLA_NAME = re.compile(r"fusion|^(loop|input|wrapped|triton)_")  # XLA's own kernels: named after their instruction
 _BAND = 96  # the most by which events and instructions drift apart in one launch (extra library kernels)
 
 
@@ -128,7 +129,7 @@ def _pair_score(event: str, kernel: str, own: set) -> float | None:
   """How well a kernel event's stem fits an instruction's stem (None: it cannot)."""
   if event == kernel:
     return 3.0
-  if event in own:
+  if event in own or _XLA_NAME.search(event):
     return None  # an XLA kernel named after another instruction
   return 3.0 if kernel not in own else 1.0  # a library kernel: a custom call or copy, else (weakly) any
 
@@ -153,7 +154,7 @@ def align(events: list[str], kernels: list[str]) -> list[int | None]:
       if a < n:
         if b < m and (fit := _pair_score(stems[a], kernel_stems[b], own)) is not None:
           moves.append(((a + 1, b + 1), score + fit, b))
-        extra = b > 0 and stems[a] not in own and kernel_stems[b - 1] not in own  # split-K's second kernel
+        extra = b > 0 and stems[a] not in own and kernel_stems[b - 1] not in own and not _XLA_NAME.search(stems[a])
         moves.append(((a + 1, b), score + (1.0 if extra else -2.0), b - 1 if extra else None))
       for key, value, k in moves:
         if value > best.get(key, float("-inf")):
