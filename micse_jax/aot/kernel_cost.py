@@ -3,18 +3,22 @@
 `costs(hlo_text)` gives, for every kernel of `hlo.kernels` (the program's kernel-launching
 instructions, in program order), a `Cost`:
 
-* `read` / `written` bytes: only what the kernel really touches. A fusion's operand counts as
-  its parameter's bytes (a broadcast operand is read once: its own size, not the broadcast's),
-  except a parameter that the fused computation only slices, dynamic-slices or gathers (then
-  the slices / gathered rows) and the target of an in-place dynamic-update-slice or scatter
-  (nothing read; the output written is only the update). A cuBLAS / cuDNN custom call reads its
-  operands and writes its first result (the tuple's `s8[...]` workspace is scratch, not traffic).
+* `read` / `written` bytes: only what the kernel really touches. A fusion is walked back from its
+  outputs, each instruction asking its operands for the elements it needs (`_demands`): a slice,
+  dynamic-slice or gather only its part (slices of one value add up), an elementwise op the same
+  elements (several users of one value read it once), a broadcast its operand once (its own size,
+  not the broadcast's), a reduction all it reduces, a dot or a nested fusion everything; the
+  target of an in-place dynamic-update-slice or scatter is not read and only the update is
+  written. A cuBLAS / cuDNN custom call reads its operands and writes its first result (the
+  tuple's `s8[...]` workspace is scratch, not traffic).
 * `flops`: 2·M·N·K of each `dot` (in a fusion, nested fusions included, or a cuBLAS call's
   `dot_dimension_numbers`): 2 × the output's elements × the contracted size.
 * `rounds`: threefry-2x32 rounds computed inline: one 32-bit rotation (`or` of a `shift-left`
   and a `shift-right-logical`) per round and element (a hash is 20 rounds, `ROUNDS_PER_HASH`).
 * `dtype`: the GEMM's operand element type (its peak rate), `tf32` for a float32 dot at the
-  default precision, `f32` at `HIGHEST`.
+  default precision, `f32` at `HIGHEST`;
+* traits the time model times differently: a reduction, a column reduction into few outputs, a
+  wide concatenate written out, a sort's shared-memory traffic, a scatter's atomic updates.
 """
 from __future__ import annotations
 

@@ -198,9 +198,10 @@ def read_hlo(path: str) -> str:
   return text
 
 
-def run_saved(path: str, target: str, output: str | None = None) -> dict:
-  """`python -m micse_jax.bench --aot_hlo FILE --aot TARGET`: the time model of a saved program,
-  with its kernel counts (no compile); prints the report and the JSON line, returns the result."""
+def run_saved(path: str, target: str, output: str | None = None, members: int = 1) -> dict:
+  """`python -m micse_jax.bench --aot_hlo FILE --aot TARGET [--population K]`: the time model of a
+  saved program (K members: a population's), with its kernel counts (no compile); prints the
+  report and the JSON line, returns the result."""
   from micse_jax import cli
   from micse_jax.bench import hlo_kernels
   with cli.input_errors_as_one_line():
@@ -208,7 +209,7 @@ def run_saved(path: str, target: str, output: str | None = None) -> dict:
       raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
     text = read_hlo(path)
   counts = hlo_kernels.summary(text)
-  result = {"aot_hlo": path, "aot_target": target, **predict(text, target),
+  result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members),
             "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
             "update_kernels_per_step": counts["update_kernels_per_step"]}
   print(f"micse_jax.bench --aot_hlo {path} --aot {target}: {result['kernels_per_step']} kernels")
@@ -225,7 +226,9 @@ def report_lines(p: dict) -> list[str]:
   lines = [f"  time model ({p['time_model_device']}; docs/AOT.md): step {p['predicted_step_ms']:.2f} ms "
            f"pipelined, {p['predicted_blocked_step_ms']:.2f} ms blocked (device {p['predicted_device_ms']:.2f} ms, "
            f"host dispatch {p['predicted_host_ms']:.2f} ms), floor {p['floor_ms']:.2f} ms "
-           f"(predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})",
+           f"(predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
+           + (f"; {p['predicted_ms_per_member_step']:.2f} ms per member-step"
+              if "predicted_ms_per_member_step" in p else ""),
            f"    {p['bytes_per_step'] / 1e9:.2f} GB moved, {p['flops_per_step'] / 1e12:.2f} TFLOP, "
            f"{p['rng_hashes_per_step'] / 1e6:.0f} M threefry hashes, {p['kernels_per_step']} kernels per step",
            "    predicted ms by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in p["predicted_ms_by_phase"].items()),

@@ -296,7 +296,7 @@ def main(argv=None) -> dict:
     return host.run(args)
   if args.aot_hlo:
     from micse_jax.aot import time_model
-    return time_model.run_saved(args.aot_hlo, args.aot, args.output)
+    return time_model.run_saved(args.aot_hlo, args.aot, args.output, members=args.population or 1)
   if args.aot:
     return run_aot(args)
   if args.encode_attention:
