@@ -159,7 +159,8 @@ def align(events: list[str], kernels: list[str]) -> list[int | None]:
       for key, value, k in moves:
         if value > best.get(key, float("-inf")):
           best[key], back[key] = value, ((a, b), k)
-  key = max((k for k in best if k[0] == n), key=lambda k: best[k] - 0.5 * (m - k[1]))
+  last = max(k[0] for k in best)  # n, unless the events outrun the band (then the rest stays unmapped)
+  key = max((k for k in best if k[0] == last), key=lambda k: best[k] - 0.5 * (m - k[1]))
   found = [None] * len(events)
   while key in back:
     previous, k = back[key]
@@ -177,10 +178,12 @@ def align(events: list[str], kernels: list[str]) -> list[int | None]:
 
 def kernel_durations(path: str, kernels: list[str]) -> tuple[collections.Counter, float]:
   """({instruction: microseconds}, unattributed microseconds) of a GPU trace's stream events,
-  mapped through each event's `args.hlo_op`, or `align`ed when it names a command buffer."""
+  mapped through each event's `args.hlo_op`, or `align`ed when it names a command buffer (by
+  kernel name when a trace has no `hlo_op`)."""
   events, processes, threads = _load(path)
   streams = _stream_lines(processes, threads)
   known, total, unattributed = set(kernels), collections.Counter(), 0.0
+  by_kernel_name = {k.replace(".", "_"): k for k in kernels}
   launches = collections.defaultdict(list)
   for e in events:
     if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in streams:
@@ -188,6 +191,8 @@ def kernel_durations(path: str, kernels: list[str]) -> tuple[collections.Counter
     args = e.get("args", {})
     if args.get("hlo_op") in known:
       total[args["hlo_op"]] += e.get("dur", 0)
+    elif not args.get("hlo_op") and e["name"] in by_kernel_name:  # an older trace: no instruction argument
+      total[by_kernel_name[e["name"]]] += e.get("dur", 0)
     else:
       launches[(args.get("hlo_module"), args.get("hlo_op"), args.get("correlation_id"))].append(e)
   for group in launches.values():
