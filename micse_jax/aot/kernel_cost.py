@@ -156,7 +156,7 @@ def _demands(program: Program, body: list[hlo.Instruction], params: set[str]) ->
     aligned[name] = _elements(program, name)
   demand = {}
   for ins in reversed(body):
-    if ins.opcode == "tuple" or ins.name not in aligned | regions:
+    if ins.opcode == "tuple" or (ins.name not in aligned and ins.name not in regions):
       continue
     demand[ins.name] = min(_elements(program, ins.name), max(aligned[ins.name], regions[ins.name]))
     for position, name in enumerate(operands(ins)):

@@ -4,25 +4,26 @@
     python -m micse_jax.bench --aot_hlo step.hlo.txt.gz --aot h200
 
 Each kernel (`aot/kernel_cost.py`: bytes it really reads and writes, GEMM FLOPs, inline threefry
-rounds) takes
+rounds, sort and scatter work) takes
 
-    t = LAUNCH_S + max(bytes / (bandwidth · e_mem), flops / (peak[dtype] · GEMM_EFFICIENCY),
-                       rounds / round_rate)
+    t = LAUNCH_S [+ GEMM_OVERHEAD_S for a GEMM] + max(bytes / (bandwidth · e_mem),
+          flops / (peak[dtype] · GEMM_EFFICIENCY), rounds / round_rate,
+          sort traffic / (shared-memory bandwidth · SHARED_EFFICIENCY),
+          updates / ATOMIC_RATE + updates per target element · ATOMIC_CHAIN_S)
 
-with `e_mem` = `MEMORY_EFFICIENCY` for most kernels and `REDUCTION_EFFICIENCY` for reduction
-(`input`) fusions, and a GEMM's fixed `GEMM_OVERHEAD_S` on top; `round_rate` = the 32-bit
-integer lanes' rate / `OPS_PER_ROUND` · `INTEGER_EFFICIENCY`. The kernels of one step add up
-to the device time (`gpu_ms`): XLA runs them one after another (one CUDA graph per step, kernels
-back to back). The trainer does not wait for a step before dispatching the next, so the step
-takes the device time or, when the host is slower, the host's time per step
-(`predicted_step_ms` = max(device, host)). A step that is waited for (`predicted_blocked_step_ms`,
-what a blocked benchmark measures) pays both: the host's dispatch of the step's CUDA graph
-(`HOST_PER_KERNEL_S` per kernel: updating and launching the graph's nodes) then the device time.
-`floor_ms` is the bytes at peak bandwidth plus the FLOPs at peak rate, kernel by kernel
-(the larger of the two), with no launch cost. Constants and their sources: docs/AOT.md, "The
-time model". A TPU program is read the same way (its fusions are its kernels; XLA:TPU runs the
-whole step as one program, so the per-kernel and host costs are small constants); TPU figures
-are not calibrated against a measurement.
+with `e_mem` by what the kernel does (`memory_efficiency`: elementwise, reduction, narrow column
+reduction, wide concatenate) and `round_rate` = the 32-bit integer lanes' rate / `OPS_PER_ROUND`
+· `INTEGER_EFFICIENCY`. The kernels of one step add up to the device time
+(`predicted_device_ms`): XLA runs them one after another (one CUDA graph per step, kernels back to
+back). The trainer does not wait for a step before dispatching the next, so a step takes the
+device time or, when the host is slower, the host's (`predicted_step_ms` = max(device, host)).
+A step that is waited for (`predicted_blocked_step_ms`, what a blocked benchmark measures) pays
+both: the host's dispatch of the step's CUDA graph (`HOST_PER_KERNEL_S` per kernel: updating and
+launching the graph's nodes) then the device time. `floor_ms`: each kernel's bytes at peak
+bandwidth or FLOPs at peak rate, the larger, summed, with no launch cost. Constants and their
+sources: docs/AOT.md, "The time model". A TPU program is read the same way (its fusions are its
+kernels; XLA:TPU runs the whole step as one program, so the per-kernel and host costs are small
+constants); TPU figures are not calibrated against a measurement.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from micse_jax.errors import ConfigError
 
 # One set of constants for every GPU target and point. The efficiencies and per-kernel costs are
 # fitted once (least squares on log time, weighted by time) to the 1,868 kernels of the H200's
-# batch-50 and batch-512 traces (/work/calib/h200-c57458b, docs/AOT.md); the population trace
+# batch-50 and batch-512 calibration traces (docs/AOT.md); the population trace
 # (K = 5) was held out. Each lies where the trace's own kernel classes put it (comments).
 MEMORY_EFFICIENCY = 0.75          # share of peak bandwidth: large elementwise fusions reach 3.2-3.7 TB/s of 4.8
 REDUCTION_EFFICIENCY = 0.58       # fusions with a reduction: 2.5-3.0 TB/s
@@ -54,8 +55,8 @@ SHARED_EFFICIENCY = 0.65          # the bitonic sorts: 0.64-0.66 of 128 B/clock/
 ATOMIC_RATE = 2.1e11              # scatter-add updates/s (the word-embedding gradient: 25 M updates in 120 us)
 ATOMIC_CHAIN_S = 20e-9            # atomics on one address run one after another (the token-type gradient: 16 K deep)
 HOST_PER_KERNEL_S = 5.9e-6        # blocked - pipelined step per kernel: 4.3 (b50), 6.7 (b512), 6.8 us (K = 5)
-TPU_LAUNCH_S = 0.3e-6        # XLA:TPU runs the whole step as one program: a fusion boundary, not a launch
-TPU_HOST_S = 100e-6          # one program launch per step
+TPU_LAUNCH_S = 0.3e-6             # XLA:TPU runs the whole step as one program: a fusion boundary, not a launch
+TPU_HOST_S = 100e-6               # one program launch per step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,6 @@ class Device:
   platform: str = "gpu"
   memory_bytes: float = 0.0
   shared_bandwidth: float = 0.0  # GPU: SMs × 128 B per clock of shared memory
-
 
 
 def _gpu(name, bandwidth, bf16, tf32, f32, sms, clock_ghz, memory, f16=None, f8=None) -> Device:
