@@ -128,7 +128,8 @@ LAYERS = (
     ("micse_jax.evaluators", "micse_jax.export"),
     # config_checks composes the choice lists their owners (training/views, terms, ...) define
     ("micse_jax.training", "micse_jax.config_checks"),
-    ("micse_jax.studies", "micse_jax.bench"),
+    # aot reads the compiled programs (kernel_cost, time_model); it reads the kernel list of bench/hlo_kernels
+    ("micse_jax.studies", "micse_jax.bench", "micse_jax.aot"),
     ("micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
      "micse_jax.analyze", "micse_jax.bench.__main__"),
 )

@@ -74,6 +74,7 @@ def parse_args(argv):
   p.add_argument("--encode_attention", action="store_true",
                  help="instead: encode throughput with the fused attention (cuDNN flash attention on a GPU in "
                       "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")
+  p.add_argument("--aot_hlo", metavar="FILE", help="with --aot TARGET: predict a saved optimized-HLO file's step time (aot/time_model.py)")
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--population", type=int, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
@@ -293,6 +294,9 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   if args.host:
     return host.run(args)
+  if args.aot_hlo:
+    from micse_jax.aot import time_model
+    return time_model.run_saved(args.aot_hlo, args.aot, args.output, members=args.population or 1)
   if args.aot:
     return run_aot(args)
   if args.encode_attention:
