@@ -162,3 +162,22 @@ def test_gpu_profile_puts_most_kernel_time_in_named_kinds(tmp_path):
   assert s["ms_per_step_by_kind"].get("other", 0) < 0.2 * s["op_ms_per_step"], s["top_ops_ms_per_step"]
   phases = s["ms_per_step_by_phase"]  # from the XLA Ops line: op names the phase map knows
   assert phases.get("encode (backward)", 0) > 0 and phases.get("(unattributed)", 0) < 0.2 * sum(phases.values()), phases
+
+
+def test_bench_keeps_rows_measured_before_a_late_failure(tmp_path, monkeypatch):
+  """The PyTorch baseline fails after the micse_jax step was measured: the rows file and the
+  output file still hold the compile and step figures."""
+  from micse_jax.bench import torch_step
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("CUDA out of memory (simulated)")
+  monkeypatch.setattr(torch_step, "torch_benchmark", broken)
+  rows, output = tmp_path / "rows.jsonl", tmp_path / "out.json"
+  with pytest.raises(RuntimeError, match="simulated"):
+    bench.main(["--model", "tiny", "--batch_size", "4", "--max_length", "16", "--steps", "1", "--warmup", "1",
+                "--rounds", "1", "--no_breakdown", "--no-encode", "--rows", str(rows), "--output", str(output)])
+  saved = [json.loads(line) for line in rows.read_text().splitlines()]
+  assert [r["row"] for r in saved] == ["setup", "compile", "jax"]
+  assert all(r["batch_size"] == 4 and r["dtype"] == "float32" for r in saved)
+  assert saved[2]["jax"]["pipelined_step_ms"] > 0 and saved[1]["compile_s"] > 0
+  assert json.loads(output.read_text())["jax"] == saved[2]["jax"]

@@ -27,9 +27,9 @@ import tempfile
 
 import jax
 
-from micse_jax import cli
+from micse_jax import cli, jsonio
 from micse_jax.bench import aot, hardware, hlo_kernels, host, jax_step, scaling, timing, trace_summary
-from micse_jax.bench.rows import Rows, write_json_atomically
+from micse_jax.bench.rows import Rows
 from micse_jax.bench.torch_step import TORCH_MODES
 from micse_jax.errors import MicseError, one_line
 from micse_jax.models.dtypes import DTYPES
@@ -46,12 +46,7 @@ def parse_args(argv):
   p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (params stay float32)")
   p.add_argument("--dropout_random_bits", type=int, default=32, choices=(32, 16),
                  help="model.dropout_random_bits of the micse_jax step (16: two draws per random word)")
-  p.add_argument("--steps", type=int, default=10,
-                 help="steps per timed run: blocked, the median of this many single steps; pipelined, runs of "
-                      "this many steps with one wait each")
-  p.add_argument("--rounds", type=int, default=3, help="pipelined runs of --steps steps (median reported)")
-  p.add_argument("--warmup", type=int, default=2,
-                 help="untimed steps first (the compiled PyTorch peer's second step still compiles: keep >= 2)")
+  timing.add_arguments(p)
   p.add_argument("--piece_steps", type=int, default=3, help="profiled full steps of the breakdown by phase")
   p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baselines")
   p.add_argument("--torch_mode", default=",".join(TORCH_MODES),
@@ -260,7 +255,7 @@ def run_aot(args) -> dict:
                      encode=not args.population, population=args.population)
   print("\n".join(aot.report_lines(result)))
   if args.output:
-    write_json_atomically(args.output, result)
+    jsonio.write_json(args.output, result)
   print(json.dumps(result))
   sys.stdout.flush()
   return result
@@ -277,7 +272,7 @@ def run_encode_attention(args) -> dict:
         f"{result['cudnn_attention_calls']}), explicit {result['explicit_sentences_per_s']:.1f} sentences/s, "
         f"ratio {result['speedup_fused_over_explicit']:.2f}x, largest difference {result['max_abs_difference']:.2g}")
   if args.output:
-    write_json_atomically(args.output, result)
+    jsonio.write_json(args.output, result)
   print(json.dumps(result))
   return result
 
@@ -293,7 +288,7 @@ def run_population(args) -> dict:
         f"{result['num_devices']} x {result['device']}):")
   print("\n".join(population.report_lines(result)))
   if args.output:
-    write_json_atomically(args.output, result)
+    jsonio.write_json(args.output, result)
   print(json.dumps(result))
   return result
 
@@ -312,7 +307,7 @@ def main(argv=None) -> dict:
   if args.collectives:
     result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
     if args.output:
-      write_json_atomically(args.output, result)
+      jsonio.write_json(args.output, result)
   else:
     if not args.no_torch:  # before anything is compiled or written: a missing peer is one line at once
       require("torch", "the PyTorch baseline of the bench (or pass --no_torch)")

@@ -179,7 +179,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
   """Measures, prints the report and, as the last line, the JSON summary; returns the summary."""
-  from micse_jax import paths
+  from micse_jax import jsonio, paths
   from micse_jax.bench import jax_step
   model_dir = jax_step.model_dir_for(args.model)
   corpus = args.host_corpus or paths.corpus_path("english_mix.txt")
@@ -190,8 +190,6 @@ def run(args) -> dict:
   print("\n".join(report_lines(host, dev, args.model, args.batch_size)))
   line = summary(host)
   if args.output:
-    with open(args.output, "w", encoding="utf-8") as f:
-      json.dump({**line, "details": host, "dev_selection": dev}, f)
-      f.write("\n")
+    jsonio.write_json(args.output, {**line, "details": host, "dev_selection": dev})
   print(json.dumps(line), flush=True)
   return line

@@ -68,3 +68,13 @@ def jax_peer(step) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     step.state, metrics = step.compiled(step.state, step.batch)
     return metrics
   return dispatch, jax.block_until_ready
+
+
+def add_arguments(parser) -> None:
+  """The timing flags of `python -m micse_jax.bench`: --steps, --rounds, --warmup."""
+  parser.add_argument("--steps", type=int, default=10,
+                      help="steps per timed run: blocked, the median of this many single steps; pipelined, runs "
+                           "of this many steps with one wait each")
+  parser.add_argument("--rounds", type=int, default=3, help="pipelined runs of --steps steps (median reported)")
+  parser.add_argument("--warmup", type=int, default=2,
+                      help="untimed steps first (the compiled PyTorch peer's second step still compiles: keep >= 2)")
