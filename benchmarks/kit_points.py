@@ -150,7 +150,7 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
   trace_dir = profile(dispatch, wait, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   mfu = lambda ms: hardware.mfu(step.model_flops, ms / 1e3, dtype)
   return {"kind": "solo", "members": 1, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-          "compile_s": compile_s, **t, "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
+          "timing": timing_args, "compile_s": compile_s, **t, "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
           "profile": profile_summary(trace_dir, text, steps)}
 
@@ -183,7 +183,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   steps = timing_args["profile_steps"]
   trace_dir = profile(dispatch, jax.block_until_ready, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   return {"kind": "population", "members": members, "batch_size": batch_size, "max_length": max_length,
-          "dtype": dtype, "compile_s": compile_s, **t,
+          "dtype": dtype, "timing": timing_args, "compile_s": compile_s, **t,
           "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
           "profile": profile_summary(trace_dir, text, steps)}

@@ -35,10 +35,9 @@ from micse_jax import jsonio
 from micse_jax.bench import timing
 
 ROWS_FILE = "kit.jsonl"
-POINT_NAMES = {"b50": "bf16 batch 50", "b512": "bf16 batch 512", "k5": "bf16 population K=5, batch 50"}
+POINT_NAMES = ("b50", "b512", "k5")  # the kit's JAX points, in order
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
 PREDICTED_KEYS = ("predicted_step_ms", "floor_ms", "predicted_ms_by_phase", "predicted_ms_by_kind")
-TIMING = timing.PIPELINED.format(steps="20 (10 for the population)", rounds=3)
 
 
 def read_rows(paths: list[str]) -> list[dict]:
@@ -83,6 +82,26 @@ def _git_commit() -> str | None:
     return None
 
 
+def label(p: dict) -> str:
+  """A point's name in the tables: dtype, batch, members (its step name where it failed early)."""
+  if "batch_size" not in p:
+    return p["name"]
+  dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(p["dtype"], p["dtype"])
+  return (f"{dtype} population K={p['members']}, batch {p['batch_size']}" if p["kind"] == "population"
+          else f"{dtype} batch {p['batch_size']}")
+
+
+def timing_text(points: list[dict]) -> str:
+  """How the points were timed (`micse_jax.bench.timing.PIPELINED` with their steps and rounds)."""
+  args = {p["kind"]: p["timing"] for p in points if p.get("timing")}
+  if not args:
+    return ""
+  first = args.get("solo") or args["population"]
+  steps = str(first["steps"]) + (f" ({args['population']['steps']} for the population)"
+                                 if "population" in args and args["population"]["steps"] != first["steps"] else "")
+  return timing.PIPELINED.format(steps=steps, rounds=first["rounds"])
+
+
 def latest(rows: list[dict]) -> dict[str, dict]:
   """{step: its last finished row} (the setup row: the last one)."""
   return {r["step"]: r for r in rows if "ok" in r}
@@ -109,7 +128,7 @@ def summary(rows: list[dict]) -> dict:
     points.append(point)
   ceilings = last.get("ceilings")
   return {"device": setup.get("device_kind"), "date": setup.get("date"), "commit": setup.get("commit"),
-          "dry": any(r.get("dry") for r in rows), "software": setup, "timing": TIMING,
+          "dry": any(r.get("dry") for r in rows), "software": setup, "timing": timing_text(points),
           "ceilings": ceilings["result"] if ceilings and ceilings["ok"] else None, "points": points}
 
 
@@ -131,12 +150,12 @@ def points_table(s: dict) -> list[str]:
            "| predicted ms | floor ms | measured / predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
   for p in s["points"]:
     if not p["ok"]:
-      lines.append(f"| {POINT_NAMES[p['name']]} | FAILED: {p['error']} |||||||||")
+      lines.append(f"| {label(p)} | FAILED: {p['error']} |||||||||")
       continue
     pred = p.get("predicted") or {}
     ratio = p["pipelined_step_ms"] / pred["predicted_step_ms"] if pred.get("predicted_step_ms") else None
     per_member = f" ({p['ms_per_member_step_pipelined']:.2f} per member)" if p["kind"] == "population" else ""
-    lines.append(f"| {POINT_NAMES[p['name']]} | {p['compile_s']:.1f} | {p['pipelined_step_ms']:.2f}{per_member} "
+    lines.append(f"| {label(p)} | {p['compile_s']:.1f} | {p['pipelined_step_ms']:.2f}{per_member} "
                  f"| {p['blocked_step_ms']:.2f} | {_pct(p.get('mfu'))} "
                  f"| {_gib(p.get('peak_device_bytes'))} | {p.get('kernels_per_step')} "
                  f"| {_f(pred.get('predicted_step_ms'), '.2f')} | {_f(pred.get('floor_ms'), '.2f')} | {_f(ratio, '.2f')} |")
@@ -148,7 +167,7 @@ def peers_table(s: dict) -> list[str]:
   lines = ["| point | micse_jax ms | " + " | ".join(f"{label} ms | ratio" for label in TORCH_MODES.values()) + " |",
            "|---|---|" + "---|---|" * len(TORCH_MODES)]
   for p in (p for p in s["points"] if p["ok"] and p["kind"] == "solo"):
-    cells = [f"{POINT_NAMES[p['name']]}", f"{p['pipelined_step_ms']:.2f} ({p['blocked_step_ms']:.2f})"]
+    cells = [label(p), f"{p['pipelined_step_ms']:.2f} ({p['blocked_step_ms']:.2f})"]
     for mode in TORCH_MODES:
       t = p.get(f"torch_{mode}")
       cells += ([f"{t['pipelined_step_ms']:.2f} ({t['blocked_step_ms']:.2f})",
@@ -161,7 +180,7 @@ def profile_lines(p: dict) -> list[str]:
   """One point's GPU time by phase and kind (with predictions where known) and its largest kernels."""
   prof, pred = p["profile"], p.get("predicted") or {}
   total = prof["gpu_ms_per_step"] or 1.0
-  lines = [f"### {POINT_NAMES[p['name']]}: {prof['gpu_ms_per_step']:.2f} ms of {prof['platform'].upper()} op time "
+  lines = [f"### {label(p)}: {prof['gpu_ms_per_step']:.2f} ms of {prof['platform'].upper()} op time "
            f"per step (profile of {prof['profiled_steps']} pipelined steps)", ""]
   for what, measured, predicted in (("phase", prof["ms_per_step_by_phase"], pred.get("predicted_ms_by_phase") or {}),
                                     ("kind", prof["ms_per_step_by_kind"], pred.get("predicted_ms_by_kind") or {})):
@@ -323,7 +342,7 @@ def benchmarks_rows(s: dict) -> list[str]:
     peers = "; ".join(f"{mode} PyTorch {p[f'torch_{mode}']['pipelined_step_ms']:.2f} ms ({p[f'ratio_torch_{mode}']:.2f}x)"
                       for mode in TORCH_MODES if p.get(f"torch_{mode}"))
     pred = (p.get("predicted") or {}).get("predicted_step_ms")
-    out.append(f"| {s['device']} | {POINT_NAMES[p['name']]} | {p['pipelined_step_ms']:.2f} ({p['blocked_step_ms']:.2f}) "
+    out.append(f"| {s['device']} | {label(p)} | {p['pipelined_step_ms']:.2f} ({p['blocked_step_ms']:.2f}) "
                f"| {_pct(p.get('mfu'))} | {_f(pred, '.2f')} | {peers or '—'} | {s['commit']} |")
   return out
 

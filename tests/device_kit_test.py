@@ -69,12 +69,14 @@ def _rows():
             "instructions": ["loop_add_fusion.3", "loop_add_fusion.9"], "instruction_count": 12, "phases": ["optimizer"]}
   solo = lambda b, pipelined, blocked: {"kind": "solo", "members": 1, "batch_size": b, "max_length": 32,
                                         "dtype": "bfloat16", "compile_s": 41.0, "pipelined_step_ms": pipelined,
+                                        "timing": {"warmup": 3, "steps": 20, "rounds": 3, "profile_steps": 5},
                                         "blocked_step_ms": blocked, "pipelined_rounds_ms": [pipelined] * 3,
                                         "mfu": 0.2, "mfu_blocked": 0.15, "peak_device_bytes": 3 * 2 ** 30,
                                         "kernels_per_step": 886, "profile": _profile([kernel])}
   peer = lambda pipelined, blocked: {"kind": "torch", "pipelined_step_ms": pipelined, "blocked_step_ms": blocked,
                                      "pipelined_rounds_ms": [pipelined] * 3, "peak_device_bytes": 2 ** 31}
-  population = dict(solo(50, 50.0, 55.0), kind="population", members=5, ms_per_member_step_pipelined=10.0)
+  population = dict(solo(50, 50.0, 55.0), kind="population", members=5, ms_per_member_step_pipelined=10.0,
+                    timing={"warmup": 3, "steps": 10, "rounds": 3, "profile_steps": 3})
   setup = {"date": "2026-11-27", "device_kind": "NVIDIA H200", "commit": "abc1234", "python": "3.12.3",
            "jax": "0.11.2", "flax": "0.12.10", "torch": "2.11.0", "transformers": "5.17.0", "nvidia_smi": None}
   return [{"step": "setup", "ok": True, "setup": setup},
@@ -114,7 +116,8 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert "| bf16 batch 50 | 41.0 | 10.00 | 13.50 | 20.0% | 3.00 | 886 | — | — | — |" in md
   assert "| bf16 population K=5, batch 50 | 41.0 | 50.00 (10.00 per member) | 55.00 |" in md
   assert "| bf16 batch 50 | 10.00 (13.50) | 70.00 (72.90) | 7.00x (5.40x) | 40.00 (45.00) | 4.00x (3.33x) |" in md
-  assert "| bf16 batch 512 | FAILED: RESOURCE_EXHAUSTED: out of memory |" in md
+  assert "| b512 | FAILED: RESOURCE_EXHAUSTED: out of memory |" in md
+  assert "runs of 20 (10 for the population) steps dispatched back to back" in md and "median of 3 runs" in md
   assert "| encode (backward) | 7.500 | 75.0 | — |" in md and "| matrix multiply | 6.000 | 60.0 | — |" in md
   assert "| `loop_add_fusion_3` | 0.600 | 12 | loop_add_fusion.3, loop_add_fusion.9 (+10) | optimizer |" in md
   assert "copy 2.17 TB/s" in md and "3.00 us each" in md
