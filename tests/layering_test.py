@@ -250,6 +250,20 @@ def test_function_length_and_docstrings(module):
   assert not _undocumented(tree), f"{module}: public functions without a docstring: {_undocumented(tree)}"
 
 
+KIT_HARNESS = sorted(os.path.join(REPO, "benchmarks", f) for f in os.listdir(os.path.join(REPO, "benchmarks"))
+                     if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("path", KIT_HARNESS, ids=os.path.basename)
+def test_kit_harness_follows_the_size_and_docstring_rules(path):
+  """The GPU kit's harness lives outside the package (benchmarks/) under the same rules."""
+  with open(path, encoding="utf-8") as f:
+    source = f.read()
+  tree = ast.parse(source)
+  assert source.count("\n") <= MAX_MODULE_LINES and not _long_functions(tree) and not _undocumented(tree)
+  assert not {m for m in _imports(path) if m.startswith("micse_jax.") and _layer(m) is None}
+
+
 def test_size_and_docstring_checkers_can_fail():
   """The checkers themselves, on a hand-written module."""
   source = ("def public():\n  pass\n\n\nclass K:\n  def method(self):\n    'Doc.'\n\n  def setup(self):\n"
