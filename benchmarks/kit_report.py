@@ -37,7 +37,8 @@ from micse_jax.bench import timing
 ROWS_FILE = "kit.jsonl"
 POINT_NAMES = ("b50", "b512", "k5")  # the kit's JAX points, in order
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
-PREDICTED_KEYS = ("predicted_step_ms", "floor_ms", "predicted_ms_by_phase", "predicted_ms_by_kind")
+PREDICTED_KEYS = ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
+                  "predicted_ms_by_kind", "predicted_ms_per_member_step")
 
 
 def read_rows(paths: list[str]) -> list[dict]:
@@ -187,6 +188,10 @@ def profile_lines(p: dict) -> list[str]:
     lines += [f"| {what} | ms/step | % | predicted ms |", "|---|---|---|---|"]
     lines += [f"| {k} | {v:.3f} | {100 * v / total:.1f} | {_f(predicted.get(k), '.3f')} |" for k, v in measured.items()]
     lines.append("")
+  if pred.get("model_check"):
+    from micse_jax.bench import model_check
+    lines += ["Time model against this profile (`python -m micse_jax.bench.model_check`):", "", "```",
+              *model_check.report_lines(pred["model_check"]), "```", ""]
   lines += [f"{len(prof['top_kernels'])} largest kernels:", "", "| kernel | ms/step | launches/step | HLO instructions "
             "| phases |", "|---|---|---|---|---|"]
   for k in prof["top_kernels"]:
@@ -282,27 +287,25 @@ def write(out: str, rows: list[dict], steps, raw: str | None = None) -> None:
     os.replace(os.path.join(out, "raw.tar.gz.tmp"), os.path.join(out, "raw.tar.gz"))
 
 
-# ---------------------------------------------------------------- ADAPTER: the time model
-# `python -m micse_jax.bench --aot_hlo FILE --aot TARGET` (issue 36, item 1) prints the time
-# model's prediction of a saved optimized-HLO program as its last line (JSON). Wire the final
-# call here if it differs; until `micse_jax.aot.time_model` exists the column stays empty.
+# ---------------------------------------------------------------- predicted beside measured
 
-def predict(hlo_path: str, device_kind: str, point: dict) -> dict | None:
-  """The time model's prediction for `hlo_path` on the device's target, or None."""
+def predict(hlo_text: str, device_kind: str, point: dict, trace_path: str | None) -> dict | None:
+  """The time model's prediction of the program a point ran, on the device's target (None for a
+  device the model has no target for), with the per-class comparison against the point's profile
+  (`bench/model_check.compare`) when its trace came back."""
+  from micse_jax.aot import time_model
+  from micse_jax.bench import model_check
   target = next((t for t in ("h100", "h200", "a100", "v100") if t in (device_kind or "").lower()), None)
-  try:
-    available = importlib.util.find_spec("micse_jax.aot.time_model") is not None
-  except ImportError:
-    available = False
-  if not (available and target):
+  if target is None:
     return None
-  cmd = [sys.executable, "-m", "micse_jax.bench", "--aot", target, "--aot_hlo", hlo_path, "--model", "bert-base",
-         "--dtype", point["dtype"], "--batch_size", str(point["batch_size"]), "--max_length", str(point["max_length"])]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  if proc.returncode:
-    return {"error": (proc.stderr or proc.stdout)[-500:]}
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
-  return {k: result.get(k) for k in PREDICTED_KEYS}
+  members = point.get("members") or 1
+  result = {k: v for k, v in time_model.predict(hlo_text, target, top=0, members=members).items()
+            if k in PREDICTED_KEYS}
+  if trace_path and os.path.isfile(trace_path):
+    check = model_check.compare(hlo_text, trace_path, point["profile"]["profiled_steps"], target,
+                                point.get("pipelined_step_ms"), point.get("blocked_step_ms"))
+    result["model_check"] = check
+  return result
 
 
 def _slug(device: str | None) -> str:
@@ -324,10 +327,8 @@ def install(folders: list[str], docs: str, commit: str | None, raw_to: str | Non
   for p in (p for p in s["points"] if p["ok"]):
     hlo = os.path.join(raw, f"{p['name']}.hlo.txt.gz")
     if os.path.isfile(hlo):
-      plain = os.path.join(tempfile.mkdtemp(), f"{p['name']}.hlo.txt")
-      with open(plain, "w", encoding="utf-8") as f:
-        f.write(gzip.open(hlo, "rt", encoding="utf-8").read())
-      p["predicted"] = predict(plain, s["device"], p)
+      text = gzip.open(hlo, "rt", encoding="utf-8").read()
+      p["predicted"] = predict(text, s["device"], p, os.path.join(raw, f"{p['name']}.trace.json.gz"))
   target = os.path.join(docs, f"{_slug(s['device'])}-{s['date']}-{s['commit']}")
   os.makedirs(target, exist_ok=True)
   jsonio.write_json(os.path.join(target, "summary.json"), s)

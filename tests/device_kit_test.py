@@ -141,8 +141,8 @@ def test_install_merges_two_commands_and_fills_the_prediction(tmp_path, monkeypa
     kit_report.write(str(folder), part, kit.STEPS, str(raw))
   seen = []
 
-  def fake_predict(path, device, point):
-    seen.append((os.path.basename(path), device, point["batch_size"]))
+  def fake_predict(text, device, point, trace_path):
+    seen.append((text, device, point["batch_size"], os.path.basename(trace_path)))
     return {"predicted_step_ms": 9.5 / 1.25, "floor_ms": 5.0, "predicted_ms_by_phase": {"optimizer": 2.0},
             "predicted_ms_by_kind": None}
   monkeypatch.setattr(kit_report, "predict", fake_predict)
@@ -152,7 +152,7 @@ def test_install_merges_two_commands_and_fills_the_prediction(tmp_path, monkeypa
   s = json.loads(open(os.path.join(target, "summary.json")).read())
   assert [p["name"] for p in s["points"]] == ["b50", "b512", "k5"]
   assert s["points"][0]["pipelined_step_ms"] == 9.5  # the later command's row wins
-  assert seen == [("b50.hlo.txt", "NVIDIA H200", 50)]  # the only point whose HLO came back
+  assert seen == [("HloModule m", "NVIDIA H200", 50, "b50.trace.json.gz")]  # the only point whose HLO came back
   md = open(os.path.join(target, "summary.md")).read()
   assert "| 7.60 | 5.00 | 1.25 |" in md and "| optimizer | 2.500 | 25.0 | 2.000 |" in md
   assert sorted(os.listdir(tmp_path / "raw")) == ["b50.hlo.txt.gz"]
@@ -160,11 +160,22 @@ def test_install_merges_two_commands_and_fills_the_prediction(tmp_path, monkeypa
   assert row.startswith("| NVIDIA H200 | bf16 batch 50 | 9.50 (13.50) | 20.0% | 7.60 | eager PyTorch 70.00 ms")
 
 
-def test_predict_is_empty_without_the_time_model_or_a_known_target():
-  point = {"dtype": "bfloat16", "batch_size": 50, "max_length": 32}
-  assert kit_report.predict("x.hlo.txt", "cpu", point) is None
-  if importlib.util.find_spec("micse_jax.aot") is None or importlib.util.find_spec("micse_jax.aot.time_model") is None:
-    assert kit_report.predict("x.hlo.txt", "NVIDIA H200", point) is None
+def test_predict_times_the_returned_program_on_the_devices_target():
+  """A one-kernel program (an f32[1024,256] negate): the prediction is the time model's for the
+  device named in the rows (H200: 4.8 TB/s), and nothing for a device the model has no target for."""
+  from micse_jax.aot import time_model
+  text = ("HloModule m\n\n%fused (p.1: f32[1024,256]) -> f32[1024,256] {\n"
+          "  %p.1 = f32[1024,256]{1,0} parameter(0)\n  ROOT %n.1 = f32[1024,256]{1,0} negate(%p.1)\n}\n"
+          "ENTRY %main (p: f32[1024,256]) -> f32[1024,256] {\n  %p = f32[1024,256]{1,0} parameter(0)\n"
+          "  ROOT %loop_negate_fusion = f32[1024,256]{1,0} fusion(%p), kind=kLoop, calls=%fused\n}\n")
+  point = {"dtype": "float32", "batch_size": 50, "max_length": 32, "profile": {"profiled_steps": 1}}
+  assert kit_report.predict(text, "cpu", point, None) is None
+  predicted = kit_report.predict(text, "NVIDIA H200", point, None)
+  device = time_model.DEVICES["h200"]
+  memory_s = 2 * 1024 * 256 * 4 / (device.bandwidth * time_model.MEMORY_EFFICIENCY)  # read once, write once
+  assert predicted["floor_ms"] == pytest.approx(1e3 * 2 * 1024 * 256 * 4 / device.bandwidth)
+  assert predicted["predicted_step_ms"] >= 1e3 * memory_s
+  assert "model_check" not in predicted  # no trace came back
 
 
 # ---------------------------------------------------------------- the plan over two commands
