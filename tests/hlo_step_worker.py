@@ -1,5 +1,5 @@
 """Run with XLA_FLAGS=--xla_force_host_platform_device_count=N: compiles the miCSE train step
-for N devices and prints its collective table (bench/collectives.py) and the size of the
+for N devices and prints its collective table (aot/collectives.py) and the size of the
 gathered projected embeddings z (padded B x D float32) as one JSON line.
 
   python -m tests.hlo_step_worker TMP TOKENIZER_DIR [--model DIR] [--batch B] [--queue Q] [--max-length T] [--dump FILE]
@@ -29,7 +29,7 @@ def compiled_step_text(config, mesh):
 
 
 def main():
-  from micse_jax.bench.collectives import collective_table
+  from micse_jax.aot.collectives import collective_table
   from micse_jax.training import mesh as mesh_lib
   from tests.train_utils import tiny_training_config
   parser = argparse.ArgumentParser()

@@ -128,6 +128,7 @@ LAYERS = (
     ("micse_jax.evaluators", "micse_jax.export"),
     # config_checks composes the choice lists their owners (training/views, terms, ...) define
     ("micse_jax.training", "micse_jax.config_checks"),
+    ("micse_jax.aot",),  # the deviceless compile of the trainer's program (training/program.py)
     ("micse_jax.studies", "micse_jax.bench"),
     ("micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
      "micse_jax.analyze", "micse_jax.bench.__main__"),

@@ -10,66 +10,23 @@ devices runs the target's whole compiler on this CPU (no autotuning: XLA's defau
 The real step (`training/step.make_train_step` on the set-up of `training/setup.py`, the
 bench's miCSE config) and the real encode program (`SentenceEncoder._embed`, eval mode) are
 compiled; no weights are needed (`jax.eval_shape`). The report: kernels per step by kind and
-by phase (`bench/hlo_kernels.py`, from the step's `jax.named_scope`s), the update's kernels,
-the compiler's memory per device, collectives (`bench/collectives.py`), compile time.
+by phase (`bench/hlo.py`, from the step's `jax.named_scope`s), the update's kernels,
+the compiler's memory per device, collectives (`aot/collectives.py`), compile time.
 
 Needs the optional extra `aot` (GPU: the jax-cuda13 plugin and PJRT wheels of the installed
 jax; cuDNN's libcudnn for cuDNN attention) or `tpu` (libtpu); see docs/AOT.md.
 """
 from __future__ import annotations
 
-import importlib.resources
-import re
 import time
 
 import jax
 import jax.numpy as jnp
 
-from micse_jax import optional
-from micse_jax.bench import hlo_kernels
-from micse_jax.bench.collectives import collective_table
+from micse_jax.aot import hlo
+from micse_jax.aot.collectives import collective_table
+from micse_jax.aot.targets import target_devices
 from micse_jax.errors import ConfigError
-
-GPU_TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb", "v100": "v100.txtpb"}
-TPU_TARGETS = {  # target -> (libtpu's chip name, slice shapes to pick the smallest that holds --devices)
-    "tpu-v4": ("v4", ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")),
-    "tpu-v5e": ("v5e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
-    "tpu-v6e": ("v6e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
-}
-TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
-
-
-def gpu_target_config(target: str) -> str:
-  """The shipped GpuTargetConfigProto text of a GPU target (bench/targets/, README there)."""
-  return importlib.resources.files("micse_jax.bench").joinpath("targets", GPU_TARGETS[target]).read_text()
-
-
-def device_memory_bytes(target: str) -> int | None:
-  """A GPU target's device memory (its GpuTargetConfigProto's `device_memory_size`); None for a TPU
-  target, whose deviceless topology does not give the chip's memory."""
-  if target not in GPU_TARGETS:
-    return None
-  match = re.search(r"^\s*device_memory_size:\s*(\d+)", gpu_target_config(target), re.MULTILINE)
-  return int(match.group(1)) if match else None
-
-
-def target_devices(target: str, num_devices: int = 1) -> list:
-  """`num_devices` devices of a topology of `target`, for placing shapes (never for running)."""
-  from jax.experimental import topologies
-  if target in GPU_TARGETS:
-    optional.require("jax_cuda13_plugin", f"--aot {target}")
-    topo = topologies.get_topology_desc("aot", "cuda", target_config=gpu_target_config(target),
-                                        topology=f"1x1x{num_devices}")
-    return list(topo.devices)[:num_devices]
-  if target not in TPU_TARGETS:
-    raise ConfigError(f"unknown --aot target {target!r}; expected one of {', '.join(TARGETS)}")
-  optional.require("libtpu", f"--aot {target}")
-  chip, shapes = TPU_TARGETS[target]
-  for shape in shapes:
-    devices = list(topologies.get_topology_desc(f"{chip}:{shape}", "tpu").devices)
-    if len(devices) >= num_devices:
-      return devices[:num_devices]
-  raise ConfigError(f"--devices {num_devices} is more than the largest {target} slice here ({chip}:{shapes[-1]})")
 
 
 def bert_config_for(model: str):
@@ -229,7 +186,7 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
   text = compiled.as_text()
-  kernels = hlo_kernels.summary(text)
+  kernels = hlo.summary(text)
   mem = memory(compiled)
   result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
@@ -241,7 +198,7 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
                   peak_bytes_per_member=mem["peak"] * len(devices) / population)
   if encode:
     enc, enc_s = compile_encode(devices[0], model, batch_size, max_length, dtype)
-    enc_kernels = hlo_kernels.summary(enc.as_text())
+    enc_kernels = hlo.summary(enc.as_text())
     result.update(encode_compile_s=enc_s, encode_kernels=enc_kernels["kernels_per_step"],
                   encode_by_kind=enc_kernels["by_kind"],
                   encode_cudnn_attention_calls=enc_kernels["by_kind"].get("attention (cuDNN)", 0),
@@ -257,7 +214,7 @@ def report_lines(r: dict) -> list[str]:
            f"(compiled deviceless, jax {r['jax_version']})",
            f"  train step compile time      {r['compile_s']:.1f} s",
            f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "
-           f"{', '.join(hlo_kernels.UPDATE_PHASES)})", "  by kind:"]
+           f"{', '.join(hlo.UPDATE_PHASES)})", "  by kind:"]
   lines += [f"    {kind:<36} {n:6d}" for kind, n in r["by_kind"].items()]
   lines.append("  by phase (jvp = forward inside the gradient, transpose = backward):")
   lines += [f"    {phase:<36} {n:6d}" for phase, n in r["by_phase"].items()]

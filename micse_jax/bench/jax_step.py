@@ -4,7 +4,7 @@ The step is the trainer's (`training/step.make_train_step` on the set-up of `tra
 Its breakdown is read from the step itself, not from separately jitted copies of its parts:
 `phase_ms` profiles a few full steps and adds up each XLA op's (XLA:CPU) or kernel's (GPU,
 the device's `XLA Ops` line) time under the phase of the step's `jax.named_scope`s that the op
-belongs to (`bench/hlo_kernels.py`: `views`, `encode` forward / backward, each loss term,
+belongs to (`bench/hlo.py`: `views`, `encode` forward / backward, each loss term,
 `optimizer`, `ema`, `compute_weights`, `momentum_forward`, `enqueue`, `finite`; `(no phase)` for
 the step's key derivation and metrics).
 """
@@ -124,10 +124,11 @@ class JaxStep:
   def phase_ms(self, directory: str, steps: int) -> dict:
     """Profiles `steps` full steps into `directory`; returns the trace summary (`trace_summary`)
     with `ms_per_step_by_phase`: op or kernel time per step under each phase of the step."""
-    from micse_jax.bench import hlo_kernels, trace_summary
+    from micse_jax.aot import hlo
+    from micse_jax.bench import trace_summary
     with jax.profiler.trace(directory, create_perfetto_trace=True):
       for i in range(steps):
         with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
           self.run_step()
-    phases = hlo_kernels.phase_by_instruction(self.compiled.as_text())
+    phases = hlo.phase_by_instruction(self.compiled.as_text())
     return trace_summary.summarize(directory, steps, phases=phases)

@@ -9,7 +9,7 @@ compiled for every memory layout — state replicated or sharded (`mesh.shard_st
 rematerialised or not (`model.remat`) — and the report gives
 
   * the collectives of the optimised HLO by kind: count, bytes and largest result per device
-    (`bench/collectives.py`);
+    (`aot/collectives.py`);
   * the compiler's memory analysis per device: arguments (train state + batch), outputs,
     temporaries, and peak ≈ arguments + outputs − donated aliases + temporaries.
 
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from micse_jax.bench.collectives import collective_table
+from micse_jax.aot.collectives import collective_table
 
 LAYOUTS = ("replicated/none", "replicated/layer", "replicated/full",
            "sharded/none", "sharded/layer", "sharded/full")
@@ -88,7 +88,7 @@ def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert
 
 @dataclasses.dataclass
 class LayoutReport:
-  """One compiled layout's figures: its name, collectives by kind (`bench/collectives.py`), memory per device."""
+  """One compiled layout's figures: its name, collectives by kind (`aot/collectives.py`), memory per device."""
   layout: str
   collectives: dict
   memory: dict  # MiB per device
