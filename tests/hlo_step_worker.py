@@ -13,19 +13,10 @@ import jax
 
 def compiled_step_text(config, mesh):
   """The optimised HLO text of the jitted, sharded train step on `mesh`."""
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training import trainer
-  from micse_jax.training.optim import make_optimizer
-  run = trainer.prepare(config)
-  tx = make_optimizer(config)
-  abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
-  sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), abstract)
-  from micse_jax.data.packing import BatchLayout
-  layout = BatchLayout.of(run.batches.batch(0))
-  step = trainer.jit_train_step(run, tx, mesh, sharding, layout)
-  packed = layout.pack(run.batches.batch(0))
-  batch_abstract = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
-  return step.lower(abstract, batch_abstract).compile().as_text(), run.bert_config.hidden_size
+  from micse_jax.training import program, setup
+  run = setup.prepare(config)
+  prog = program.of_runs(config, [run], mesh.devices.flat)  # the trainer's program on `mesh`'s devices
+  return prog.lower().compile().as_text(), run.bert_config.hidden_size
 
 
 def main():

@@ -125,9 +125,9 @@ LAYERS = (
     ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.models", "micse_jax.losses",
      "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
     ("micse_jax.workdir", "micse_jax.encoder"),
-    ("micse_jax.evaluators", "micse_jax.export"),
-    # config_checks composes the choice lists their owners (training/views, terms, ...) define
-    ("micse_jax.training", "micse_jax.config_checks"),
+    # config_checks reads the choice lists of their owners below it (configs/methods, configs/population, ...)
+    ("micse_jax.evaluators", "micse_jax.export", "micse_jax.config_checks"),
+    ("micse_jax.training",),
     ("micse_jax.aot",),  # the deviceless compile of the trainer's program (training/program.py)
     ("micse_jax.studies", "micse_jax.bench"),
     ("micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
