@@ -7,6 +7,7 @@ compile takes ~30 s on a 2-core CPU. Without the extra the tests skip.
 import jax
 import pytest
 
+from micse_jax.aot import compile as aot_compile
 from micse_jax.aot import hlo, targets
 from micse_jax.bench import aot
 from micse_jax.bench.jax_step import SHAPES
@@ -75,7 +76,8 @@ def test_h100_step_kernels_memory_and_encode_attention(h100):
 def test_h100_float32_encode_never_uses_cudnn_attention():
   pytest.importorskip("jax_cuda13_plugin", reason="needs the extra 'aot'")
   jax.config.update("jax_platforms", "cpu")
-  compiled, _ = aot.compile_encode(targets.target_devices("h100")[0], "tiny", 8, 16, "float32")
+  compiled, _ = aot_compile.compile_encode(targets.target_devices("h100")[0], aot.bert_config_for("tiny"), 8, 16,
+                                          "float32")
   assert hlo.summary(compiled.as_text())["by_kind"].get("attention (cuDNN)", 0) == 0
 
 

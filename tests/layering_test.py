@@ -199,6 +199,18 @@ def test_no_upward_import(module):
   assert not upward, f"{module} (layer {own}) imports from a higher layer: {sorted(upward)}"
 
 
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("micse_jax.bench")))
+def test_the_library_never_imports_the_bench(module):
+  """The bench is a program over the library (it times and reports); nothing else imports it."""
+  assert not {m for m in _imports(MODULES[module]) if m.startswith("micse_jax.bench")}, module
+
+
+def test_config_checks_import_nothing_from_training():
+  """The training package imports the checks, never the other way round (the choice lists the
+  checks read are owned below it)."""
+  assert not {m for m in _imports(MODULES["micse_jax.config_checks"]) if m.startswith("micse_jax.training")}
+
+
 def test_no_import_cycle():
   graph = {m: _imports(p) - {m} for m, p in MODULES.items()}
   assert _cycles(graph) == []
