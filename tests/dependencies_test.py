@@ -131,7 +131,7 @@ def _names(specs) -> set[str]:
 
 # Extras whose wheels (~1 GB, pinned to one jax version) the test environment does not install:
 # their optional imports are checked against these pins and `optional.OPTIONAL` instead.
-UNINSTALLED_EXTRA_PINS = ("requirements-aot.txt", "requirements-tpu.txt")
+UNINSTALLED_EXTRA_PINS = ("requirements-aot.txt", "requirements-aot-v100.txt", "requirements-tpu.txt")
 
 
 def uninstalled_extra_pins() -> set[str]:

@@ -8,15 +8,16 @@ The program is the trainer's (`training/program.py`, compiled by `aot/compile.py
 miCSE config (`bench/jax_step.bench_config`) on a named shape or a model directory's config, with
 the encode program (`SentenceEncoder._embed`, eval mode) beside it; no weights are needed. The
 report: kernels per step by kind and by phase (`aot/hlo.py`), the update's kernels, the compiler's
-memory per device, collectives (`aot/collectives.py`), compile time. Needs the optional extra `aot`
-(GPU) or `tpu`; see docs/AOT.md.
+memory per device, collectives (`aot/collectives.py`), compile time, and the step time the time
+model predicts for the target (`aot/time_model.py`). Needs the optional extra `aot` (GPU) or `tpu`;
+see docs/AOT.md.
 """
 from __future__ import annotations
 
 import jax
 
 from micse_jax.aot import compile as aot_compile
-from micse_jax.aot import hlo
+from micse_jax.aot import hlo, time_model
 from micse_jax.aot.targets import target_devices
 from micse_jax.errors import ConfigError
 
@@ -55,6 +56,7 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
             "jax_version": jax.__version__, "compile_s": compile_s,
             **aot_compile.report(compiled, len(devices), population)}
+  result.update(time_model.predict(compiled.as_text(), target, members=population or 1))  # aot/time_model.py
   if encode:
     enc, enc_s = aot_compile.compile_encode(devices[0], bert_config, batch_size, max_length, dtype)
     enc_kernels = hlo.summary(enc.as_text())
@@ -87,6 +89,7 @@ def report_lines(r: dict) -> list[str]:
   used = {k: v for k, v in r["collectives"].items() if v["count"]}
   lines.append("  collectives: " + (", ".join(f"{k} {v['count']} ({v['bytes'] / 2 ** 20:.1f} MiB)"
                                                for k, v in used.items()) or "none"))
+  lines += time_model.report_lines(r)
   if "encode_kernels" in r:
     lines.append(f"  encode program: {r['encode_kernels']} kernels, cuDNN attention calls "
                  f"{r['encode_cudnn_attention_calls']}, peak {gib(r['encode_peak_bytes'])}, "

@@ -39,13 +39,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   population's: {'members': [each member's]}).
 
   The session's seconds per phase are added to `workdir/timeline.json` (`micse_jax/timeline.py`)
-  and to each member folder's, also when training fails; never when the input was refused
-  (nothing is written then)."""
-  session = timeline.Timeline().start()
+  and to each member folder's, at each checkpoint and at the end, also when training fails; never
+  when the input was refused (nothing is written then)."""
+  session = timeline.Timeline(lambda: _timeline_files(config, workdir)).start()
   try:
     return _train_and_evaluate(config, workdir, session)
   finally:
-    _write_timeline(workdir, session, members.folders(config, workdir))
+    session.finish()
+    session.record()  # also written at each checkpoint (timeline.checkpoint_saved)
 
 
 @dataclasses.dataclass
@@ -102,18 +103,10 @@ def _start(prog: program.Program, runs: list[Run], rolling):
   return state
 
 
-def _write_timeline(workdir: str, session: timeline.Timeline, folders: list[str]) -> None:
-  """Adds the session to `workdir/timeline.json` (first process; only once the run got as far as
-  its train state, i.e. all input checks passed), and to each population member's (the same
-  seconds: the members share them)."""
-  entry = {"ended_at": timeline.now_iso(), **session.finish()}
-  if jax.process_index() != 0 or "steps" not in entry:
-    return
-  for directory in [workdir, *folders]:
-    try:
-      timeline.add_session(os.path.join(directory, workdir_lib.TIMELINE_FILE), entry)
-    except OSError as e:
-      logging.warning("could not write %s: %s", workdir_lib.TIMELINE_FILE, e)
+def _timeline_files(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
+  """`timeline.json` of the workdir and of each population member's folder (the same seconds:
+  the members share them)."""
+  return [os.path.join(d, workdir_lib.TIMELINE_FILE) for d in [workdir, *members.folders(config, workdir)]]
 
 
 @dataclasses.dataclass
@@ -212,5 +205,6 @@ def _train(loop: _Loop, state):
         with timeline.phase("save"):
           checkpoint.save_state(loop.rolling, state)
           saved = done
+        timeline.checkpoint_saved(done)
   return state
 
