@@ -32,7 +32,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, overridden=()) -> dic
   from micse_jax import workdir as workdir_lib
   from micse_jax.training import mesh, trainer
   with cli.input_errors_as_one_line():
-    config_checks.check_command_line(config, set(overridden))
+    if overridden:
+      config_checks.check_command_line(config, set(overridden))
     mesh.maybe_initialize_distributed()
     results = trainer.train_and_evaluate(config, workdir)
   workdir_lib.print_run_summary(workdir)

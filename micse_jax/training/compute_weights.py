@@ -97,14 +97,18 @@ def substituted(tree, copies):
                       tree, copies, is_leaf=lambda v: v is None)
 
 
+@functools.singledispatch
 def dropped(state):
-  """`state` (a `TrainState`, or a `PopulationState` of them) without its copies: what a checkpoint holds."""
-  return state.without_copies()
+  """`state` without its copies: what a checkpoint holds. By the state's type: `TrainState` and
+  `PopulationState` register theirs; any other tree (a dict of arrays) holds none."""
+  return state
 
 
+@functools.singledispatch
 def rebuilt(state, abstract_state):
-  """A restored `state` (a `TrainState` or a `PopulationState`) with the copies `abstract_state` has."""
-  return state.with_copies(abstract_state)
+  """A restored `state` with the copies `abstract_state` has, by the state's type (as `dropped`)."""
+  del abstract_state
+  return state
 
 
 def rebuilt_copies(params: dict, ema_params, wanted: dict) -> dict:

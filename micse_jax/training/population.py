@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.data.packing import BatchLayout
+from micse_jax.training import compute_weights, optim
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training import optim
 
 MEMBER_AXIS = "member"
 STOPPED = -1  # `stopped_at` of a member that trains
@@ -58,6 +58,10 @@ class PopulationState:
 
 
 # ---------------------------------------------------------------- state
+
+
+compute_weights.dropped.register(PopulationState, PopulationState.without_copies)
+compute_weights.rebuilt.register(PopulationState, PopulationState.with_copies)
 
 
 def stack(trees):

@@ -188,7 +188,7 @@ def legacy_layout(program: Program) -> checkpoint.Legacy | None:
       return None
     old = {name: copies[name] for name in ("encoder", compute_weights.EMA)}
     return checkpoint.Legacy(program.abstract_state.replace(members=program.abstract_state.members.replace(
-        compute_weights=old)), lambda state: state.without_copies())
+        compute_weights=old)), compute_weights.dropped)
   c, hidden = program.config, program.nets.online.config.hidden_size
   per_leaf = optim.per_leaf_optimizer(c)
   old = jax.eval_shape(lambda p: state_lib.as_legacy_fields(setup.new_train_state(c, hidden, per_leaf, *p)),

@@ -58,6 +58,9 @@ def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed
       compute_weights=compute_weights.of(params, ema_params, compute_dtype))
 
 
+compute_weights.dropped.register(TrainState, TrainState.without_copies)
+compute_weights.rebuilt.register(TrainState, TrainState.with_copies)
+
 LEGACY_QUEUE_FIELDS = {"queue": "embeddings", "queue_valid": "valid", "queue_ptr": "ptr", "queue_ids": "ids"}
 
 
