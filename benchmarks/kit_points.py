@@ -8,10 +8,10 @@ A PyTorch point (`torch_point`) times one peer on the same weights and batch. `c
 measures what the time model needs of the device: a large copy's bandwidth, a bf16 GEMM's rate,
 the cost of a chain of tiny dependent kernels, threefry's hash rate.
 
-Two adapters, marked below, stand between the kit and code being rewritten elsewhere: the
+One adapter, marked below, stands between the kit and code being rewritten elsewhere: the
 profile summary (`profile_summary`: phases and kinds from `micse_jax.bench.trace_summary`,
-kernels with their HLO instructions) and the population's set-up (`population_point`, from
-`training/population_trainer.fresh_population`). Wire the final APIs there.
+kernels with their HLO instructions). The population's set-up is the trainer's program
+(`training/program.py`).
 """
 from __future__ import annotations
 
@@ -38,13 +38,9 @@ def save_text(path: str, text: str) -> None:
 
 
 def _hlo():
-  """The HLO reader (ADAPTER: `micse_jax/aot/hlo.py` once it moves there, `bench/hlo_kernels.py` today)."""
-  try:
-    from micse_jax.aot import hlo
-    return hlo
-  except ImportError:
-    from micse_jax.bench import hlo_kernels
-    return hlo_kernels
+  """The HLO reader (`micse_jax/aot/hlo.py`)."""
+  from micse_jax.aot import hlo
+  return hlo
 
 
 def profile(dispatch, wait, steps: int, trace_out: str) -> str:
@@ -157,26 +153,27 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
 
 def population_point(name: str, model_dir: str, members: int, batch_size: int, max_length: int, dtype: str,
                      raw: str, timing_args: dict) -> dict:
-  """A population of `members` at `batch_size`, measured as `jax_point` measures a solo step.
-
-  ADAPTER: the population's set-up is that of `training/population_trainer.fresh_population`
-  (being merged into one training program); wire the new API here."""
+  """A population of `members` at `batch_size`, measured as `jax_point` measures a solo step; its
+  set-up is the trainer's (`training/program.py`: states stacked, the step vmapped)."""
   from micse_jax.bench import hardware, timing
   from micse_jax.bench import population as pop_bench
-  from micse_jax.training import population, population_trainer
+  from micse_jax.configs import population as population_fields
+  from micse_jax.training import program, setup
   corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
   config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)
-  fresh = population_trainer.fresh_population(config)
-  batch = population.stacked_batch([r.batches for r in fresh.runs], fresh.layout, 0, fresh.mesh)
+  runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
+  prog = program.of_runs(config, runs)
+  state = prog.place_state([setup.initial_state(r, prog.tx) for r in runs])
+  batch = prog.place_batch([r.batches.batch(0) for r in runs])
   start = time.perf_counter()
-  compiled = fresh.step.lower(fresh.state, batch, {}).compile()
+  compiled = prog.step.lower(*prog.inputs(state, batch)).compile()
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
   save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
-  box = {"state": fresh.state}
+  box = {"state": state}
 
   def dispatch():
-    box["state"], metrics = compiled(box["state"], batch, {})
+    box["state"], metrics = compiled(*prog.inputs(box["state"], batch))
     return metrics
   import jax
   t = timing.measure(dispatch, jax.block_until_ready, timing_args["warmup"], timing_args["steps"], timing_args["rounds"])

@@ -6,8 +6,9 @@ import os
 import jax
 import pytest
 
+from micse_jax.aot import hlo
 from micse_jax.bench import __main__ as bench
-from micse_jax.bench import hlo_kernels, jax_step
+from micse_jax.bench import jax_step
 
 
 def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
@@ -27,8 +28,8 @@ def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   phases = result["breakdown_ms"]
   for phase in ("encode (forward)", "encode (backward)", "loss/ami (forward)", "momentum_forward", "optimizer", "ema"):
     assert phases.get(phase, 0) > 0, phases  # the miCSE step's parts, each found in the profile
-  assert set(phases) <= {f"{p}{s}" for p in hlo_kernels.PHASES for s in ("", " (forward)", " (backward)")} | {
-      hlo_kernels.NO_PHASE, "(unattributed)"}
+  assert set(phases) <= {f"{p}{s}" for p in hlo.PHASES for s in ("", " (forward)", " (backward)")} | {
+      hlo.NO_PHASE, "(unattributed)"}
   # every op of the profile is in some phase: the phases add up to the op time by kind
   assert sum(phases.values()) == pytest.approx(result["profile"]["op_ms_per_step"], rel=0.02)
   mfu = result["jax"]["mfu"]
@@ -56,8 +57,8 @@ def test_phases_of_the_step_cover_its_compiled_kernels():
   step = jax_step.JaxStep(model_dir, jax_step.random_batch(4, 16, 30522, seed=1), "float32")
   step.compile()
   text = step.compiled.as_text()
-  phases = hlo_kernels.phase_by_instruction(text)
-  assert len(phases) == hlo_kernels.summary(text)["kernels_per_step"]
+  phases = hlo.phase_by_instruction(text)
+  assert len(phases) == hlo.summary(text)["kernels_per_step"]
   found = set(phases.values())
   for phase in ("encode (forward)", "encode (backward)", "loss/contrastive (forward)", "loss/contrastive (backward)",
                 "loss/ami (forward)", "loss/ami (backward)", "momentum_forward", "enqueue", "optimizer", "ema"):

@@ -125,11 +125,12 @@ LAYERS = (
     ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.models", "micse_jax.losses",
      "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
     ("micse_jax.workdir", "micse_jax.encoder"),
-    ("micse_jax.evaluators", "micse_jax.export"),
-    # config_checks composes the choice lists their owners (training/views, terms, ...) define
-    ("micse_jax.training", "micse_jax.config_checks"),
-    # aot reads the compiled programs (kernel_cost, time_model); it reads the kernel list of bench/hlo_kernels
-    ("micse_jax.studies", "micse_jax.bench", "micse_jax.aot"),
+    # config_checks reads the choice lists of their owners below it (configs/methods, configs/population, ...)
+    ("micse_jax.evaluators", "micse_jax.export", "micse_jax.config_checks"),
+    ("micse_jax.training",),
+    # the deviceless compile of the trainer's program (training/program.py) and the reading of compiled programs
+    ("micse_jax.aot",),
+    ("micse_jax.studies", "micse_jax.bench"),
     ("micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
      "micse_jax.analyze", "micse_jax.bench.__main__"),
 )
@@ -197,6 +198,18 @@ def test_no_upward_import(module):
   own = _layer(module)
   upward = {m for m in _imports(MODULES[module]) if m != "micse_jax" and _layer(m) > own}
   assert not upward, f"{module} (layer {own}) imports from a higher layer: {sorted(upward)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("micse_jax.bench")))
+def test_the_library_never_imports_the_bench(module):
+  """The bench is a program over the library (it times and reports); nothing else imports it."""
+  assert not {m for m in _imports(MODULES[module]) if m.startswith("micse_jax.bench")}, module
+
+
+def test_config_checks_import_nothing_from_training():
+  """The training package imports the checks, never the other way round (the choice lists the
+  checks read are owned below it)."""
+  assert not {m for m in _imports(MODULES["micse_jax.config_checks"]) if m.startswith("micse_jax.training")}
 
 
 def test_no_import_cycle():

@@ -11,7 +11,7 @@ import pytest
 from micse_jax.bench import trace_summary
 
 # The program's kernel-launching instructions in program order, with their phases (what
-# hlo_kernels.phase_by_instruction gives).
+# aot/hlo.phase_by_instruction gives).
 PHASES = {"copy.5": "(no phase)", "loop_add_fusion.3": "encode (forward)", "custom-call.2": "encode (forward)",
           "loop_add_fusion.7": "encode (backward)", "gemm_fusion_dot.4": "encode (backward)",
           "custom-call.9": "optimizer", "input_reduce_fusion.9": "optimizer"}
@@ -89,8 +89,8 @@ def test_real_h200_traces_put_90_percent_of_kernel_time_in_phases(point):
   hlo, trace = (os.path.join(CALIBRATION, f"{point}.{x}") for x in ("hlo.txt.gz", "trace.json.gz"))
   if not (os.path.exists(hlo) and os.path.exists(trace)):
     pytest.skip(f"no GPU calibration point {point} under {CALIBRATION}")
+  from micse_jax.aot import hlo as hlo_kernels
   from micse_jax.aot import time_model
-  from micse_jax.bench import hlo_kernels
   phases = hlo_kernels.phase_by_instruction(time_model.read_hlo(hlo))
   by_phase = trace_summary.phase_durations(trace, phases)
   assert by_phase["(unattributed)"] < 0.1 * sum(by_phase.values()), by_phase

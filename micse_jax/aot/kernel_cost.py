@@ -28,7 +28,7 @@ import json
 import math
 import re
 
-from micse_jax.bench import hlo_kernels as hlo
+from micse_jax.aot import hlo
 
 ROUNDS_PER_HASH = 20  # threefry-2x32 (Salmon et al. 2011): 20 rounds of add, rotate, xor
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,

@@ -203,12 +203,12 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
   saved program (K members: a population's), with its kernel counts (no compile); prints the
   report and the JSON line, returns the result."""
   from micse_jax import cli
-  from micse_jax.bench import hlo_kernels
+  from micse_jax.aot import hlo
   with cli.input_errors_as_one_line():
     if target not in DEVICES:
       raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
     text = read_hlo(path)
-  counts = hlo_kernels.summary(text)
+  counts = hlo.summary(text)
   result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members),
             "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
             "update_kernels_per_step": counts["update_kernels_per_step"]}

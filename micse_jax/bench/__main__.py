@@ -28,7 +28,9 @@ import tempfile
 import jax
 
 from micse_jax import cli, jsonio
-from micse_jax.bench import aot, hardware, hlo_kernels, host, jax_step, scaling, timing, trace_summary
+from micse_jax.aot import hlo
+from micse_jax.aot.targets import TARGETS
+from micse_jax.bench import aot, hardware, host, jax_step, scaling, timing, trace_summary
 from micse_jax.bench.rows import Rows
 from micse_jax.bench.torch_step import TORCH_MODES
 from micse_jax.errors import MicseError, one_line
@@ -67,9 +69,9 @@ def parse_args(argv):
   p.add_argument("--collectives", action="store_true",
                  help="instead: collectives and memory per device of the compiled BERT-base step for the "
                       "current devices, state replicated vs sharded, with and without remat (bench/scaling.py)")
-  p.add_argument("--aot", metavar="TARGET", choices=aot.TARGETS,
+  p.add_argument("--aot", metavar="TARGET", choices=TARGETS,
                  help="instead: compile the step and the encode program for a GPU/TPU that is not here ("
-                      + ", ".join(aot.TARGETS) + ") and report kernels by kind and phase, memory per device, "
+                      + ", ".join(TARGETS) + ") and report kernels by kind and phase, memory per device, "
                       "collectives (bench/aot.py; needs the extra 'aot' or 'tpu')")
   p.add_argument("--encode_attention", action="store_true",
                  help="instead: encode throughput with the fused attention (cuDNN flash attention on a GPU in "
@@ -120,7 +122,7 @@ def run(args, rows: Rows | None = None) -> dict:
     config.model.dropout_random_bits = args.dropout_random_bits
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
   compile_s, flops = step.compile()
-  kernels = hlo_kernels.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
+  kernels = hlo.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
   rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops,
            kernels_per_step=kernels["kernels_per_step"], update_kernels_per_step=kernels["update_kernels_per_step"])
   t = timing.measure(*timing.jax_peer(step), args.warmup, args.steps, args.rounds)
@@ -174,7 +176,7 @@ def compile_lines(r: dict) -> list[str]:
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
           f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})",
           f"  kernels per step             {r['kernels_per_step']} (update {r['update_kernels_per_step']}; "
-          "bench/hlo_kernels.py)"]
+          "bench/hlo.py)"]
 
 
 def _pct(x) -> str:

@@ -16,7 +16,7 @@ the largest single ops. Each plane of the profile is a trace "process" (`/host:C
   the containers that hold other ops (`while`, `call`, `conditional`, the thunk executor) so
   that nothing is counted twice, classified by `KINDS`.
 
-Given `phases` ({HLO instruction name: phase} in program order, `bench/hlo_kernels.phase_by_instruction`
+Given `phases` ({HLO instruction name: phase} in program order, `aot/hlo.phase_by_instruction`
 of the compiled step), it also adds up time per phase of the step (`phase_durations`). On XLA:CPU
 the op events are named by instruction. On a GPU each stream event names the HLO instruction that
 launched it in `args.hlo_op` (the kernel's own name is cuBLAS's, or a fusion's shared kernel:
