@@ -25,7 +25,7 @@ from micse_jax import optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout under test
 
-FIRST_PARTY = {"micse_jax", "tests", "__future__"}  # a top-level `configs` would be third party
+FIRST_PARTY = {"micse_jax", "tests", "benchmarks", "__future__"}  # a top-level `configs` would be third party
 SOURCE_DIRS = ("micse_jax",)  # configs included (micse_jax/configs); scripts/device/ runs on the GPU image's own Python
 
 
