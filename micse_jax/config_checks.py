@@ -45,6 +45,10 @@ from micse_jax.optional import require
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
                      "eval_every", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.",
                      "cache.")
+# Fields added after workdirs were first written, each with the value that does what the versions
+# before it did: an old config.json without the field resumes when the config holds that value
+# (any other value is a different run, refused like any difference).
+ADDED_FIELDS = {"model.rng_impl": "threefry", **population.DEFAULTS}
 
 
 def _is_int(v) -> bool:
@@ -308,8 +312,8 @@ def config_differences(saved: dict, config_dict: dict) -> list[str]:
   for field in sorted(set(new) | set(old)):
     if field.startswith(RESUMABLE_CHANGES) or old.get(field) == new.get(field):
       continue
-    if field not in old and new.get(field) == population.DEFAULTS.get(field, "<none>"):
-      continue  # written before population training existed: the default
+    if field not in old and new.get(field) == ADDED_FIELDS.get(field, "<none>"):
+      continue  # written before the field existed: what that version did
     differences.append(f"{field} ({old.get(field, '<absent>')!r} -> {new.get(field, '<absent>')!r})")
   return differences
 

@@ -130,6 +130,16 @@ def test_resume_compatibility_names_only_run_defining_fields(tmp_path):
     config_checks.check_resume_compatible(other, wd)
 
 
+def test_a_workdir_written_before_rng_impl_resumes_with_threefry_only():
+  """An old config.json has no model.rng_impl: its run drew dropout with threefry, so the default
+  resumes it and another generator (a different random stream) is a named difference."""
+  saved = json.loads(json.dumps(_config().to_dict()))
+  del saved["model"]["rng_impl"]
+  assert config_checks.config_differences(saved, _config(**{"model.rng_impl": "threefry"}).to_dict()) == []
+  assert config_checks.config_differences(saved, _config(**{"model.rng_impl": "rbg"}).to_dict()) == [
+      "model.rng_impl ('<absent>' -> 'rbg')"]
+
+
 def test_workdir_from_before_the_numpy_shuffle_is_refused_on_resume(tmp_path):
   """A workdir written with grain's batch order (no data.shuffle in config.json) cannot be resumed
   bit for bit; prefetch depth may change on resume."""
