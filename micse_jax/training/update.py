@@ -14,16 +14,15 @@ correction and ε sit where optax puts them), after global-norm clipping (Pascan
 and θ, m, v, t, θ̄ and the copies all stay as they were where `keep` is false (a stopped population
 member; with `skip_nonfinite`, a step whose gradient norm is not finite, as float16 loss scaling skips).
 
-Why it is fast on a GPU (deviceless H100 compiles of BERT-base, `apply` alone: 43 kernels reading and
-writing what the formulas need, against ~25 kernels moving ~1 GB more for the flat optimizer, or ~490
-kernels for per-leaf optax; figures in BENCHMARKS.md):
+Why it moves few bytes in few kernels on a GPU (deviceless H100 compiles; figures in BENCHMARKS.md):
 
 * ‖g‖² is one variadic reduction per distinct leaf shape (`global_norm`): XLA rewrites a sum over a
-  concatenation into one reduction (two kernels) per leaf, ~280 kernels for BERT-base;
+  concatenation into one reduction (one or two kernels) per leaf;
 * each leaf's update is elementwise, so XLA fuses it into one loop fusion per leaf; leaves of the same
   shape are merged into one multi-output fusion because they share a non-scalar operand — the norm and
   the keep flag, read from one vector behind an optimization barrier (`_shared`); XLA's sibling fusion
-  ignores shared scalars, and without it the ~125 bias and LayerNorm leaves are ~125 kernels;
+  ignores shared scalars, and XLA's GPU pipeline no longer has a horizontal loop fusion, so without
+  it every bias and LayerNorm leaf is a kernel of its own;
 * nothing is concatenated or selected over the whole state afterwards.
 
 The optimizer state is optax's own per-leaf state of `optimizer(config)` (= clip_by_global_norm →
