@@ -11,12 +11,14 @@ tokenised by one run is read by the next. `cache.compilation=False` / `cache.tok
 turn either off; with `cache.dir` unset, a `JAX_COMPILATION_CACHE_DIR` set by hand is kept.
 
 JAX keys each entry by the program, the jaxlib version, the backend's platform and version, the
-devices and the XLA flags, so entries of another jax or device are never read. jax 0.10.2
-writes an entry in place (`LRUCache.put`: `write_bytes`, no temporary file); with
+devices and the XLA flags, so entries of another jax or device are never read. With
 `cache.compilation_max_size` set (bytes; -1: unbounded), JAX's LRU eviction is on and every read
 and write holds a `filelock` on the cache folder, so concurrent runs of a sweep never read a
-half-written entry. A damaged entry is never a wrong program: JAX's read fails to decompress it,
-warns and compiles again.
+half-written entry. Every read is verified and heals (`micse_jax/cache_healing.py`): a damaged
+entry (truncated, cut, a flipped byte) is removed with one warning, compiled again and stored
+again, so the next run is warm; a tokenised corpus likewise (`micse_jax/data/token_cache.py`).
+Files are created with mode 0666 less the umask (JAX's and ours), so a folder shared by a group
+works for every member with umask 002 (and a setgid folder keeps the group).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import logging
 import os
 
 import ml_collections
+
+from micse_jax import cache_healing
 
 APP_DIR = "micse_jax"
 COMPILATION_DIR = "jax_compilation_cache"
@@ -79,7 +83,8 @@ def tokenized_cache_dir(config: ml_collections.ConfigDict) -> str | None:
 def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
   """Points JAX's persistent compilation cache at `compilation_cache_dir(config)` (or turns it
   off) before the run's first compile; every program is cached, however fast it compiled or
-  small it is (JAX's defaults skip compiles under 1 s, i.e. most CPU programs). Returns the dir."""
+  small it is (JAX's defaults skip compiles under 1 s, i.e. most CPU programs); its reads are
+  verified and heal (`cache_healing.install`). Returns the dir."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache as jax_cache
   directory = compilation_cache_dir(config)
@@ -91,6 +96,7 @@ def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
                     "without its lock (pip install filelock)")
     max_size = -1  # JAX refuses a bounded cache without filelock
   global _applied
+  cache_healing.install()  # before JAX opens the folder: reads verified, damaged entries healed
   if _applied is not None and _applied != (directory, max_size):
     jax_cache.reset_cache()  # JAX opens its cache once per process: a later run may name another folder
   _applied = (directory, max_size)

@@ -42,6 +42,45 @@ def quiet_startup() -> None:
     absl_logger.addFilter(_not_orbax_chatter)
 
 
+def _jax_plugins() -> list[str]:
+  """Names of the installed JAX PJRT plugins (namespace `jax_plugins` and entry points), as JAX
+  discovers them; nothing is imported but the namespace package."""
+  import importlib
+  import importlib.util
+  import pkgutil
+  from importlib.metadata import entry_points
+  names = {e.value.rsplit(".", 1)[-1] for e in entry_points(group="jax_plugins")}
+  if importlib.util.find_spec("jax_plugins") is not None:
+    names |= {m.name for m in pkgutil.iter_modules(importlib.import_module("jax_plugins").__path__)}
+  return sorted(names)
+
+
+def cpu_when_no_gpu() -> bool:
+  """Chooses JAX's CPU platform before JAX initialises when the only accelerator plugins are
+  CUDA ones and JAX itself sees no NVIDIA GPU (`hardware_utils.has_visible_nvidia_gpu`, the
+  test JAX applies before it would start the CUDA backend): JAX would use the CPU anyway, and the
+  CUDA plugin's version check, which fails without a GPU driver, prints a long traceback. The
+  JAX docs' way (`JAX_PLATFORMS=cpu`), set in-process only; an explicit `JAX_PLATFORMS`, a TPU or
+  another plugin, or a visible GPU leave JAX's own choice alone. True when CPU was chosen."""
+  import importlib.util
+  if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is not None:
+    return False
+  plugins = _jax_plugins()
+  if not plugins or any(not name.startswith("xla_cuda") for name in plugins):
+    return False
+  import jax
+  try:
+    from jax._src import hardware_utils, xla_bridge
+    if jax.config.jax_platforms or xla_bridge.backends_are_initialized() \
+        or hardware_utils.has_visible_nvidia_gpu():
+      return False
+  except (ImportError, AttributeError):  # another jax: keep its own choice (and its output)
+    return False
+  jax.config.update("jax_platforms", "cpu")
+  logging.debug("the CUDA plugin finds no NVIDIA GPU here: JAX uses the CPU")
+  return True
+
+
 def fail(message: str, status: int = INPUT_EXIT) -> NoReturn:
   """One `error:` line on stderr, then exit with `status`."""
   print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
@@ -125,9 +164,11 @@ def reject_extra_args(argv: Sequence[str]) -> None:
 
 
 def missing_packages_as_one_line(main: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
-  """`main` with a `MissingDependencyError`, wherever raised, as one `error:` line and exit 1."""
+  """`main` with a `MissingDependencyError`, wherever raised, as one `error:` line and exit 1;
+  JAX's platform chosen first (`cpu_when_no_gpu`)."""
   @functools.wraps(main)
   def guarded(argv):
+    cpu_when_no_gpu()  # after the flags (a usage error stays fast), before JAX starts
     try:
       return main(argv)
     except MissingDependencyError as e:

@@ -2,12 +2,17 @@
 
 `check_config(config)` needs nothing but the config: types and ranges (the `RULES` table),
 constraints between fields, the methods' parts and how they combine (`check_methods`), the
-optional packages. The sweep runs it for every run before any starts. `check_run(config,
-workdir)` runs it once more with the file-system checks: the SentEval directory when dev
-selection is on, a writable workdir, and, for a workdir that already holds checkpoints, a
-`config.json` compatible with the new config. `check_against_model` and `check_mlm_head` run
-once the checkpoint is found (the AMI layers must exist in it; MLM / InfoCSE need its MLM
-head). Every failure is a `ConfigError`: one line, nothing written.
+population's fields (`check_population`, by `configs/population.PER_MEMBER`), the optional
+packages. The sweep runs it for every run before any starts. `check_run(config, workdir)` runs
+it once more with the file-system checks: the SentEval directory when dev selection is on, a
+writable workdir, and, for a workdir that already holds checkpoints, a `config.json` compatible
+with the new config. `micse-train` adds `check_command_line` (a member field given on the command
+line that the population replaces). The checks that need the checkpoint run in
+`training/setup.prepare`. Every failure is a `ConfigError`: one line, nothing written.
+
+The choice lists these checks read are owned below the training package (`configs/methods.py`,
+`augmentation/add.py`, `models/`, `losses/ami.py`, `data/pipeline.py`, `configs/population.py`):
+this module imports nothing from `micse_jax.training`, which imports it.
 """
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ import ml_collections
 
 from micse_jax import caches, paths
 from micse_jax import workdir as workdir_lib
-from micse_jax.augmentation.add import ADD_MODES
+from micse_jax.augmentation.add import ADD_IMPORTANCE, ADD_MODES
+from micse_jax.configs import population
+from micse_jax.configs.methods import OBJECTIVES, VIEW_KINDS
 from micse_jax.data.pipeline import SHUFFLE_SCHEMES
 from micse_jax.errors import ConfigError
 from micse_jax.evaluation import senteval_data
@@ -29,9 +36,6 @@ from micse_jax.models.bert import ATTENTION_KERNELS
 from micse_jax.models.dtypes import DTYPES
 from micse_jax.models.remat import REMAT_POLICIES
 from micse_jax.optional import require
-from micse_jax.training import population
-from micse_jax.training.terms import OBJECTIVES
-from micse_jax.training.views import ADD_IMPORTANCE, SECOND_VIEWS
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
 # and saves; how the same step is laid out in memory: remat, attention kernel, sharded state;
@@ -227,7 +231,7 @@ def _check_view(config) -> None:
 def check_methods(config) -> None:
   """The method fields of `configs/methods.py` (views, terms) and how they combine."""
   _one_of("loss.objective", config.loss.objective, OBJECTIVES)
-  _one_of("view.kind", config.view.kind, tuple(SECOND_VIEWS))
+  _one_of("view.kind", config.view.kind, VIEW_KINDS)
   _one_of("ami.variant", config.ami.variant, AMI_VARIANTS)
   _check_view(config)
   if config.ami.enabled and config.ami.variant == "official":
@@ -245,20 +249,6 @@ def check_methods(config) -> None:
     _require(config.infocse.num_layers >= 1, f"infocse.num_layers={config.infocse.num_layers} must be >= 1")
     _require(0 <= config.infocse.pretrain_steps < config.num_train_steps,
              f"infocse.pretrain_steps={config.infocse.pretrain_steps} must be in [0, num_train_steps)")
-
-
-def needs_mlm_head(config) -> bool:
-  """MLM and InfoCSE read BERT's MLM head (`cls.predictions.*`) from the checkpoint."""
-  return bool(config.mlm.enabled or config.infocse.enabled)
-
-
-def check_mlm_head(config, model_dir: str, has_head: bool) -> None:
-  """MLM / InfoCSE need BERT's MLM head: from the checkpoint, or random only when asked for."""
-  if needs_mlm_head(config) and not has_head and not config.model.init_mlm_head:
-    user = "mlm.enabled" if config.mlm.enabled else "infocse.enabled"
-    raise MethodConfigError(
-        f"{user} needs an MLM head, but {model_dir} has none (no cls.predictions.* weights); use a "
-        "BertForMaskedLM checkpoint or set --config.model.init_mlm_head=True for a randomly initialised head")
 
 
 def check_senteval(config: ml_collections.ConfigDict) -> None:
@@ -316,7 +306,7 @@ def config_differences(saved: dict, config_dict: dict) -> list[str]:
   for field in sorted(set(new) | set(old)):
     if field.startswith(RESUMABLE_CHANGES) or old.get(field) == new.get(field):
       continue
-    if field not in old and field in population.FIELD_DEFAULTS and new.get(field) == population.FIELD_DEFAULTS[field]:
+    if field not in old and new.get(field) == population.DEFAULTS.get(field, "<none>"):
       continue  # written before population training existed: the default
     differences.append(f"{field} ({old.get(field, '<absent>')!r} -> {new.get(field, '<absent>')!r})")
   return differences
@@ -339,6 +329,45 @@ def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> 
         "To start fresh, pass a new --workdir (or delete this one); to resume, use its config.json values")
 
 
+def check_population(config: ml_collections.ConfigDict) -> None:
+  """The `population.*` fields (`configs/population.PER_MEMBER`): each value passes its member field's
+  own rule (`RULES`), one per member (or none), distinct seeds, and what they combine with."""
+  if "population" not in config:
+    return
+  group, k = config.population, population.size(config)
+  for name, spec in population.PER_MEMBER.items():
+    value = group.get(name, () if spec.per_member else 0)
+    if spec.per_member and not isinstance(value, (tuple, list)):
+      raise ConfigError(f"population.{name} must be a tuple of one {spec.field} per member, e.g. '(1,2,3)'; "
+                        f"got {value!r}")
+    problem = next(filter(None, map(RULES[spec.field], value if spec.per_member else (value,))), None)
+    if problem:
+      raise ConfigError(f"population.{name}: each value is a member's {spec.field} and {problem}")
+    if value and not k:
+      raise ConfigError(f"population.{name} is set without members: the fields of a population need population.seeds")
+    if spec.per_member and value and len(value) != k:
+      raise ConfigError(f"population.{name} has {len(value)} entries, population.seeds {k}: give one {spec.field} "
+                        "per member (or none)")
+  if len(set(group.seeds)) != len(group.seeds):
+    raise ConfigError(f"population.seeds must be distinct, got {tuple(group.seeds)!r}")
+  if group.get("ami_weights") and not config.ami.enabled:
+    raise ConfigError("population.ami_weights needs ami.enabled=True")
+  if k and config.mesh.shard_state:
+    raise ConfigError("population training keeps every member's state whole; mesh.shard_state=True is "
+                      "not supported with population.seeds")
+
+
+def check_command_line(config: ml_collections.ConfigDict, overridden) -> None:
+  """A field given on the command line (`overridden`: dotted names) that a set `population.*` field
+  replaces in every member would be silently replaced: one error line instead."""
+  for name in population.set_fields(config):
+    field = population.PER_MEMBER[name].field
+    if field in overridden:
+      raise ConfigError(f"--config.{field} is replaced in every member by population.{name} "
+                        f"({config.population[name]!r}); give the members' values there, or leave out "
+                        "population.seeds for a solo run")
+
+
 def check_packages(config: ml_collections.ConfigDict) -> None:
   """The optional packages this config's paths need are installed (`micse_jax/optional.py`)."""
   from micse_jax.models.dtypes import dtype_name
@@ -351,7 +380,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   check_fields(config)
   check_combinations(config)
   check_methods(config)
-  population.check_config(config)
+  check_population(config)
   check_packages(config)
 
 
@@ -361,17 +390,3 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
   check_workdir_writable(workdir)
   check_resume_compatible(config, workdir)
   check_senteval(config)
-
-
-def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
-  """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
-  from micse_jax.models.bert import resolve_layers  # imports JAX: only when needed
-  if config.ami.enabled:
-    try:
-      resolve_layers(config.ami.layers, bert_config.num_hidden_layers)
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
-  positions = bert_config.max_position_embeddings - getattr(bert_config, "position_offset", 0)
-  if config.model.max_length > positions:
-    raise ConfigError(f"model.max_length {config.model.max_length} exceeds the {positions} "
-                      "positions the model has")

@@ -1,13 +1,14 @@
 """Export a trained encoder as a Hugging Face / sentence-transformers directory.
 
-    python -m micse_jax.convert --workdir DIR [--member I] [--step N | --best] --output HF_DIR [--mlp_as_pooler]
+    python -m micse_jax.convert --workdir DIR [--member I [--allow_stopped]] [--step N | --best] --output HF_DIR [--mlp_as_pooler]
     python -m micse_jax.convert --model HF_DIR_OR_HUB_NAME --output HF_DIR
 
 Add `--overwrite` to replace an existing non-empty output directory.
 
 `--workdir` reads a training run's Orbax checkpoint (the latest one unless `--step`/`--best`);
 `--member I` exports member I of a population run (`population.seeds`, numbered from 0; its folder
-`DIR/members/I`). `--model` re-exports a plain Hugging Face checkpoint. See `micse_jax.export` for what the
+`DIR/members/I`); a member that stopped (a non-finite update) is refused unless `--allow_stopped`.
+`--model` re-exports a plain Hugging Face checkpoint. See `micse_jax.export` for what the
 output holds. Bad input (a `MicseError`) gives one `error:` line on stderr, exit status 1
 (a flag that does not parse: exit 2), and writes nothing; anything else is a bug and keeps its
 traceback. Installed: `micse-convert`.
@@ -32,6 +33,8 @@ def define_flags() -> None:
   flags.DEFINE_string("model", None,
                       "Hugging Face directory or hub name to export from (instead of --workdir).")
   flags.DEFINE_integer("member", None, "Population workdir: export this member (0-based, order of population.seeds).")
+  flags.DEFINE_boolean("allow_stopped", False, "With --member: export a member that stopped (a non-finite update) "
+                       "anyway, in its state from before it stopped.")
   flags.DEFINE_integer("step", None, "Export the checkpoint of this step (default: the latest).")
   flags.DEFINE_boolean("best", False, "Export the best (STS-B dev) checkpoint.")
   flags.DEFINE_string("output", None, "Output directory for the Hugging Face export.")
@@ -69,15 +72,19 @@ def check_args(*, output: str | None, workdir: str | None, model: str | None, st
   return checkpoint_choice(step, best)
 
 
-def restore_workdir(workdir: str, which: str | int, member: int | None = None) -> dict:
-  """`micse_jax.workdir.restore_trained_weights` (of population member `member`); its input
-  errors (`MicseError`) as one line."""
+def restore_workdir(workdir: str, which: str | int, member: int | None = None, allow_stopped: bool = False) -> dict:
+  """`micse_jax.workdir.restore_trained_weights` (of population member `member`; a stopped one
+  only with `allow_stopped`, saying from which step); its input errors (`MicseError`) as one line."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
   workdir_lib = importlib.import_module("micse_jax.workdir")
   try:
     if member is not None:
-      workdir = workdir_lib.member_workdir(workdir, member)
+      workdir = workdir_lib.member_workdir(workdir, member, allow_stopped)
+      stopped = workdir_lib.member_stopped(workdir)
+      if stopped is not None:
+        print(f"member {member} stopped at step {stopped} (a non-finite update): exporting its state from "
+              f"before that step, not a finished run")
     return workdir_lib.restore_trained_weights(workdir, which)
   except MicseError as e:  # anything else is a bug and keeps its traceback
     raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {one_line(e)}") from e
@@ -111,7 +118,7 @@ def _has_pooler_weights(model_dir: str) -> bool:
 
 def convert(*, output: str, workdir: str | None = None, model: str | None = None, step: int | None = None,
             best: bool = False, mlp_as_pooler: bool = False, overwrite: bool = False,
-            max_seq_length: int | None = None, member: int | None = None) -> str:
+            max_seq_length: int | None = None, member: int | None = None, allow_stopped: bool = False) -> str:
   """Checks everything cheap first, then restores/loads and exports; returns the output path."""
   from micse_jax import export
   which = check_args(output=output, workdir=workdir, model=model, step=step, best=best,
@@ -120,7 +127,7 @@ def convert(*, output: str, workdir: str | None = None, model: str | None = None
     raise ConvertError(f"--member must be >= 0 and needs --workdir, got --member {member}")
   output = os.path.abspath(os.path.expanduser(output))
   export.check_output(output, overwrite)
-  source = load_model_dir(model) if model is not None else restore_workdir(workdir, which, member)
+  source = load_model_dir(model) if model is not None else restore_workdir(workdir, which, member, allow_stopped)
   return export.export_hf(
       output, bert_config=source["bert_config"], encoder_params=source["encoder_params"],
       tokenizer_dir=source["tokenizer_dir"], head_params=source.get("head_params"),
@@ -134,7 +141,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
   convert_and_report(output=FLAGS.output, workdir=FLAGS.workdir, model=FLAGS.model, step=FLAGS.step,
                      best=FLAGS.best, mlp_as_pooler=FLAGS.mlp_as_pooler, overwrite=FLAGS.overwrite,
-                     max_seq_length=FLAGS.max_seq_length, member=FLAGS.member)
+                     max_seq_length=FLAGS.max_seq_length, member=FLAGS.member, allow_stopped=FLAGS.allow_stopped)
 
 
 def convert_and_report(**kwargs) -> str:

@@ -39,6 +39,10 @@ class MissingDependencyError(MicseError):
   """An optional package that the requested path needs is not installed (`micse_jax/optional.py`)."""
 
 
+class VersionMismatchError(MicseError):
+  """An installed plugin of jax (CUDA plugin, PJRT wheel, libtpu) is not the version jax asks for."""
+
+
 class NonFiniteLossError(MicseError):
   """The loss became NaN/inf; the last saved checkpoint is the last good state."""
 

@@ -84,7 +84,7 @@ def _model_path(flags_values) -> str:
   from micse_jax import workdir
   if member < 0:
     raise ConfigError(f"--member must be >= 0, got {member}")
-  return workdir.member_workdir(model, member)
+  return workdir.member_workdir(model, member, allow_stopped=getattr(flags_values, "allow_stopped", False))
 
 
 def _encode_fn(flags_values):
@@ -145,6 +145,8 @@ def define_flags() -> None:
   flags.DEFINE_boolean("download", False, "Download SentEval data if --senteval_dir is missing.")
   flags.DEFINE_string("checkpoint", "best", "For a training workdir: best, latest or a step.")
   flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
+  flags.DEFINE_boolean("allow_stopped", False, "With --member: evaluate a member that stopped (a non-finite "
+                       "update) anyway, in its state from before it stopped.")
   flags.DEFINE_integer("seed", SEED, "Seed of the transfer-task folds (SentEval: 1111).")
 
 

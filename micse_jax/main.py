@@ -24,12 +24,16 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config.js
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains with bad input reported as one line (exit 1); returns the final results."""
+def train(config: ml_collections.ConfigDict, workdir: str, overridden=()) -> dict:
+  """Trains with bad input reported as one line (exit 1); returns the final results. `overridden`:
+  the config fields given on the command line (a member field a population replaces is refused)."""
   # Imported here so `--help` and flag errors stay fast.
+  from micse_jax import config_checks
   from micse_jax import workdir as workdir_lib
   from micse_jax.training import mesh, trainer
   with cli.input_errors_as_one_line():
+    if overridden:
+      config_checks.check_command_line(config, set(overridden))
     mesh.maybe_initialize_distributed()
     results = trainer.train_and_evaluate(config, workdir)
   workdir_lib.print_run_summary(workdir)
@@ -40,7 +44,7 @@ def main(argv) -> None:
   """Trains `--config` into `--workdir` (absl main)."""
   cli.reject_extra_args(argv)
   logging.getLogger("absl").setLevel(logging.WARNING)
-  train(FLAGS.config, FLAGS.workdir)
+  train(FLAGS.config, FLAGS.workdir, FLAGS["config"].override_values)
 
 
 def run() -> None:

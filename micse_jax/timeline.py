@@ -11,14 +11,20 @@ with the module-level `phase(name)`, a no-op when no timeline is active.
 
 A workdir's `timeline.json` holds one entry per session (a resume adds one) under `sessions`,
 and at the top level the sums over sessions: the run's cost, however often it was resumed.
+A session's entry is written at each checkpoint (`checkpoint_saved`, the trainer's save site)
+and once more when the session ends, replacing its earlier version (matched by its `id`), so a
+process killed at any moment leaves its time up to its last checkpoint on record.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import threading
 import time
+import uuid
+from typing import Callable
 
 from micse_jax import jsonio
 
@@ -59,7 +65,11 @@ def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 class Timeline:
   """One session's phases and compile spans; `start()` begins listening, `finish()` stops."""
 
-  def __init__(self):
+  def __init__(self, files: Callable[[], list[str]] | None = None):
+    """`files()`: the `timeline.json` paths `record()` writes the session to (asked at each write:
+    a population's member folders appear during the run)."""
+    self._files = files
+    self.id = uuid.uuid4().hex[:16]  # the session's entry is replaced, not added, when written again
     self._lock = threading.Lock()
     self._stack: list[str] = ["other"]
     self._segments: list[tuple[str, float, float]] = []
@@ -119,14 +129,49 @@ class Timeline:
         self._listening = False
       if _active is self:
         _active = None
+    return self._summary(self._end, self._segments)
+
+  def snapshot(self) -> dict:
+    """`finish()`'s summary of the session so far, without stopping it."""
+    if self._end is not None:
+      return self.finish()
+    now = time.time()
+    return self._summary(now, [*self._segments, (self._stack[-1], self._mark, now)])
+
+  def _summary(self, end: float, segments: list[tuple[str, float, float]]) -> dict:
     with self._lock:
-      compiles = _merged([(max(s, self._t0), min(e, self._end)) for s, e in self._compiles if e > self._t0])
+      compiles = _merged([(max(s, self._t0), min(e, end)) for s, e in self._compiles if e > self._t0])
     seconds = dict.fromkeys(PHASES, 0.0)
-    for name, start, end in self._segments:
-      seconds[name] += (end - start) - _overlap((start, end), compiles)
+    for name, start, stop in segments:
+      seconds[name] += (stop - start) - _overlap((start, stop), compiles)
     out = {"compile_s": _union_length(compiles), **{f"{p}_s": max(0.0, v) for p, v in seconds.items()},
-           "total_s": self._end - self._t0, "compiles": self.compile_count}
+           "total_s": end - self._t0, "compiles": self.compile_count}
     return {**{k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}, **self.info}
+
+  def record(self) -> None:
+    """Writes the session so far (its `id`, `ended_at` now) to each of `files()`, replacing its
+    earlier entry; first process only, and only once the run recorded its `steps` (its input
+    was accepted). A file that cannot be written is a warning."""
+    import jax
+    if self._files is None or "steps" not in self.info or jax.process_index() != 0:
+      return
+    entry = {"id": self.id, "ended_at": now_iso(), **self.snapshot()}
+    for path in self._files():
+      try:
+        add_session(path, entry)
+      except OSError as e:
+        logging.warning("could not write %s: %s", path, e)
+
+
+def checkpoint_saved(step: int) -> None:
+  """The active session reached `step` and saved it: its `steps.to` and its timeline entry follow."""
+  active = _active
+  if active is None:
+    return
+  steps = active.info.get("steps")
+  if isinstance(steps, dict):
+    steps["to"] = int(step)
+  active.record()
 
 
 @contextlib.contextmanager
@@ -146,15 +191,19 @@ def now_iso() -> str:
 
 
 def add_session(path: str, session: dict) -> dict:
-  """Appends `session` to the timeline file at `path` (atomically); the top level holds the
-  sums over all sessions. Returns the document written."""
+  """Appends `session` to the timeline file at `path` (atomically), or replaces the entry of
+  the same `id`; the top level holds the sums over all sessions. Returns the document written."""
   sessions = []
   if os.path.isfile(path):
     try:
       sessions = list(jsonio.read_json(path).get("sessions", []))
     except (OSError, ValueError, AttributeError):
       sessions = []  # an unreadable file from an older version: start over
-  sessions.append(session)
+  same = [i for i, s in enumerate(sessions) if session.get("id") is not None and s.get("id") == session["id"]]
+  if same:
+    sessions[same[0]] = session
+  else:
+    sessions.append(session)
   totals = {k: round(sum(float(s.get(k) or 0.0) for s in sessions), 3) for k in KEYS}
   document = {**totals, "compiles": sum(int(s.get("compiles") or 0) for s in sessions),
               "num_sessions": len(sessions), "sessions": sessions}

@@ -14,9 +14,12 @@ train states in `checkpoints/` (`{'step', 'members': TrainState with a leading m
 
     workdir/members/<i>/config.json   the member's solo config (seed = seeds[i], its subset)
     workdir/members/<i>/best/ results.json timeline.json tensorboard/   as in a solo workdir
+    workdir/members/<i>/stopped.json  only if the member stopped (a non-finite update): the step
 
 A member folder reads like a solo workdir (`is_workdir`, `restore_params`): its rolling
-checkpoints are member i's slice of the population's (`member_of`).
+checkpoints are member i's slice of the population's (`member_of`). A stopped member's state is
+that of the step it stopped at: `member_workdir` refuses it unless asked (`allow_stopped`), and
+the run summary names it.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ RESULTS_FILE = "results.json"
 TENSORBOARD_DIR = "tensorboard"
 TIMELINE_FILE = "timeline.json"
 MEMBERS_DIR = "members"
+STOPPED_FILE = "stopped.json"
 BEST_METRIC = "stsb_dev"  # the metric the best checkpoint is chosen by (STS-B dev Spearman x100)
 
 
@@ -65,8 +69,9 @@ def population_seeds(workdir: str) -> list[int]:
   return list(jsonio.read_json(path).get("population", {}).get("seeds", []) or [])
 
 
-def member_workdir(workdir: str, index: int) -> str:
-  """The member folder `--member index` names; CheckpointError (one line) when there is none."""
+def member_workdir(workdir: str, index: int, allow_stopped: bool = False) -> str:
+  """The member folder `--member index` names; CheckpointError (one line) when there is none, or
+  when the member stopped (a non-finite update) and `allow_stopped` is False."""
   seeds = population_seeds(workdir)
   if not seeds:
     raise CheckpointError(f"{workdir} is not a population workdir (its {CONFIG_FILE} has no population.seeds); "
@@ -76,7 +81,29 @@ def member_workdir(workdir: str, index: int) -> str:
   path = member_dir(workdir, index)
   if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
     raise CheckpointError(f"member {index} of {workdir} has no {CONFIG_FILE} (the run did not start?)")
+  stopped = member_stopped(path)
+  if stopped is not None and not allow_stopped:
+    raise CheckpointError(f"member {index} of {workdir} stopped at step {stopped} (a non-finite loss, gradient or "
+                          "params): its checkpoints hold its state from before that step, not a finished run; pass "
+                          "--allow_stopped to use that state anyway")
   return path
+
+
+def record_member_stopped(folder: str, step: int, reason: str) -> None:
+  """Records in a member's folder that it stopped at `step` (its state is kept as before that step)."""
+  jsonio.write_json(os.path.join(folder, STOPPED_FILE), {"stopped_at_step": int(step), "reason": reason})
+
+
+def clear_member_stopped(folder: str) -> None:
+  """Removes a member's stop record (a resumed run in which it trains again)."""
+  if os.path.isfile(os.path.join(folder, STOPPED_FILE)):
+    os.remove(os.path.join(folder, STOPPED_FILE))
+
+
+def member_stopped(folder: str) -> int | None:
+  """The step a member stopped at (its folder's `STOPPED_FILE`), None while it trains or trained to the end."""
+  path = os.path.join(folder, STOPPED_FILE)
+  return int(jsonio.read_json(path)["stopped_at_step"]) if os.path.isfile(path) else None
 
 
 def member_of(path: str) -> tuple[str, int] | None:
@@ -282,8 +309,11 @@ def population_summary(workdir: str) -> list[str]:
     score = (f"best STS-B dev {float(best_manager(folder, read_only=True).metrics(best_step)[BEST_METRIC]):.2f} "
              f"at step {best_step}" if best_step is not None else "no dev selection")
     which = " --best" if best_step is not None else ""
-    lines.append(f"  member {i} (seed {seed}): {score}; {folder}; export: python -m micse_jax.convert "
-                 f"--workdir {wd} --member {i}{which} --output EXPORT_DIR")
+    stopped = member_stopped(folder)
+    state = "" if stopped is None else f"STOPPED at step {stopped} (non-finite update; its state is that step's); "
+    flag = "" if stopped is None else " --allow_stopped"
+    lines.append(f"  member {i} (seed {seed}): {state}{score}; {folder}; export: python -m micse_jax.convert "
+                 f"--workdir {wd} --member {i}{which}{flag} --output EXPORT_DIR")
   return lines
 
 

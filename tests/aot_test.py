@@ -7,7 +7,9 @@ compile takes ~30 s on a 2-core CPU. Without the extra the tests skip.
 import jax
 import pytest
 
-from micse_jax.bench import aot, hlo_kernels
+from micse_jax.aot import compile as aot_compile
+from micse_jax.aot import hlo, targets
+from micse_jax.bench import aot
 from micse_jax.bench.jax_step import SHAPES
 
 pytestmark = pytest.mark.slow
@@ -51,7 +53,7 @@ def check_step(r: dict):
   for phase in ("encode (forward)", "encode (backward)", "loss/contrastive (forward)", "loss/ami (forward)",
                 "momentum_forward", "optimizer", "ema", "enqueue"):
     assert r["by_phase"].get(phase, 0) > 0, phase
-  assert r["update_kernels_per_step"] == sum(r["by_phase"].get(p, 0) for p in hlo_kernels.UPDATE_PHASES) > 0
+  assert r["update_kernels_per_step"] == sum(r["by_phase"].get(p, 0) for p in hlo.UPDATE_PHASES) > 0
   # Per layer at least Q/K/V (possibly one merged GEMM), the attention output, two FFN GEMMs; at most
   # six dense GEMMs and the two attention products; plus the MLP head's two.
   for phase in ("encode (forward)", "momentum_forward"):
@@ -74,8 +76,9 @@ def test_h100_step_kernels_memory_and_encode_attention(h100):
 def test_h100_float32_encode_never_uses_cudnn_attention():
   pytest.importorskip("jax_cuda13_plugin", reason="needs the extra 'aot'")
   jax.config.update("jax_platforms", "cpu")
-  compiled, _ = aot.compile_encode(aot.target_devices("h100")[0], "tiny", 8, 16, "float32")
-  assert hlo_kernels.summary(compiled.as_text())["by_kind"].get("attention (cuDNN)", 0) == 0
+  compiled, _ = aot_compile.compile_encode(targets.target_devices("h100")[0], aot.bert_config_for("tiny"), 8, 16,
+                                          "float32")
+  assert hlo.summary(compiled.as_text())["by_kind"].get("attention (cuDNN)", 0) == 0
 
 
 def test_h100_population_step_is_one_program_holding_every_member(h100):
@@ -101,4 +104,4 @@ def test_tpu_v5e_four_chips_step_has_gradient_collectives(v5e):
 def test_unknown_target_is_a_config_error():
   from micse_jax.errors import ConfigError
   with pytest.raises(ConfigError):
-    aot.target_devices("tpu-v9")
+    targets.target_devices("tpu-v9")

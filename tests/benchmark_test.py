@@ -6,25 +6,30 @@ import os
 import jax
 import pytest
 
+from micse_jax.aot import hlo
 from micse_jax.bench import __main__ as bench
-from micse_jax.bench import hlo_kernels, jax_step
+from micse_jax.bench import jax_step
 
 
 def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   out = tmp_path / "bench.json"
-  result = bench.main(["--model", "tiny", "--batch_size", "4", "--max_length", "16", "--steps", "1",
-                       "--warmup", "1", "--piece_steps", "1", "--no-encode", "--torch_mode", "eager", "--output", str(out),
-                       "--profile", str(tmp_path / "trace")])
+  result = bench.main(["--model", "tiny", "--batch_size", "4", "--max_length", "16", "--steps", "1", "--rounds", "2",
+                       "--warmup", "1", "--piece_steps", "1", "--no-encode", "--torch_mode", "eager",
+                       "--output", str(out), "--profile", str(tmp_path / "trace")])
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
   for side in ("jax", "torch"):
-    assert result[side]["step_ms"] > 0 and result[side]["sentences_per_s"] > 0
-  assert result["speedup_vs_torch"] == result["torch"]["step_ms"] / result["jax"]["step_ms"]
+    t = result[side]
+    assert t["pipelined_step_ms"] > 0 and t["blocked_step_ms"] > 0 and len(t["pipelined_rounds_ms"]) == 2
+    assert min(t["pipelined_rounds_ms"]) <= t["pipelined_step_ms"] <= max(t["pipelined_rounds_ms"])  # their median
+    assert t["sentences_per_s"] == pytest.approx(4e3 / t["pipelined_step_ms"])  # headline: pipelined
+  assert result["speedup_vs_torch"] == result["torch"]["pipelined_step_ms"] / result["jax"]["pipelined_step_ms"]
+  assert result["speedup_vs_torch_blocked"] == result["torch"]["blocked_step_ms"] / result["jax"]["blocked_step_ms"]
   assert result["step_flops"] > 0 and result["compile_s"] > 0 and result["model_flops"] > 0
   phases = result["breakdown_ms"]
   for phase in ("encode (forward)", "encode (backward)", "loss/ami (forward)", "momentum_forward", "optimizer", "ema"):
     assert phases.get(phase, 0) > 0, phases  # the miCSE step's parts, each found in the profile
-  assert set(phases) <= {f"{p}{s}" for p in hlo_kernels.PHASES for s in ("", " (forward)", " (backward)")} | {
-      hlo_kernels.NO_PHASE, "(unattributed)"}
+  assert set(phases) <= {f"{p}{s}" for p in hlo.PHASES for s in ("", " (forward)", " (backward)")} | {
+      hlo.NO_PHASE, "(unattributed)"}
   # every op of the profile is in some phase: the phases add up to the op time by kind
   assert sum(phases.values()) == pytest.approx(result["profile"]["op_ms_per_step"], rel=0.02)
   mfu = result["jax"]["mfu"]
@@ -37,7 +42,8 @@ def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   kinds = result["profile"]["ms_per_step_by_kind"]
   assert kinds["matrix multiply"] > 0 and sum(kinds.values()) == pytest.approx(result["profile"]["op_ms_per_step"])
   printed = capsys.readouterr().out
-  for text in ("micse_jax step", "PyTorch (eager, public code) step",
+  for text in ("micse_jax step", "ms pipelined", "ms blocked", "ratios, sentences/s and MFU use the pipelined time",
+               "PyTorch (eager, public code) step",
                "ratio PyTorch (eager, public code) / micse_jax", "breakdown by phase",
                "encode (backward)", "loss/ami (forward)", "momentum_forward", "optimizer",
                "XLA op time per step", "model FLOPs/step"):
@@ -51,8 +57,8 @@ def test_phases_of_the_step_cover_its_compiled_kernels():
   step = jax_step.JaxStep(model_dir, jax_step.random_batch(4, 16, 30522, seed=1), "float32")
   step.compile()
   text = step.compiled.as_text()
-  phases = hlo_kernels.phase_by_instruction(text)
-  assert len(phases) == hlo_kernels.summary(text)["kernels_per_step"]
+  phases = hlo.phase_by_instruction(text)
+  assert len(phases) == hlo.summary(text)["kernels_per_step"]
   found = set(phases.values())
   for phase in ("encode (forward)", "encode (backward)", "loss/contrastive (forward)", "loss/contrastive (backward)",
                 "loss/ami (forward)", "loss/ami (backward)", "momentum_forward", "enqueue", "optimizer", "ema"):
@@ -157,3 +163,22 @@ def test_gpu_profile_puts_most_kernel_time_in_named_kinds(tmp_path):
   assert s["ms_per_step_by_kind"].get("other", 0) < 0.2 * s["op_ms_per_step"], s["top_ops_ms_per_step"]
   phases = s["ms_per_step_by_phase"]  # from the XLA Ops line: op names the phase map knows
   assert phases.get("encode (backward)", 0) > 0 and phases.get("(unattributed)", 0) < 0.2 * sum(phases.values()), phases
+
+
+def test_bench_keeps_rows_measured_before_a_late_failure(tmp_path, monkeypatch):
+  """The PyTorch baseline fails after the micse_jax step was measured: the rows file and the
+  output file still hold the compile and step figures."""
+  from micse_jax.bench import torch_step
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("CUDA out of memory (simulated)")
+  monkeypatch.setattr(torch_step, "torch_benchmark", broken)
+  rows, output = tmp_path / "rows.jsonl", tmp_path / "out.json"
+  with pytest.raises(RuntimeError, match="simulated"):
+    bench.main(["--model", "tiny", "--batch_size", "4", "--max_length", "16", "--steps", "1", "--warmup", "1",
+                "--rounds", "1", "--no_breakdown", "--no-encode", "--rows", str(rows), "--output", str(output)])
+  saved = [json.loads(line) for line in rows.read_text().splitlines()]
+  assert [r["row"] for r in saved] == ["setup", "compile", "jax"]
+  assert all(r["batch_size"] == 4 and r["dtype"] == "float32" for r in saved)
+  assert saved[2]["jax"]["pipelined_step_ms"] > 0 and saved[1]["compile_s"] > 0
+  assert json.loads(output.read_text())["jax"] == saved[2]["jax"]

@@ -1,11 +1,11 @@
-"""bench/collectives.py: collective counts and bytes read from optimised HLO text."""
+"""aot/collectives.py: collective counts and bytes read from optimised HLO text."""
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
-from micse_jax.bench.collectives import COLLECTIVE_KINDS, collective_table, shape_bytes
+from micse_jax.aot.collectives import COLLECTIVE_KINDS, collective_table, shape_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,7 @@ _COMPILED = textwrap.dedent("""
   import json
   import jax, jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from micse_jax.bench.collectives import collective_table
+  from micse_jax.aot.collectives import collective_table
   mesh = Mesh(jax.devices(), ("data",))
   def gather_then_sum(x):  # x [8, 24] sharded by rows: one all-gather of the whole f32[8, 24]
     full = jax.lax.with_sharding_constraint(x * 2.0, NamedSharding(mesh, P()))

@@ -44,6 +44,19 @@ def test_copies_are_the_encoder_and_ema_kernels_cast_and_nothing_else():
   assert _state(jnp.float32).compute_weights == {} and _state(None).compute_weights == {}
 
 
+def test_ct_second_encoder_has_copies_and_is_read_through_them():
+  """Contrastive Tension's `encoder_b` casts its kernels like the online encoder: it gets copies too."""
+  params = dict(_params(), encoder_b=_params(key=1)["encoder"])
+  copies = _state(jnp.bfloat16, params).compute_weights
+  assert sorted(copies) == ["ema", "encoder", "encoder_b"]
+  expected = np.asarray(params["encoder_b"]["layer"]["dense"]["kernel"]).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(copies["encoder_b"]["layer"]["dense"]["kernel"]), expected)
+  read = compute_weights.read_through(params, copies)
+  for name in ("encoder", "encoder_b"):
+    assert read[name]["layer"]["dense"]["kernel"].dtype == jnp.bfloat16
+  assert read["head"]["dense"]["kernel"].dtype == jnp.float32  # the heads cast in the step (documented)
+
+
 def test_the_gradient_through_a_copy_is_the_gradient_through_the_cast():
   params = _params()["encoder"]
   copies = compute_weights.kernel_copies(params, jnp.bfloat16)

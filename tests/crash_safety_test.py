@@ -1,6 +1,7 @@
 """Crash safety, proven with a real kill: `python -m micse_jax.main` is SIGKILLed mid-run and
 once while a checkpoint is being written; re-running the same command resumes, and the final
-train state equals that of an uninterrupted run exactly (CPU)."""
+train state equals that of an uninterrupted run exactly (CPU); the killed session's time is in
+timeline.json up to its last checkpoint."""
 import os
 import re
 import signal
@@ -11,7 +12,9 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
+from micse_jax import jsonio
 from micse_jax import workdir as workdir_lib
 from tests.train_utils import tiny_training_config
 
@@ -87,6 +90,17 @@ def _first_progress_step(log_path):
   return int(match.group(1))
 
 
+def _assert_killed_session_recorded(path, committed: int) -> None:
+  """The SIGKILLed session's time is on record up to a checkpoint (the last committed one, or the
+  next, saved and recorded while Orbax was still writing it)."""
+  document = jsonio.read_json(str(path))
+  (session,) = document["sessions"]
+  assert not session["finished"] and session["steps"]["from"] == 0
+  assert session["steps"]["to"] in (committed, committed + 2)  # checkpoint_every=2
+  assert session["compile_s"] > 0 and session["train_s"] > 0
+  assert session["total_s"] >= session["compile_s"] + session["train_s"] and document["total_s"] == session["total_s"]
+
+
 def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, minilm_dir):
   config = tiny_training_config(tmp_path, minilm_dir)
   env = _env(tmp_path / "jax_cache")
@@ -94,11 +108,13 @@ def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp
   _run(_command(config, reference), env, tmp_path / "reference.log")
 
   cmd = _command(config, crashed)
-  # 1. killed mid-run: right after the first checkpoint is committed, between saves.
-  assert _run_and_kill(cmd, env, tmp_path / "kill1.log", lambda: _committed(crashed)), \
+  timeline_file = crashed / workdir_lib.TIMELINE_FILE
+  # 1. killed mid-run: right after the first checkpoint is committed (and its timeline written), between saves.
+  assert _run_and_kill(cmd, env, tmp_path / "kill1.log", lambda: _committed(crashed) and timeline_file.exists()), \
       "the run finished before it could be killed"
   after_first = _committed(crashed)
   assert after_first and after_first[-1] < STEPS
+  _assert_killed_session_recorded(timeline_file, after_first[-1])
   # 2. killed while a later checkpoint is being written (a new Orbax temporary folder exists).
   leftovers = _temporaries(crashed)
   assert _run_and_kill(cmd, env, tmp_path / "kill2.log",
@@ -110,6 +126,11 @@ def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp
   _run(cmd, env, tmp_path / "resume.log")
   assert _first_progress_step(tmp_path / "kill2.log") == after_first[-1]
   assert _first_progress_step(tmp_path / "resume.log") == resume_from > 0
+
+  document = jsonio.read_json(str(timeline_file))  # one entry per session, the resume's finished
+  assert len({s["id"] for s in document["sessions"]}) == document["num_sessions"] >= 2
+  assert document["sessions"][-1]["finished"] and document["sessions"][-1]["steps"]["to"] == STEPS
+  assert document["total_s"] == pytest.approx(sum(s["total_s"] for s in document["sessions"]), abs=1e-2)
 
   want, got = _final_state(reference), _final_state(crashed)
   assert jax.tree.structure(want) == jax.tree.structure(got)

@@ -25,7 +25,7 @@ from micse_jax import optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout under test
 
-FIRST_PARTY = {"micse_jax", "tests", "__future__"}  # a top-level `configs` would be third party
+FIRST_PARTY = {"micse_jax", "tests", "benchmarks", "__future__"}  # a top-level `configs` would be third party
 SOURCE_DIRS = ("micse_jax",)  # configs included (micse_jax/configs); scripts/device/ runs on the GPU image's own Python
 
 
@@ -131,7 +131,7 @@ def _names(specs) -> set[str]:
 
 # Extras whose wheels (~1 GB, pinned to one jax version) the test environment does not install:
 # their optional imports are checked against these pins and `optional.OPTIONAL` instead.
-UNINSTALLED_EXTRA_PINS = ("requirements-aot.txt", "requirements-tpu.txt")
+UNINSTALLED_EXTRA_PINS = ("requirements-aot.txt", "requirements-aot-v100.txt", "requirements-tpu.txt")
 
 
 def uninstalled_extra_pins() -> set[str]:

@@ -167,7 +167,7 @@ def test_old_per_leaf_workdir_resumes_converted(tmp_path, tiny_real_dir, monkeyp
   """A workdir saved as the previous release did (per-leaf optimizer state, the queue as loose
   fields; 3 steps) resumes under this one to step 6,
   equal to a run that was flat from the start; a non-convertible checkpoint stays one error line."""
-  from micse_jax.training import checkpoint, trainer
+  from micse_jax.training import checkpoint, program, trainer
   from micse_jax.training.setup import prepare
   from tests.sharded_state_worker import final_state, flat_state
   from tests.train_utils import rewrite_in_old_layout
@@ -176,7 +176,7 @@ def test_old_per_leaf_workdir_resumes_converted(tmp_path, tiny_real_dir, monkeyp
   flat_dir, old_dir = str(tmp_path / "flat"), str(tmp_path / "old")
   trainer.train_and_evaluate(config, flat_dir)
   with monkeypatch.context() as m:  # the trainer as it was: per-leaf optimizer state
-    m.setattr(trainer, "make_optimizer", optim.per_leaf_optimizer)
+    m.setattr(program, "make_optimizer", optim.per_leaf_optimizer)
     config.num_train_steps = 3
     trainer.train_and_evaluate(config, old_dir)
     old_run = prepare(config)

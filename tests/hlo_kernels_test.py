@@ -1,6 +1,6 @@
-"""bench/hlo_kernels.py on hand-written HLO: kernels walked through command buffers and loops,
+"""bench/hlo.py on hand-written HLO: kernels walked through command buffers and loops,
 classified by kind, and given the phase of the step's named scopes (forward / backward)."""
-from micse_jax.bench import hlo_kernels
+from micse_jax.aot import hlo
 
 HLO = """HloModule jit_train_step
 
@@ -49,25 +49,25 @@ ENTRY %main (x: bf16[8,8], y: f32[8]) -> f32[8] {
 
 
 def test_kernels_by_kind_and_phase():
-  found = {k.name: (k.kind, k.phase) for k in hlo_kernels.kernels(HLO)}
+  found = {k.name: (k.kind, k.phase) for k in hlo.kernels(HLO)}
   assert found == {
       "gemm_fusion_dot.1": ("GEMM (Triton fusion)", "encode (backward)"),   # phase from the fused dot
       "loop_add_fusion": ("loop fusion", "optimizer"),
       "cublas-gemm.1": ("GEMM (cuBLAS)", "momentum_forward"),
-      "attn": ("attention (cuDNN)", hlo_kernels.NO_PHASE),
+      "attn": ("attention (cuDNN)", hlo.NO_PHASE),
       "all-reduce-start": ("collective (all-reduce)", "ema"),              # the -done half is no kernel
-      "copy.1": ("copy", hlo_kernels.NO_PHASE),
+      "copy.1": ("copy", hlo.NO_PHASE),
       "fusion.9": ("sort", "loss/ami (forward)"),                          # inside the while body
   }
-  s = hlo_kernels.summary(HLO)
+  s = hlo.summary(HLO)
   assert s["kernels_per_step"] == 7 and s["update_kernels_per_step"] == 2  # optimizer + ema
-  assert s["by_kind"]["GEMM (cuBLAS)"] == 1 and s["by_phase"][hlo_kernels.NO_PHASE] == 2
+  assert s["by_kind"]["GEMM (cuBLAS)"] == 1 and s["by_phase"][hlo.NO_PHASE] == 2
 
 
 def test_phase_names_with_slashes_and_nesting():
-  assert hlo_kernels.phase_of("jit(step)/jvp(loss/contrastive)/log") == "loss/contrastive (forward)"
-  assert hlo_kernels.phase_of("jit(step)/transpose(jvp(loss/mlm))/dot") == "loss/mlm (backward)"
-  assert hlo_kernels.phase_of("jit(step)/jvp(encode)/encoder/layer_0") == "encode (forward)"
-  assert hlo_kernels.phase_of("jit(step)/encoder/layer_0") is None  # `encoder` is not `encode`
-  assert hlo_kernels.phase_of("jit(step)/finite/reduce_and") == "finite"
-  assert hlo_kernels.phase_of(None) is None
+  assert hlo.phase_of("jit(step)/jvp(loss/contrastive)/log") == "loss/contrastive (forward)"
+  assert hlo.phase_of("jit(step)/transpose(jvp(loss/mlm))/dot") == "loss/mlm (backward)"
+  assert hlo.phase_of("jit(step)/jvp(encode)/encoder/layer_0") == "encode (forward)"
+  assert hlo.phase_of("jit(step)/encoder/layer_0") is None  # `encoder` is not `encode`
+  assert hlo.phase_of("jit(step)/finite/reduce_and") == "finite"
+  assert hlo.phase_of(None) is None

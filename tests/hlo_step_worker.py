@@ -1,5 +1,5 @@
 """Run with XLA_FLAGS=--xla_force_host_platform_device_count=N: compiles the miCSE train step
-for N devices and prints its collective table (bench/collectives.py) and the size of the
+for N devices and prints its collective table (aot/collectives.py) and the size of the
 gathered projected embeddings z (padded B x D float32) as one JSON line.
 
   python -m tests.hlo_step_worker TMP TOKENIZER_DIR [--model DIR] [--batch B] [--queue Q] [--max-length T] [--dump FILE]
@@ -13,23 +13,14 @@ import jax
 
 def compiled_step_text(config, mesh):
   """The optimised HLO text of the jitted, sharded train step on `mesh`."""
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training import trainer
-  from micse_jax.training.optim import make_optimizer
-  run = trainer.prepare(config)
-  tx = make_optimizer(config)
-  abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
-  sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), abstract)
-  from micse_jax.data.packing import BatchLayout
-  layout = BatchLayout.of(run.batches.batch(0))
-  step = trainer.jit_train_step(run, tx, mesh, sharding, layout)
-  packed = layout.pack(run.batches.batch(0))
-  batch_abstract = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
-  return step.lower(abstract, batch_abstract).compile().as_text(), run.bert_config.hidden_size
+  from micse_jax.training import program, setup
+  run = setup.prepare(config)
+  prog = program.of_runs(config, [run], mesh.devices.flat)  # the trainer's program on `mesh`'s devices
+  return prog.lower().compile().as_text(), run.bert_config.hidden_size
 
 
 def main():
-  from micse_jax.bench.collectives import collective_table
+  from micse_jax.aot.collectives import collective_table
   from micse_jax.training import mesh as mesh_lib
   from tests.train_utils import tiny_training_config
   parser = argparse.ArgumentParser()

@@ -121,13 +121,15 @@ MAX_FUNCTION_LINES = 60
 # Lowest first; a module imports only from its own layer or below (top-level or inside functions).
 LAYERS = (
     ("micse_jax.errors", "micse_jax.paths", "micse_jax.jsonio", "micse_jax.optional", "micse_jax.cli",
-     "micse_jax.configs", "micse_jax.caches", "micse_jax.timeline"),
+     "micse_jax.configs", "micse_jax.caches", "micse_jax.cache_healing", "micse_jax.timeline"),
     ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.models", "micse_jax.losses",
      "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
     ("micse_jax.workdir", "micse_jax.encoder"),
-    ("micse_jax.evaluators", "micse_jax.export"),
-    # config_checks composes the choice lists their owners (training/views, terms, ...) define
-    ("micse_jax.training", "micse_jax.config_checks"),
+    # config_checks reads the choice lists of their owners below it (configs/methods, configs/population, ...)
+    ("micse_jax.evaluators", "micse_jax.export", "micse_jax.config_checks"),
+    ("micse_jax.training",),
+    # the deviceless compile of the trainer's program (training/program.py) and the reading of compiled programs
+    ("micse_jax.aot",),
     ("micse_jax.studies", "micse_jax.bench"),
     ("micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
      "micse_jax.analyze", "micse_jax.bench.__main__"),
@@ -198,6 +200,18 @@ def test_no_upward_import(module):
   assert not upward, f"{module} (layer {own}) imports from a higher layer: {sorted(upward)}"
 
 
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("micse_jax.bench")))
+def test_the_library_never_imports_the_bench(module):
+  """The bench is a program over the library (it times and reports); nothing else imports it."""
+  assert not {m for m in _imports(MODULES[module]) if m.startswith("micse_jax.bench")}, module
+
+
+def test_config_checks_import_nothing_from_training():
+  """The training package imports the checks, never the other way round (the choice lists the
+  checks read are owned below it)."""
+  assert not {m for m in _imports(MODULES["micse_jax.config_checks"]) if m.startswith("micse_jax.training")}
+
+
 def test_no_import_cycle():
   graph = {m: _imports(p) - {m} for m, p in MODULES.items()}
   assert _cycles(graph) == []
@@ -247,6 +261,20 @@ def test_function_length_and_docstrings(module):
   if not module.startswith("micse_jax.configs."):  # a config's get_config is a table of fields
     assert not _long_functions(tree), f"{module}: functions over {MAX_FUNCTION_LINES} lines"
   assert not _undocumented(tree), f"{module}: public functions without a docstring: {_undocumented(tree)}"
+
+
+KIT_HARNESS = sorted(os.path.join(REPO, "benchmarks", f) for f in os.listdir(os.path.join(REPO, "benchmarks"))
+                     if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("path", KIT_HARNESS, ids=os.path.basename)
+def test_kit_harness_follows_the_size_and_docstring_rules(path):
+  """The GPU kit's harness lives outside the package (benchmarks/) under the same rules."""
+  with open(path, encoding="utf-8") as f:
+    source = f.read()
+  tree = ast.parse(source)
+  assert source.count("\n") <= MAX_MODULE_LINES and not _long_functions(tree) and not _undocumented(tree)
+  assert not {m for m in _imports(path) if m.startswith("micse_jax.") and _layer(m) is None}
 
 
 def test_size_and_docstring_checkers_can_fail():

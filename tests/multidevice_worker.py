@@ -9,10 +9,7 @@ import numpy as np
 
 
 def main(tmp, tokenizer_dir):
-  from micse_jax.data.packing import BatchLayout
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training import setup, trainer
-  from micse_jax.training.optim import make_optimizer
+  from micse_jax.training import program, setup
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
   # n = B: step 1's anchors all meet their own sentence in the queue, so the same-sentence mask
@@ -20,17 +17,13 @@ def main(tmp, tokenizer_dir):
   config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{"data.num_sentences": 8})
   run = setup.prepare(config)
   run.initial_params = jax.device_get(run.initial_params)  # host copy: each run donates its own
-  tx = make_optimizer(config)
   finals = []
   for devices in (jax.devices()[:1], jax.devices()):
-    mesh = mesh_lib.data_mesh(devices)
-    sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: setup.initial_state(run, tx)))
-    state = jax.device_put(setup.initial_state(run, tx), sharding)
-    layout = BatchLayout.of(run.batches.batch(0))
-    step = trainer.jit_train_step(run, tx, mesh, sharding, layout)
+    prog = program.of_runs(config, [run], devices)  # the trainer's program on these devices
+    state = prog.place_state([setup.initial_state(run, prog.tx)])
     losses = []
     for i in range(2):
-      state, metrics = step(state, mesh_lib.global_batch(layout.pack(run.batches.batch(i)), mesh))
+      state, metrics = prog.step(*prog.inputs(state, prog.place_batch([run.batches.batch(i)])))
       losses.append(float(metrics["loss"]))
     finals.append((jax.device_get(state), losses))
   (s1, l1), (s4, l4) = finals

@@ -15,28 +15,23 @@ BATCH = 50
 
 
 def unpadded(batch: dict) -> dict:
-  """The first BATCH rows of a padded global batch, without `row_mask`: the unpadded run's batch
-  (a batch without `row_mask` means all rows real). Checks the padding rows are last."""
+  """The first BATCH rows of a padded global batch: the unpadded run's batch (`row_mask` all
+  ones). Checks the padding rows are last."""
   from micse_jax.data.pipeline import ROW_MASK_KEY
   mask = batch[ROW_MASK_KEY]
   assert mask[:BATCH].all() and not mask[BATCH:].any(), mask
-  return {k: v[:BATCH] for k, v in batch.items() if k != ROW_MASK_KEY}
+  return {k: v[:BATCH] for k, v in batch.items()}
 
 
 def run_steps(run, tx, devices, steps, padded):
   """`steps` steps on a mesh of `devices` from the initial state; (host state, metrics list)."""
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training import trainer
-  mesh = mesh_lib.data_mesh(devices)
-  sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), jax.eval_shape(lambda: trainer.initial_state(run, tx)))
-  state = jax.device_put(trainer.initial_state(run, tx), sharding)
-  from micse_jax.data.packing import BatchLayout
+  from micse_jax.training import program, setup
+  prog = program.of_runs(run.config, [run], devices)  # the trainer's program on these devices
+  state = prog.place_state([setup.initial_state(run, tx)])
   host_batch = lambda i: run.batches.batch(i) if padded else unpadded(run.batches.batch(i))  # padded: 52 rows
-  layout = BatchLayout.of(host_batch(0))
-  step = trainer.jit_train_step(run, tx, mesh, sharding, layout)
   metrics = []
   for i in range(steps):
-    state, m = step(state, mesh_lib.global_batch(layout.pack(host_batch(i)), mesh))
+    state, m = prog.step(*prog.inputs(state, prog.place_batch([host_batch(i)])))
     metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
   return jax.device_get(state), metrics
 

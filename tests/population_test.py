@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from micse_jax import config_checks
+from micse_jax.configs import population as population_fields
 from micse_jax.errors import ConfigError
 from micse_jax.training import population
 from tests.population_utils import compared_parts, max_difference, run_population, run_solo
@@ -27,7 +28,7 @@ def _population_config(tmp_path, minilm_dir, steps=20, **population_fields):
 
 def test_member_configs_are_the_solo_configs(tmp_path, minilm_dir):
   config = _population_config(tmp_path, minilm_dir, seeds=(1, 2, 3), subset_seeds=(7, 8, 9), num_sentences=32)
-  members = population.member_configs(config)
+  members = population_fields.member_configs(config)
   assert [m.seed for m in members] == [1, 2, 3]
   assert [m.data.subset_seed for m in members] == [7, 8, 9]
   assert {m.data.num_sentences for m in members} == {32}
@@ -43,7 +44,7 @@ def test_each_member_equals_its_solo_run_after_20_steps(tmp_path, minilm_dir):
   pstate, history = run_population(config, 20)
   assert int(pstate.step) == 20 and list(pstate.stopped_at) == [-1, -1]
   finals = []
-  for i, member_config in enumerate(population.member_configs(config)):
+  for i, member_config in enumerate(population_fields.member_configs(config)):
     solo, losses = run_solo(member_config, 20)
     np.testing.assert_allclose([float(h["loss"][i]) for h in history], losses, rtol=1e-5, atol=1e-6)
     assert max_difference(compared_parts(population.member(pstate.members, i)), compared_parts(solo)) < TOLERANCE
@@ -69,7 +70,7 @@ def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
   line = population.stopped_line(1, 2, stopped[1], 2)
   assert "\n" not in line and "member 1 (seed 2) stopped" in line
   assert int(population.member(pstate.members, 0).step) == 6
-  solo_config = population.member_config(config, 2)
+  solo_config = population_fields.member_config(config, 2)
   assert solo_config.optim.learning_rate == 2e-3
   solo, _ = run_solo(solo_config, 6)
   assert max_difference(compared_parts(population.member(pstate.members, 2)), compared_parts(solo)) < TOLERANCE
@@ -80,7 +81,7 @@ def test_a_per_member_ami_weight_is_the_same_program_as_a_constant_one(tmp_path,
   """population.ami_weights=(0, 0.3): member 1 is bit for bit the member of seed 3 in a population
   whose ami.weight is the constant 0.3; member 0's loss is its InfoNCE alone (λ = 0)."""
   config = _population_config(tmp_path, minilm_dir, steps=3, seeds=(2, 3), ami_weights=(0.0, 0.3))
-  assert [m.ami.weight for m in population.member_configs(config)] == [0.0, 0.3]
+  assert [m.ami.weight for m in population_fields.member_configs(config)] == [0.0, 0.3]
   per_member, history = run_population(config, 3)
   constant = _population_config(tmp_path, minilm_dir, steps=3, seeds=(2, 3))
   constant.ami.weight = 0.3
@@ -94,7 +95,7 @@ def test_a_per_member_ami_weight_is_the_same_program_as_a_constant_one(tmp_path,
 
 @pytest.mark.parametrize("fields, message", [
     ({"seeds": (1, 1)}, "distinct"),
-    ({"seeds": (1, 2), "subset_seeds": (3,)}, "one subset seed per member"),
+    ({"seeds": (1, 2), "subset_seeds": (3,)}, "one data.subset_seed per member"),
     ({"subset_seeds": (3,)}, "need population.seeds"),
     ({"seeds": (1, 2), "learning_rates": (1e-3, -1.0)}, "learning_rates"),
     ({"seeds": (1, 2), "ami_weights": (1e-3,)}, "ami_weights"),
@@ -143,7 +144,7 @@ def test_population_workdir_resumes_and_each_member_folder_is_a_workdir(tmp_path
   train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, workdir)
   results = trainer.train_and_evaluate(config, workdir)
   assert len(results["members"]) == 2
-  solo_config = population.member_config(config, 1)
+  solo_config = population_fields.member_config(config, 1)
   solo_config.eval_every, solo_config.eval.final_tasks = 0, ""
   solo = str(tmp_path / "solo")
   trainer.train_and_evaluate(solo_config, solo)
@@ -199,7 +200,7 @@ def test_sweep_groups_runs_that_differ_only_in_seeds(tmp_path):
     for key, value in run.overrides:
       spec.set_field(config, key, value, run.config_file)
     return config
-  assert population.member_config(built(pop), 1).to_dict() == built(runs[1]).to_dict()
+  assert population_fields.member_config(built(pop), 1).to_dict() == built(runs[1]).to_dict()
   # GPU-hours: a 2-member step costs 2 × 10 ms unless a measured figure is given
   assert spec.estimated_gpu_hours(launched, 10.0) == (400, pytest.approx((2 * 100 * 20 + 2 * 100 * 10) / 3.6e6))
   assert spec.estimated_gpu_hours(launched, 10.0, 1, None, {2: 12.0})[1] == pytest.approx(4400 / 3.6e6)

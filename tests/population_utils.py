@@ -3,29 +3,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from micse_jax.training import population, population_trainer, setup
+from micse_jax.configs import population as population_fields
+from micse_jax.training import program, setup
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
 
 
 def run_population(config, steps: int, devices=None, hlo: list | None = None):
-  """(final PopulationState on the host, per-step metrics) of `steps` population steps on `devices`;
-  appends the compiled step's HLO text to `hlo` when given."""
-  f = population_trainer.fresh_population(config, devices)
-  runs, layout, mesh, step, pstate = f.runs, f.layout, f.mesh, f.step, f.state
-  hyper = population.hyper(config)
-  batches = [r.batches for r in runs]
+  """(final PopulationState on the host, per-step metrics) of `steps` population steps on `devices`
+  (the trainer's program); appends the compiled step's HLO text to `hlo` when given."""
+  runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
+  prog = program.of_runs(config, runs, devices)
+  pstate = prog.place_state([setup.initial_state(r, prog.tx) for r in runs])
+  batch = lambda s: prog.place_batch([r.batches.batch(s) for r in runs])
   if hlo is not None:
-    hlo.append(step.lower(pstate, population.stacked_batch(batches, layout, 0, mesh), hyper).compile().as_text())
+    hlo.append(prog.step.lower(*prog.inputs(pstate, batch(0))).compile().as_text())
   history = []
   for s in range(steps):
-    pstate, metrics = step(pstate, population.stacked_batch(batches, layout, s, mesh), hyper)
+    pstate, metrics = prog.step(*prog.inputs(pstate, batch(s)))
     history.append(jax.device_get(metrics))
   return jax.device_get(pstate), history
 
 
 def run_solo(member_config, steps: int):
-  """(final TrainState on the host, per-step losses) of the solo run `member_config`, one device."""
+  """(final TrainState on the host, per-step losses) of the solo run `member_config`, one device
+  (the pure step jitted here, independently of the program)."""
   run = setup.prepare(member_config)
   tx = make_optimizer(member_config)
   state = setup.initial_state(run, tx)

@@ -10,6 +10,7 @@ from micse_jax.training import checkpoint, precision, setup, trainer
 from micse_jax.training.momentum import Queue
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState
+from micse_jax.training.step import make_train_step
 from tests.train_utils import tiny_training_config
 
 
@@ -63,7 +64,7 @@ def _one_step(config, state=None):
   run = setup.prepare(config)
   tx = make_optimizer(config)
   state = setup.initial_state(run, tx) if state is None else state
-  step = jax.jit(trainer.make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
+  step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
   batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}
   return state, *jax.device_get(step(state, batch))
 

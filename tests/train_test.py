@@ -14,6 +14,7 @@ from micse_jax.models.bert import resolve_layers
 from micse_jax.training import checkpoint, setup, trainer
 from micse_jax.training.momentum import Queue, ema_update
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.step import make_train_step
 from tests.helpers import run_device_worker
 from tests.train_utils import rewrite_in_old_layout, tiny_training_config, train_preempted_after_first_save
 
@@ -69,7 +70,7 @@ def _run_steps(config, n):
   tx = make_optimizer(config)
   state = setup.initial_state(run, tx)
   init = jax.device_get(state)
-  step = jax.jit(trainer.make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
+  step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
   metrics = None
   for i in range(n):
     state, metrics = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(i).items()})

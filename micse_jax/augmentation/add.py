@@ -99,6 +99,8 @@ def token_importance_rollout(att: jax.Array, attention_mask: jax.Array, *,
 
 
 ADD_MODES = ("static", "dynamic")  # `view.add_mode`'s choices (config_checks reads this)
+# `view.add_importance`'s choices (config_checks reads the keys; `training/views.add_view` calls them)
+ADD_IMPORTANCE = {"naive": token_importance_naive, "rollout": token_importance_rollout}
 
 
 def num_tokens_to_drop(lengths: jax.Array, *, mode: str, k: int, threshold: int) -> jax.Array:

@@ -3,8 +3,10 @@
     python -m micse_jax.bench --model minilm --batch_size 64
     python -m micse_jax.bench --model bert-base --batch_size 50 --dtype bfloat16 --profile /tmp/trace
 
-Prints: compile time, model FLOPs (bench/flops.py) and XLA's FLOP count of the train step; the step time (median) of
-micse_jax and of the PyTorch baseline and their ratio; the step's time by phase (a profile of a
+Prints: compile time, model FLOPs (bench/flops.py) and XLA's FLOP count of the train step; the step time of
+micse_jax and of the PyTorch peers, each two ways (bench/timing.py): pipelined, runs of --steps steps with one
+wait per run as the trainer runs them (the headline: ratios, sentences/s and MFU use it), and blocked, the
+median of single steps each waited for; the step's time by phase (a profile of a
 few full steps, each op under the step's `jax.named_scope` it belongs to: two-view encoding
 forward and backward, each loss term, optimizer, EMA, momentum forward, enqueue; jax_step.py);
 peak memory; MFU on GPUs with a known peak; the encode throughput of SentenceEncoder.encode against
@@ -20,16 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 
 import jax
 
-from micse_jax import cli
-from micse_jax.bench import aot, hardware, hlo_kernels, host, jax_step, scaling, trace_summary
-from micse_jax.bench.rows import Rows, write_json_atomically
-from micse_jax.bench.torch_step import TORCH_MODES, time_steps
+from micse_jax import cli, jsonio
+from micse_jax.aot import hlo
+from micse_jax.aot.targets import TARGETS
+from micse_jax.bench import aot, hardware, host, jax_step, scaling, timing, trace_summary
+from micse_jax.bench.rows import Rows
+from micse_jax.bench.torch_step import TORCH_MODES
 from micse_jax.errors import MicseError, one_line
 from micse_jax.models.dtypes import DTYPES
 from micse_jax.optional import require
@@ -45,8 +48,7 @@ def parse_args(argv):
   p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (params stay float32)")
   p.add_argument("--dropout_random_bits", type=int, default=32, choices=(32, 16),
                  help="model.dropout_random_bits of the micse_jax step (16: two draws per random word)")
-  p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
-  p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+  timing.add_arguments(p)
   p.add_argument("--piece_steps", type=int, default=3, help="profiled full steps of the breakdown by phase")
   p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baselines")
   p.add_argument("--torch_mode", default=",".join(TORCH_MODES),
@@ -67,13 +69,14 @@ def parse_args(argv):
   p.add_argument("--collectives", action="store_true",
                  help="instead: collectives and memory per device of the compiled BERT-base step for the "
                       "current devices, state replicated vs sharded, with and without remat (bench/scaling.py)")
-  p.add_argument("--aot", metavar="TARGET", choices=aot.TARGETS,
+  p.add_argument("--aot", metavar="TARGET", choices=TARGETS,
                  help="instead: compile the step and the encode program for a GPU/TPU that is not here ("
-                      + ", ".join(aot.TARGETS) + ") and report kernels by kind and phase, memory per device, "
+                      + ", ".join(TARGETS) + ") and report kernels by kind and phase, memory per device, "
                       "collectives (bench/aot.py; needs the extra 'aot' or 'tpu')")
   p.add_argument("--encode_attention", action="store_true",
                  help="instead: encode throughput with the fused attention (cuDNN flash attention on a GPU in "
                       "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")
+  p.add_argument("--aot_hlo", metavar="FILE", help="with --aot TARGET: predict a saved optimized-HLO file's step time (aot/time_model.py)")
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--population", type=int, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
@@ -85,8 +88,8 @@ def parse_args(argv):
   modes = args.torch_mode.split(",")
   if not modes or any(m not in TORCH_MODES for m in modes):
     p.error(f"--torch_mode {args.torch_mode!r}: comma-separated choices of {', '.join(TORCH_MODES)}")
-  if args.batch_size < 1 or args.max_length < 4 or args.steps < 1 or args.devices < 1:
-    p.error("--batch_size, --steps and --devices must be >= 1, --max_length >= 4")
+  if min(args.batch_size, args.steps, args.rounds, args.devices) < 1 or args.max_length < 4:
+    p.error("--batch_size, --steps, --rounds and --devices must be >= 1, --max_length >= 4")
   if args.population_members is not None and not _positive_ints(args.population_members):
     p.error(f"--population_members {args.population_members!r}: comma-separated population sizes >= 1")
   if args.population and not args.aot or args.population < 0:
@@ -104,10 +107,6 @@ def _positive_ints(text: str) -> list[int]:
   return [int(i) for i in items]
 
 
-def _ms(times) -> float:
-  return 1e3 * statistics.median(times)
-
-
 def run(args, rows: Rows | None = None) -> dict:
   """Measures everything `args` asks for; each part goes to `rows` as soon as it is measured."""
   import transformers
@@ -123,15 +122,16 @@ def run(args, rows: Rows | None = None) -> dict:
     config.model.dropout_random_bits = args.dropout_random_bits
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
   compile_s, flops = step.compile()
-  kernels = hlo_kernels.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
+  kernels = hlo.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
   rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops,
            kernels_per_step=kernels["kernels_per_step"], update_kernels_per_step=kernels["update_kernels_per_step"])
-  times = time_steps(step.run_step, args.warmup, args.steps)
-  seconds = statistics.median(times)
-  rows.add("jax", jax_lines, jax={
-      "step_ms": 1e3 * seconds, "sentences_per_s": args.batch_size / seconds,
-      "mfu": hardware.mfu(step.model_flops, seconds, args.dtype), "peak_device_bytes": hardware.peak_device_bytes(),
-      "peak_host_rss_bytes": hardware.peak_host_rss_bytes()})
+  t = timing.measure(*timing.jax_peer(step), args.warmup, args.steps, args.rounds)
+  model_flops = step.model_flops
+  mfu = lambda ms: hardware.mfu(model_flops, ms / 1e3, args.dtype)
+  rows.add("jax", jax_lines, timing=timing.PIPELINED.format(steps=args.steps, rounds=args.rounds), jax=dict(
+      t, sentences_per_s=1e3 * args.batch_size / t["pipelined_step_ms"], mfu=mfu(t["pipelined_step_ms"]),
+      mfu_blocked=mfu(t["blocked_step_ms"]), peak_device_bytes=hardware.peak_device_bytes(),
+      peak_host_rss_bytes=hardware.peak_host_rss_bytes()))
   if args.profile or not args.no_breakdown:
     directory = args.profile or tempfile.mkdtemp(prefix="micse_bench_trace_")
     summary = step.phase_ms(directory, args.piece_steps)  # op time by kind and by phase
@@ -142,11 +142,11 @@ def run(args, rows: Rows | None = None) -> dict:
   del step
   for mode in [] if args.no_torch else args.torch_mode.split(","):
     from micse_jax.bench.torch_step import torch_benchmark
-    t_times, t_peak = torch_benchmark(model_dir, batch, args.dtype, args.warmup, args.steps, mode)
-    t = {"step_ms": _ms(t_times), "sentences_per_s": args.batch_size / statistics.median(t_times),
-         "peak_device_bytes": t_peak, "mode": mode}
-    key = TORCH_RESULT_KEYS[mode]
-    rows.add(key, torch_lines(key), **{key: t, f"speedup_vs_{key}": t["step_ms"] / rows.result["jax"]["step_ms"]})
+    t = torch_benchmark(model_dir, batch, args.dtype, args.warmup, args.steps, args.rounds, mode)
+    t.update(sentences_per_s=1e3 * args.batch_size / t["pipelined_step_ms"], mode=mode)
+    key, j = TORCH_RESULT_KEYS[mode], rows.result["jax"]
+    rows.add(key, torch_lines(key), **{key: t, f"speedup_vs_{key}": t["pipelined_step_ms"] / j["pipelined_step_ms"],
+                                       f"speedup_vs_{key}_blocked": t["blocked_step_ms"] / j["blocked_step_ms"]})
   if args.encode:
     from micse_jax.bench import encode
     corpus = args.encode_corpus or _default_corpus()
@@ -176,16 +176,23 @@ def compile_lines(r: dict) -> list[str]:
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
           f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})",
           f"  kernels per step             {r['kernels_per_step']} (update {r['update_kernels_per_step']}; "
-          "bench/hlo_kernels.py)"]
+          "bench/hlo.py)"]
+
+
+def _pct(x) -> str:
+  return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def jax_lines(r: dict) -> list[str]:
-  """The micse_jax step: time, throughput, peak memory, MFU."""
+  """The micse_jax step: time (pipelined, blocked), throughput, peak memory, MFU."""
   j = r["jax"]
-  mfu = "n/a (CPU, or no known peak for this device)" if j["mfu"] is None else f"{100 * j['mfu']:.1f}%"
-  return [f"  micse_jax step               {j['step_ms']:.1f} ms   ({j['sentences_per_s']:.1f} sentences/s)",
+  mfu = ("n/a (CPU, or no known peak for this device)" if j["mfu"] is None
+         else f"{_pct(j['mfu'])} (blocked {_pct(j['mfu_blocked'])})")
+  return [f"  step times: {r['timing']}; ratios, sentences/s and MFU use the pipelined time",
+          f"  micse_jax step               {j['pipelined_step_ms']:.2f} ms pipelined, {j['blocked_step_ms']:.2f} ms "
+          f"blocked   ({j['sentences_per_s']:.1f} sentences/s)",
           f"  peak memory: device {_gib(j['peak_device_bytes'])}, host RSS {_gib(j['peak_host_rss_bytes'])}",
-          f"  MFU (model FLOPs / step time / device peak)  {mfu}"]
+          f"  MFU (model FLOPs / pipelined step time / device peak)  {mfu}"]
 
 
 TORCH_RESULT_KEYS = {"eager": "torch", "compiled": "torch_compiled"}  # mode -> the result's key
@@ -196,9 +203,10 @@ def torch_lines(key: str):
   """The report lines of one PyTorch peer (`key` of `TORCH_RESULT_KEYS`): its step and ratio to micse_jax's."""
   def lines(r: dict) -> list[str]:
     t, label = r[key], TORCH_LABELS[key]
-    return [f"  {label + ' step':<34}{t['step_ms']:.1f} ms   ({t['sentences_per_s']:.1f} sentences/s), "
-            f"peak device memory {_gib(t['peak_device_bytes'])}",
-            f"  ratio {label} / micse_jax    {r[f'speedup_vs_{key}']:.2f}x"]
+    return [f"  {label + ' step':<34}{t['pipelined_step_ms']:.2f} ms pipelined, {t['blocked_step_ms']:.2f} ms blocked"
+            f"   ({t['sentences_per_s']:.1f} sentences/s), peak device memory {_gib(t['peak_device_bytes'])}",
+            f"  ratio {label} / micse_jax    {r[f'speedup_vs_{key}']:.2f}x pipelined "
+            f"({r[f'speedup_vs_{key}_blocked']:.2f}x blocked)"]
   return lines
 
 
@@ -250,7 +258,7 @@ def run_aot(args) -> dict:
                      encode=not args.population, population=args.population)
   print("\n".join(aot.report_lines(result)))
   if args.output:
-    write_json_atomically(args.output, result)
+    jsonio.write_json(args.output, result)
   print(json.dumps(result))
   sys.stdout.flush()
   return result
@@ -267,7 +275,7 @@ def run_encode_attention(args) -> dict:
         f"{result['cudnn_attention_calls']}), explicit {result['explicit_sentences_per_s']:.1f} sentences/s, "
         f"ratio {result['speedup_fused_over_explicit']:.2f}x, largest difference {result['max_abs_difference']:.2g}")
   if args.output:
-    write_json_atomically(args.output, result)
+    jsonio.write_json(args.output, result)
   print(json.dumps(result))
   return result
 
@@ -283,7 +291,7 @@ def run_population(args) -> dict:
         f"{result['num_devices']} x {result['device']}):")
   print("\n".join(population.report_lines(result)))
   if args.output:
-    write_json_atomically(args.output, result)
+    jsonio.write_json(args.output, result)
   print(json.dumps(result))
   return result
 
@@ -293,6 +301,9 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   if args.host:
     return host.run(args)
+  if args.aot_hlo:
+    from micse_jax.aot import time_model
+    return time_model.run_saved(args.aot_hlo, args.aot, args.output, members=args.population or 1)
   if args.aot:
     return run_aot(args)
   if args.encode_attention:
@@ -302,7 +313,7 @@ def main(argv=None) -> dict:
   if args.collectives:
     result = scaling.run(args.collectives_layouts.split(","), args.batch_size, args.max_length, args.dtype)
     if args.output:
-      write_json_atomically(args.output, result)
+      jsonio.write_json(args.output, result)
   else:
     if not args.no_torch:  # before anything is compiled or written: a missing peer is one line at once
       require("torch", "the PyTorch baseline of the bench (or pass --no_torch)")
@@ -316,6 +327,7 @@ def entry(argv=None) -> None:
   """`python -m micse_jax.bench`: `main`, with a user error (a missing optional package, a model
   path that does not load, ...: any `MicseError`) as one `error:` line and exit 1; anything else
   keeps its traceback."""
+  cli.cpu_when_no_gpu()
   try:
     main(argv)
   except MicseError as e:

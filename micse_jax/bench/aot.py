@@ -1,75 +1,25 @@
-"""The train step and the encode program compiled for a GPU or TPU that is not here (deviceless AOT).
+"""`python -m micse_jax.bench --aot TARGET`: the bench's miCSE step compiled deviceless for a GPU or TPU
+that is not here, reported (the compile and the reading are the library's, `micse_jax/aot/`).
 
     python -m micse_jax.bench --aot h100 --model bert-base --batch_size 50 --dtype bfloat16
     python -m micse_jax.bench --aot tpu-v5e --devices 4 --model bert-base --batch_size 512
 
-JAX compiles for a target it does not run on: `jax.experimental.topologies.get_topology_desc`
-gives the devices of a GPU topology (from a `GpuTargetConfigProto`, our `bench/targets/*.txtpb`)
-or of a TPU slice (libtpu), and `jax.jit(...).lower(...).compile()` on shapes placed on those
-devices runs the target's whole compiler on this CPU (no autotuning: XLA's default tiles).
-The real step (`training/step.make_train_step` on the set-up of `training/setup.py`, the
-bench's miCSE config) and the real encode program (`SentenceEncoder._embed`, eval mode) are
-compiled; no weights are needed (`jax.eval_shape`). The report: kernels per step by kind and
-by phase (`bench/hlo_kernels.py`, from the step's `jax.named_scope`s), the update's kernels,
-the compiler's memory per device, collectives (`bench/collectives.py`), compile time.
-
-Needs the optional extra `aot` (GPU: the jax-cuda13 plugin and PJRT wheels of the installed
-jax; cuDNN's libcudnn for cuDNN attention) or `tpu` (libtpu); see docs/AOT.md.
+The program is the trainer's (`training/program.py`, compiled by `aot/compile.py`) for the bench's
+miCSE config (`bench/jax_step.bench_config`) on a named shape or a model directory's config, with
+the encode program (`SentenceEncoder._embed`, eval mode) beside it; no weights are needed. The
+report: kernels per step by kind and by phase (`aot/hlo.py`), the update's kernels, the compiler's
+memory per device, collectives (`aot/collectives.py`), compile time, and the step time the time
+model predicts for the target (`aot/time_model.py`). Needs the optional extra `aot` (GPU) or `tpu`;
+see docs/AOT.md.
 """
 from __future__ import annotations
 
-import importlib.resources
-import re
-import time
-
 import jax
-import jax.numpy as jnp
 
-from micse_jax import optional
-from micse_jax.bench import hlo_kernels
-from micse_jax.bench.collectives import collective_table
+from micse_jax.aot import compile as aot_compile
+from micse_jax.aot import hlo, time_model
+from micse_jax.aot.targets import target_devices
 from micse_jax.errors import ConfigError
-
-GPU_TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb", "v100": "v100.txtpb"}
-TPU_TARGETS = {  # target -> (libtpu's chip name, slice shapes to pick the smallest that holds --devices)
-    "tpu-v4": ("v4", ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")),
-    "tpu-v5e": ("v5e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
-    "tpu-v6e": ("v6e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
-}
-TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
-
-
-def gpu_target_config(target: str) -> str:
-  """The shipped GpuTargetConfigProto text of a GPU target (bench/targets/, README there)."""
-  return importlib.resources.files("micse_jax.bench").joinpath("targets", GPU_TARGETS[target]).read_text()
-
-
-def device_memory_bytes(target: str) -> int | None:
-  """A GPU target's device memory (its GpuTargetConfigProto's `device_memory_size`); None for a TPU
-  target, whose deviceless topology does not give the chip's memory."""
-  if target not in GPU_TARGETS:
-    return None
-  match = re.search(r"^\s*device_memory_size:\s*(\d+)", gpu_target_config(target), re.MULTILINE)
-  return int(match.group(1)) if match else None
-
-
-def target_devices(target: str, num_devices: int = 1) -> list:
-  """`num_devices` devices of a topology of `target`, for placing shapes (never for running)."""
-  from jax.experimental import topologies
-  if target in GPU_TARGETS:
-    optional.require("jax_cuda13_plugin", f"--aot {target}")
-    topo = topologies.get_topology_desc("aot", "cuda", target_config=gpu_target_config(target),
-                                        topology=f"1x1x{num_devices}")
-    return list(topo.devices)[:num_devices]
-  if target not in TPU_TARGETS:
-    raise ConfigError(f"unknown --aot target {target!r}; expected one of {', '.join(TARGETS)}")
-  optional.require("libtpu", f"--aot {target}")
-  chip, shapes = TPU_TARGETS[target]
-  for shape in shapes:
-    devices = list(topologies.get_topology_desc(f"{chip}:{shape}", "tpu").devices)
-    if len(devices) >= num_devices:
-      return devices[:num_devices]
-  raise ConfigError(f"--devices {num_devices} is more than the largest {target} slice here ({chip}:{shapes[-1]})")
 
 
 def bert_config_for(model: str):
@@ -82,170 +32,38 @@ def bert_config_for(model: str):
   return load_config(model_dir_for(model))
 
 
-def _placed(shapes, shardings):
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-
-
-def abstract_state(config, bert_config, nets, tx):
-  """The step-0 train state's shapes by the trainer's set-up (`training/setup.py`), never materialised
-  (with the checkpoint's MLM head where the method reads it, as `setup.prepare` loads it)."""
-  from micse_jax import config_checks
-  from micse_jax.models.bert import BertModel
-  from micse_jax.training import setup
-  ids = jnp.zeros((1, config.model.max_length), jnp.int32)
-  encoder_model = BertModel(bert_config, add_mlm_head=True) if config_checks.needs_mlm_head(config) else nets.online
-
-  def init():
-    encoder = encoder_model.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
-    params, frozen = setup.initial_params(config, nets, encoder)
-    return setup.new_train_state(config, bert_config.hidden_size, tx, params, frozen)
-  return jax.eval_shape(init)
-
-
-def abstract_batch(rows: int, max_length: int, sharding, padded: bool) -> dict:
-  """A token batch's shapes (with `row_mask` when the batch was padded to the devices)."""
-  from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-  tokens = jax.ShapeDtypeStruct((rows, max_length), jnp.int32, sharding=sharding)
-  batch = {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens,
-           SENTENCE_IDS_KEY: jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)}
-  if padded:
-    batch[ROW_MASK_KEY] = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding)
-  return batch
-
-
-def compile_step(devices, model: str, batch_size: int, max_length: int, dtype: str, overrides=None):
-  """(compiled train step, compile seconds, config) of the bench's miCSE step on `devices`."""
-  from jax.sharding import NamedSharding, PartitionSpec
-
+def step_config(model: str, bert_config, batch_size: int, max_length: int, dtype: str, population: int = 0):
+  """The bench's miCSE config at this shape; `population` K > 0: K members (seeds 1..K)."""
   from micse_jax.bench.jax_step import bench_config
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training.networks import build_networks
-  from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-  from micse_jax.training.step import make_train_step
-  bert_config = bert_config_for(model)
   config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
-  if overrides:
-    overrides(config)
-  nets, tx, mesh = build_networks(config, bert_config), make_optimizer(config), mesh_lib.data_mesh(devices)
-  shapes = abstract_state(config, bert_config, nets, tx)
-  shardings = mesh_lib.state_sharding(shapes, mesh, config.mesh.shard_state, config.mesh.shard_min_elements)
-  rows = mesh_lib.padded_batch_size(batch_size, len(devices))
-  batch = abstract_batch(rows, max_length, mesh_lib.batch_sharded(mesh), rows != batch_size)
-  step = make_train_step(config, nets, tx, learning_rate_schedule(config), mesh)
-  jitted = jax.jit(step, in_shardings=(shardings, mesh_lib.batch_sharded(mesh)),
-                   out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
-  start = time.perf_counter()
-  compiled = jitted.lower(_placed(shapes, shardings), batch).compile()
-  return compiled, time.perf_counter() - start, config
-
-
-def compile_population_step(devices, model: str, batch_size: int, max_length: int, dtype: str, members: int):
-  """(compiled step, compile seconds) of a population of `members` runs of the bench's miCSE step
-  (`training/population.py`: states stacked, the step vmapped) on `devices`, as the trainer
-  places it (whole members per device when the devices divide them, else rows split)."""
-  from micse_jax.bench.jax_step import bench_config
-  bert_config = bert_config_for(model)
-  config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
-  config.population.seeds = tuple(range(1, members + 1))
-  return compile_population_config(devices, config, bert_config)
-
-
-def compile_population_config(devices, config, bert_config, tokens=None):
-  """(compiled step, compile seconds) of the population step of a training `config` whose
-  `population.seeds` holds K members, on `devices` (abstract shapes: no weights, no data): the
-  trainer's networks (`tokens`: the checkpoint's special token ids, `networks.SpecialTokens`),
-  optimizer, state, placement and batch layout. `model.dtype="auto"` is resolved for `devices[0]`."""
-  import numpy as np
-
-  from micse_jax.data.packing import BatchLayout
-  from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY, TOKEN_KEYS
-  from micse_jax.models.dtypes import AUTO, device_dtype
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training import population
-  from micse_jax.training.networks import build_networks
-  from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-  config = config.copy_and_resolve_references()
-  if config.model.dtype == AUTO:
-    config.model.dtype = device_dtype(devices[0])
-  members, batch_size, max_length = population.size(config), config.batch_size, config.model.max_length
-  shared = population.optimizer_config(config)
-  nets, tx = build_networks(shared, bert_config, tokens), make_optimizer(shared)
-  mesh = population.population_mesh(members, devices)
-  shapes = population.abstract_state(abstract_state(shared, bert_config, nets, tx), members)
-  sharding = population.state_sharding(shapes, mesh)
-  rows = mesh_lib.padded_batch_size(batch_size, len(devices))  # as `setup.prepare` pads a member's batch
-  sample = {k: np.zeros((rows, max_length), np.int32) for k in TOKEN_KEYS}
-  sample[SENTENCE_IDS_KEY] = np.zeros((rows,), np.int32)
-  if rows != batch_size:
-    sample[ROW_MASK_KEY] = np.ones((rows,), np.int32)
-  layout = BatchLayout.of(sample)
-  packed = jax.ShapeDtypeStruct((members, *layout.pack(sample).shape), jnp.int32,
-                                sharding=population.batch_sharding(mesh))
-  step = population.jit_population_step(shared, nets, tx, learning_rate_schedule(shared), layout, mesh, sharding)
-  start = time.perf_counter()
-  compiled = step.lower(_placed(shapes, sharding), packed, population.hyper(config)).compile()
-  return compiled, time.perf_counter() - start
-
-
-def compile_encode(device, model: str, batch_size: int, max_length: int, dtype: str):
-  """(compiled encode program, compile seconds): `SentenceEncoder._embed` (eval mode, CLS) on one device."""
-  from jax.sharding import SingleDeviceSharding
-
-  from micse_jax.encoder import SentenceEncoder
-  from micse_jax.models.bert import BertModel
-  bert_config = bert_config_for(model)
-  bert = BertModel(bert_config, dtype=jnp.dtype(dtype))
-  ids = jnp.zeros((1, max_length), jnp.int32)
-  params = jax.eval_shape(lambda: bert.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"])
-  sharding = SingleDeviceSharding(device)
-  tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32, sharding=sharding)
-  batch = {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens}
-  encoder = SentenceEncoder(bert, None, tokenizer=None)
-  start = time.perf_counter()
-  compiled = SentenceEncoder._embed.lower(encoder, _placed(params, jax.tree.map(lambda _: sharding, params)), None,
-                                  batch, "cls_before_pooler").compile()
-  return compiled, time.perf_counter() - start
-
-
-def memory(compiled) -> dict:
-  """The compiler's buffer sizes per device (bytes); peak = arguments + outputs − aliased + temporaries."""
-  m = compiled.memory_analysis()
-  sizes = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes}
-  return dict(sizes, peak=sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporaries"])
+  if population:
+    config.population.seeds = tuple(range(1, population + 1))
+  return config
 
 
 def run(target: str, num_devices: int, model: str, batch_size: int, max_length: int, dtype: str,
         encode: bool = True, population: int = 0) -> dict:
   """Compiles the step (and the encode program) for `target`; returns the JSON-able report.
-  `population` K > 0: the step of K stacked runs (`compile_population_step`), with its kernels and
-  memory per member-step beside the totals."""
+  `population` K > 0: the step of K stacked runs, with its kernels and memory per member-step."""
   devices = target_devices(target, num_devices)
+  bert_config = bert_config_for(model)
+  config = step_config(model, bert_config, batch_size, max_length, dtype, population)
   try:
-    if population:
-      compiled, compile_s = compile_population_step(devices, model, batch_size, max_length, dtype, population)
-    else:
-      compiled, compile_s, _ = compile_step(devices, model, batch_size, max_length, dtype)
+    compiled, compile_s = aot_compile.compile_program(config, bert_config, devices)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
-  text = compiled.as_text()
-  kernels = hlo_kernels.summary(text)
-  mem = memory(compiled)
   result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-            "jax_version": jax.__version__, "compile_s": compile_s, **kernels,
-            "memory_per_device": mem, "peak_bytes_per_device": mem["peak"],
-            "collectives": collective_table(text)}
-  if population:
-    result.update(population=population, kernels_per_member_step=kernels["kernels_per_step"] / population,
-                  peak_bytes_per_member=mem["peak"] * len(devices) / population)
+            "jax_version": jax.__version__, "compile_s": compile_s,
+            **aot_compile.report(compiled, len(devices), population)}
+  result.update(time_model.predict(compiled.as_text(), target, members=population or 1))  # aot/time_model.py
   if encode:
-    enc, enc_s = compile_encode(devices[0], model, batch_size, max_length, dtype)
-    enc_kernels = hlo_kernels.summary(enc.as_text())
+    enc, enc_s = aot_compile.compile_encode(devices[0], bert_config, batch_size, max_length, dtype)
+    enc_kernels = hlo.summary(enc.as_text())
     result.update(encode_compile_s=enc_s, encode_kernels=enc_kernels["kernels_per_step"],
                   encode_by_kind=enc_kernels["by_kind"],
                   encode_cudnn_attention_calls=enc_kernels["by_kind"].get("attention (cuDNN)", 0),
-                  encode_peak_bytes=memory(enc)["peak"])
+                  encode_peak_bytes=aot_compile.memory(enc)["peak"])
   return result
 
 
@@ -257,7 +75,7 @@ def report_lines(r: dict) -> list[str]:
            f"(compiled deviceless, jax {r['jax_version']})",
            f"  train step compile time      {r['compile_s']:.1f} s",
            f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "
-           f"{', '.join(hlo_kernels.UPDATE_PHASES)})", "  by kind:"]
+           f"{', '.join(hlo.UPDATE_PHASES)})", "  by kind:"]
   lines += [f"    {kind:<36} {n:6d}" for kind, n in r["by_kind"].items()]
   lines.append("  by phase (jvp = forward inside the gradient, transpose = backward):")
   lines += [f"    {phase:<36} {n:6d}" for phase, n in r["by_phase"].items()]
@@ -271,6 +89,7 @@ def report_lines(r: dict) -> list[str]:
   used = {k: v for k, v in r["collectives"].items() if v["count"]}
   lines.append("  collectives: " + (", ".join(f"{k} {v['count']} ({v['bytes'] / 2 ** 20:.1f} MiB)"
                                                for k, v in used.items()) or "none"))
+  lines += time_model.report_lines(r)
   if "encode_kernels" in r:
     lines.append(f"  encode program: {r['encode_kernels']} kernels, cuDNN attention calls "
                  f"{r['encode_cudnn_attention_calls']}, peak {gib(r['encode_peak_bytes'])}, "

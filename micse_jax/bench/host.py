@@ -109,12 +109,12 @@ def measure_host(model_dir: str, corpus: str, sentences: int, steps: int,
 
 def measure_dev_selection(model_dir: str, batch_size: int, dtype: str, eval_every: int, eval_batch_size: int,
                           senteval_dir: str, steps: int = 3) -> dict | None:
-  """One STS-B dev evaluation vs `eval_every` train steps; None without SentEval data."""
+  """One STS-B dev evaluation vs `eval_every` train steps (pipelined, as the trainer runs them);
+  None without SentEval data."""
   import jax
   import transformers
 
-  from micse_jax.bench import jax_step
-  from micse_jax.bench.torch_step import time_steps
+  from micse_jax.bench import jax_step, timing
   from micse_jax.encoder import SentenceEncoder
   from micse_jax.evaluation import senteval_data
   from micse_jax.evaluators.dev_selection import PlannedPairs
@@ -125,7 +125,7 @@ def measure_dev_selection(model_dir: str, batch_size: int, dtype: str, eval_ever
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
   step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, MAX_LENGTH, vocab), dtype)
   step.compile()
-  step_s = statistics.median(time_steps(step.run_step, 1, steps))
+  step_s = timing.measure(*timing.jax_peer(step), 1, steps, 1)["pipelined_step_ms"] / 1e3  # as the trainer runs
   encoder = SentenceEncoder(BertModel(step.nets.online.config, dtype=step.nets.online.dtype), None,
                             Tokenizer.from_pretrained(model_dir))
   t = time.perf_counter()
@@ -179,7 +179,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
   """Measures, prints the report and, as the last line, the JSON summary; returns the summary."""
-  from micse_jax import paths
+  from micse_jax import jsonio, paths
   from micse_jax.bench import jax_step
   model_dir = jax_step.model_dir_for(args.model)
   corpus = args.host_corpus or paths.corpus_path("english_mix.txt")
@@ -190,8 +190,6 @@ def run(args) -> dict:
   print("\n".join(report_lines(host, dev, args.model, args.batch_size)))
   line = summary(host)
   if args.output:
-    with open(args.output, "w", encoding="utf-8") as f:
-      json.dump({**line, "details": host, "dev_selection": dev}, f)
-      f.write("\n")
+    jsonio.write_json(args.output, {**line, "details": host, "dev_selection": dev})
   print(json.dumps(line), flush=True)
   return line

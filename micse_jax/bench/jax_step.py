@@ -1,10 +1,10 @@
 """The micse_jax side of the benchmark: the full jitted step, and where its time goes by phase.
 
-The step is the trainer's (`training/step.make_train_step` on the set-up of `training/setup.py`).
+The step is the trainer's program (`training/program.py` on the set-up of `training/setup.py`).
 Its breakdown is read from the step itself, not from separately jitted copies of its parts:
 `phase_ms` profiles a few full steps and adds up each XLA op's (XLA:CPU) or kernel's (GPU,
 the device's `XLA Ops` line) time under the phase of the step's `jax.named_scope`s that the op
-belongs to (`bench/hlo_kernels.py`: `views`, `encode` forward / backward, each loss term,
+belongs to (`bench/hlo.py`: `views`, `encode` forward / backward, each loss term,
 `optimizer`, `ema`, `compute_weights`, `momentum_forward`, `enqueue`, `finite`; `(no phase)` for
 the step's key derivation and metrics).
 """
@@ -79,31 +79,25 @@ def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: i
 
 
 class JaxStep:
-  """The train state and the compiled full step for one model and batch."""
+  """The trainer's program (`training/program.py`) for one model and batch: its placed state and
+  batch, and the compiled step."""
 
   def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None):
+    from micse_jax.data.pipeline import ROW_MASK_KEY
     from micse_jax.models.loading import load_pretrained
-    from micse_jax.training import mesh as mesh_lib
-    from micse_jax.training import setup
+    from micse_jax.training import program, setup
     from micse_jax.training.networks import build_networks
-    from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-    from micse_jax.training.step import make_train_step
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)
     if config_overrides:
       config_overrides(c)
-    self.nets = build_networks(c, bert_config)
     self.model_flops = step_flops_for(c, bert_config)   # MFU's numerator (bench/flops.py)
-    self.tx = make_optimizer(c)
-    params, frozen = setup.initial_params(c, self.nets, enc)  # the trainer's set-up
-    state = setup.new_train_state(c, bert_config.hidden_size, self.tx, params, frozen)
-    mesh = mesh_lib.data_mesh()
-    sharding = jax.tree.map(lambda _: mesh_lib.replicated(mesh), state)
-    self.state = jax.device_put(state, sharding)
-    self.batch = mesh_lib.global_batch(batch, mesh)
-    self._step = jax.jit(make_train_step(c, self.nets, self.tx, learning_rate_schedule(c), mesh),
-                         in_shardings=(sharding, mesh_lib.batch_sharded(mesh)), donate_argnums=0)
+    params = setup.initial_params(c, build_networks(c, bert_config), enc)  # the trainer's set-up
+    self.program = program.build(c, bert_config, program.abstract_of(params))
+    self.nets, self.tx = self.program.nets, self.program.tx
+    self.state = self.program.place_state([setup.new_train_state(c, bert_config.hidden_size, self.tx, *params)])
+    self.batch = self.program.place_batch([{ROW_MASK_KEY: np.ones(n, np.int32), **batch}])  # every row real
     self.compiled = None
 
   def compile(self) -> tuple[float, float | None]:
@@ -112,7 +106,7 @@ class JaxStep:
     XLA's count is reported as found; MFU uses `self.model_flops` (on a GPU XLA's cost analysis
     misses the FLOPs inside cuBLAS calls, see bench/flops.py)."""
     t = time.perf_counter()
-    self.compiled = self._step.lower(self.state, self.batch).compile()
+    self.compiled = self.program.step.lower(*self.program.inputs(self.state, self.batch)).compile()
     seconds = time.perf_counter() - t
     return seconds, xla_flops(self.compiled)
 
@@ -124,10 +118,11 @@ class JaxStep:
   def phase_ms(self, directory: str, steps: int) -> dict:
     """Profiles `steps` full steps into `directory`; returns the trace summary (`trace_summary`)
     with `ms_per_step_by_phase`: op or kernel time per step under each phase of the step."""
-    from micse_jax.bench import hlo_kernels, trace_summary
+    from micse_jax.aot import hlo
+    from micse_jax.bench import trace_summary
     with jax.profiler.trace(directory, create_perfetto_trace=True):
       for i in range(steps):
         with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
           self.run_step()
-    phases = hlo_kernels.phase_by_instruction(self.compiled.as_text())
+    phases = hlo.phase_by_instruction(self.compiled.as_text())
     return trace_summary.summarize(directory, steps, phases=phases)

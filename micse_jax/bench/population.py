@@ -5,8 +5,8 @@ paper's few-shot protocol projected in device-hours from those figures (issue 27
 
 For each K: the bench's miCSE config (`bench/jax_step.bench_config`: AMI on the last four
 layers, momentum encoder and queue) with `population.seeds = (1, ..., K)`, set up as the trainer
-sets a population up (`training/population_trainer.fresh_population`: states stacked, the step
-vmapped, members spread over the devices when they divide K) on a synthetic corpus of random
+sets a population up (`training/program.py`: states stacked, the step vmapped, members spread
+over the devices when they divide K) on a synthetic corpus of random
 words (the step's time does not depend on the words); the first call (compile) is timed, then
 `--warmup` steps, then `--steps` timed steps. Reported: ms per population step, member-steps per
 second, their gain over K = 1, and the device's peak memory.
@@ -59,22 +59,23 @@ def population_config(model_dir: str, batch_size: int, max_length: int, dtype: s
 def measure(config, steps: int, warmup: int) -> dict:
   """First call (compile), `warmup` steps, then `steps` timed steps of `config`'s population."""
   from micse_jax.bench import hardware
-  from micse_jax.training import population, population_trainer
-  fresh = population_trainer.fresh_population(config)
-  members = len(fresh.runs)
-  batches = [population.stacked_batch([r.batches for r in fresh.runs], fresh.layout, s, fresh.mesh)
-             for s in range(1 + warmup + steps)]
-  pstate = fresh.state
+  from micse_jax.configs import population as population_fields
+  from micse_jax.training import program, setup
+  runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
+  prog = program.of_runs(config, runs)  # the trainer's program
+  members = len(runs)
+  batches = [prog.place_batch([r.batches.batch(s) for r in runs]) for s in range(1 + warmup + steps)]
+  pstate = prog.place_state([setup.initial_state(r, prog.tx) for r in runs])
   start = time.perf_counter()
-  pstate, metrics = fresh.step(pstate, batches[0], {})
+  pstate, metrics = prog.step(*prog.inputs(pstate, batches[0]))
   jax.block_until_ready(metrics)
   first_call_s = time.perf_counter() - start
   for batch in batches[1:1 + warmup]:
-    pstate, metrics = fresh.step(pstate, batch, {})
+    pstate, metrics = prog.step(*prog.inputs(pstate, batch))
   jax.block_until_ready(pstate)
   start = time.perf_counter()
   for batch in batches[1 + warmup:]:
-    pstate, metrics = fresh.step(pstate, batch, {})
+    pstate, metrics = prog.step(*prog.inputs(pstate, batch))
   jax.block_until_ready(pstate)
   step_s = (time.perf_counter() - start) / steps
   return {"members": members, "first_call_s": first_call_s, "ms_per_population_step": 1e3 * step_s,

@@ -4,7 +4,7 @@ A bench run measures several things one after another (compile, the micse_jax st
 baseline, ...); any of them can fail late (out of memory, a missing package). `Rows.add` merges
 one measured part into the run's result, prints its lines at once (flushed), appends it as one
 JSON line to the rows file (flushed and fsync'd: a killed process keeps it) and rewrites the
-output file with the result so far (written to a temporary file, then renamed).
+output file with the result so far (`jsonio.write_json`: never half-written).
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import json
 import os
 import sys
 from typing import Callable
+
+from micse_jax import jsonio
 
 # Fields copied into every row of the rows file, so that each line says what it measured.
 ROW_KEYS = ("model", "batch_size", "max_length", "dtype", "device")
@@ -24,27 +26,6 @@ def append_json_line(path: str, record: dict) -> None:
     f.write(json.dumps(record) + "\n")
     f.flush()
     os.fsync(f.fileno())
-
-
-def write_json_atomically(path: str, value) -> None:
-  """Writes `value` as JSON to `path` through a temporary file and a rename (never half-written)."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(value, f, indent=1)
-    f.write("\n")
-  os.replace(tmp, path)
-
-
-def read_json_lines(path: str) -> list[dict]:
-  """The records of a JSON-lines file; a last line cut short by a crash is left out."""
-  records = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return records
 
 
 class Rows:
@@ -63,4 +44,4 @@ class Rows:
       ids = {k: self.result[k] for k in ROW_KEYS if k in self.result}
       append_json_line(self.rows_path, {"row": row, **ids, **fields})
     if self.output_path:
-      write_json_atomically(self.output_path, self.result)
+      jsonio.write_json(self.output_path, self.result)

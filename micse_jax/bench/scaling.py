@@ -3,13 +3,13 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
         python -m micse_jax.bench --collectives [--batch_size 512 --max_length 32]
 
-For the current devices (fake CPU devices are fine) the full train step of a randomly
-initialised BERT-base (no download: `jax.eval_shape`, nothing is allocated) is lowered and
+For the current devices (fake CPU devices are fine) the trainer's step (`training/program.py`,
+via `aot/compile.py`) of BERT-base (no download: shapes only, nothing is allocated) is lowered and
 compiled for every memory layout — state replicated or sharded (`mesh.shard_state`), layers
 rematerialised or not (`model.remat`) — and the report gives
 
   * the collectives of the optimised HLO by kind: count, bytes and largest result per device
-    (`bench/collectives.py`);
+    (`aot/collectives.py`);
   * the compiler's memory analysis per device: arguments (train state + batch), outputs,
     temporaries, and peak ≈ arguments + outputs − donated aliases + temporaries.
 
@@ -21,10 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
-from micse_jax.bench.collectives import collective_table
+from micse_jax.aot.collectives import collective_table
 
 LAYOUTS = ("replicated/none", "replicated/layer", "replicated/full",
            "sharded/none", "sharded/layer", "sharded/full")
@@ -41,66 +39,28 @@ def bench_config(batch_size: int, max_length: int, dtype: str, shard_state: bool
   return c
 
 
-def abstract_state(config, bert_config, nets, tx):
-  """The train state's shapes and dtypes (random init, never materialised)."""
-  from micse_jax.training.networks import compute_dtype
-  from micse_jax.training.precision import initial_loss_scale_state
-  from micse_jax.training.state import create_train_state
-  ids = jnp.zeros((1, config.model.max_length), jnp.int32)
-
-  def init():
-    encoder = nets.online.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
-    head = nets.head.init(jax.random.PRNGKey(1), jnp.zeros((1, bert_config.hidden_size)))["params"]
-    return create_train_state({"encoder": encoder, "head": head}, tx, seed=0, momentum=True,
-                              queue_size=config.momentum.queue_size, dim=bert_config.hidden_size,
-                              loss_scale=initial_loss_scale_state(config), compute_dtype=compute_dtype(config))
-  return jax.eval_shape(init)
-
-
-def abstract_batch(batch_size: int, max_length: int, mesh) -> dict:
-  """A token batch's shapes, split over the data axis."""
-  from micse_jax.training import mesh as mesh_lib
-  sharding = mesh_lib.batch_sharded(mesh)
-  tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32, sharding=sharding)
-  return {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens,
-          "sentence_ids": jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=sharding)}
-
-
 def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert_config=None):
-  """The compiled step of one layout ("replicated|sharded" / "none|layer|full"); BERT-base by default."""
+  """The trainer's compiled step (`aot/compile.py`) of one layout ("replicated|sharded" /
+  "none|layer|full") for `jax.devices()`; BERT-base by default."""
+  from micse_jax.aot.compile import compile_program
   from micse_jax.models.bert import BertConfig
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training.networks import build_networks
-  from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-  from micse_jax.training.step import make_train_step
   placement, remat = layout.split("/")
   config = bench_config(batch_size, max_length, dtype, placement == "sharded", remat)
-  bert_config = bert_config or BertConfig()  # bert-base-uncased
-  nets, tx, mesh = build_networks(config, bert_config), make_optimizer(config), mesh_lib.data_mesh()
-  shapes = abstract_state(config, bert_config, nets, tx)
-  shardings = mesh_lib.state_sharding(shapes, mesh, config.mesh.shard_state, config.mesh.shard_min_elements)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-  step = make_train_step(config, nets, tx, learning_rate_schedule(config), mesh)
-  jitted = jax.jit(step, in_shardings=(shardings, mesh_lib.batch_sharded(mesh)),
-                   out_shardings=(shardings, NamedSharding(mesh, jax.sharding.PartitionSpec())), donate_argnums=0)
-  return jitted.lower(state, abstract_batch(batch_size, max_length, mesh)).compile()
+  return compile_program(config, bert_config or BertConfig(), jax.devices())[0]  # BertConfig(): bert-base-uncased
 
 
 @dataclasses.dataclass
 class LayoutReport:
-  """One compiled layout's figures: its name, collectives by kind (`bench/collectives.py`), memory per device."""
+  """One compiled layout's figures: its name, collectives by kind (`aot/collectives.py`), memory per device."""
   layout: str
   collectives: dict
   memory: dict  # MiB per device
 
 
 def memory_per_device(compiled) -> dict:
-  """The compiler's buffer sizes for one device, MiB; peak = args + outputs − aliases + temps."""
-  m = compiled.memory_analysis()
-  args, out = m.argument_size_in_bytes, m.output_size_in_bytes
-  alias, temp = m.alias_size_in_bytes, m.temp_size_in_bytes
-  return {"arguments": args / MIB, "outputs": out / MIB, "aliased": alias / MIB, "temporaries": temp / MIB,
-          "peak": (args + out - alias + temp) / MIB}
+  """The compiler's buffer sizes for one device (`aot/compile.memory`), MiB."""
+  from micse_jax.aot.compile import memory
+  return {k: v / MIB for k, v in memory(compiled).items()}
 
 
 def measure(layouts=LAYOUTS, batch_size: int = 512, max_length: int = 32, dtype: str = "float32") -> list:

@@ -9,34 +9,30 @@ fused AdamW (`fused=True`), and the EMA as two `torch._foreach` calls.
 Both: two dropout views in one forward, InfoNCE with 384 queue negatives, AMI over 150 shared
 Gumbel-top-k samples of adjacent head pairs of the last four layers, gradient clipping, EMA
 momentum encoder (dropout 0.3), enqueue. bfloat16/float16 use `torch.autocast` (float16 with
-`GradScaler`, PyTorch's loss scaling).
+`GradScaler`, PyTorch's loss scaling, whose step reads the found-inf flag: one device wait per
+step that the micse_jax step does not have). The hyper-parameters are those of
+`configs/default.py` (miCSE's); `tests/torch_peer_test.py` checks that the loss and its terms
+equal the micse_jax step's on the same weights, batch and queue with dropout off.
+
+`dispatch()` launches one step without waiting for it (the pipelined timing of
+`bench/timing.py`); `step()` waits and returns the loss.
 """
 from __future__ import annotations
 
 import copy
-import time
 
+from micse_jax.bench import timing
 from micse_jax.optional import require
 
 TORCH_MODES = ("eager", "compiled")  # `bench --torch_mode`'s choices
 AMI_LAYERS = 4  # AMI reads the last four layers' attention probabilities
 QUEUE_SIZE = 384
-
-
-def time_steps(step, n_warmup: int, n: int) -> list[float]:
-  """Runs `step` n_warmup times untimed, then n times; returns the n wall times (s)."""
-  for _ in range(n_warmup):
-    step()
-  times = []
-  for _ in range(n):
-    t = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - t)
-  return times
+TEMPERATURE, AMI_WEIGHT = 0.05, 2.5e-3  # tau of Eq. 2, lambda of Eq. 5
 
 
 def _torch_ami(torch, att, mask, n: int):
-  """AMI of att `[L, 2B, H, T, T]` (view 1 rows first): adjacent head pairs, m = 150 shared samples."""
+  """Mean AMI (Eq. 4) of att `[L, 2B, H, T, T]` (view 1 rows first): adjacent head pairs,
+  m = 150 shared samples of the cells real in both query and key and > 0 in both views."""
   a1, a2 = att[:, :n], att[:, n:]
   shape = a1.shape
   s1 = a1.reshape(shape[0], n, shape[2] // 2, -1)
@@ -102,18 +98,24 @@ class TorchMicseStep:
     self.loss_fn = torch.compile(self.loss) if mode == "compiled" else self.loss
     self.keys_fn = torch.compile(self.momentum_keys) if mode == "compiled" else self.momentum_keys
 
-  def loss(self, batch: dict, queue):
-    """InfoNCE over two dropout views with `queue` negatives, minus λ·AMI (miCSE Eq. 2 and 5)."""
+  def terms(self, batch: dict, queue) -> dict:
+    """{"infonce": InfoNCE over two dropout views with `queue` negatives (miCSE Eq. 2),
+    "ami_mi": the mean AMI between the views' attention (Eq. 4)}."""
     torch, n = self.torch, batch["input_ids"].shape[0]
     two = {k: torch.cat([v, v]) for k, v in batch.items()}
     with self.autocast():
       out = self.model(**two, output_attentions=True)
       z = self.mlp(out.last_hidden_state[:, 0]).float()
       z1, z2 = torch.nn.functional.normalize(z, dim=-1).chunk(2)
-      logits = torch.cat([z1 @ z2.T, z1 @ queue.T], dim=1) / 0.05
-      loss = torch.nn.functional.cross_entropy(logits, torch.arange(n, device=z.device))
+      logits = torch.cat([z1 @ z2.T, z1 @ queue.T], dim=1) / TEMPERATURE
+      infonce = torch.nn.functional.cross_entropy(logits, torch.arange(n, device=z.device))
       att = torch.stack([a for a in out.attentions if a is not None][-AMI_LAYERS:]).float()
-      return loss - 2.5e-3 * _torch_ami(torch, att, batch["attention_mask"], n)
+      return {"infonce": infonce, "ami_mi": _torch_ami(torch, att, batch["attention_mask"], n)}
+
+  def loss(self, batch: dict, queue):
+    """InfoNCE minus λ·AMI (miCSE Eq. 5)."""
+    t = self.terms(batch, queue)
+    return t["infonce"] - AMI_WEIGHT * t["ami_mi"]
 
   def momentum_keys(self, batch: dict):
     """The momentum encoder's L2-normalised [CLS] embeddings through the online MLP head."""
@@ -131,8 +133,8 @@ class TorchMicseStep:
     for pm, po in zip(target, online):
       pm.mul_(0.995).add_(po.detach(), alpha=0.005)
 
-  def step(self) -> float:
-    """One optimizer step, EMA and enqueue; synchronises; returns the loss."""
+  def dispatch(self):
+    """Launches one optimizer step, EMA and enqueue; returns the loss tensor without waiting."""
     torch = self.torch
     loss = self.loss_fn(self.batch, self.queue)
     self.opt.zero_grad(set_to_none=True)
@@ -147,15 +149,26 @@ class TorchMicseStep:
       n = keys.shape[0]
       self.queue[(self.ptr + torch.arange(n, device=self.device)) % QUEUE_SIZE] = keys
       self.ptr = (self.ptr + n) % QUEUE_SIZE
-    return loss.item()  # synchronise
+    return loss
+
+  def wait(self, _loss=None) -> None:
+    """Blocks until the device has run every dispatched step (nothing to wait for on a CPU)."""
+    if self.device == "cuda":
+      self.torch.cuda.synchronize()
+
+  def step(self) -> float:
+    """One step, waited for; returns the loss."""
+    return float(self.dispatch().item())
 
 
-def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps: int, mode: str = "eager"):
-  """Median-able step times (s) of the PyTorch miCSE step in `mode`, and peak CUDA memory (None on CPU)."""
+def torch_benchmark(model_dir: str, batch: dict, dtype: str, warmup: int, steps: int, rounds: int,
+                    mode: str = "eager") -> dict:
+  """The PyTorch miCSE step in `mode` timed as `bench/timing.measure` times (blocked and
+  pipelined ms), with `peak_device_bytes` (CUDA's peak allocation; None on a CPU)."""
   step = TorchMicseStep(model_dir, batch, dtype, mode)
   torch = step.torch
   if step.device == "cuda":
     torch.cuda.reset_peak_memory_stats()
-  times = time_steps(step.step, warmup, steps)
+  times = timing.measure(step.dispatch, step.wait, warmup, steps, rounds)
   peak = torch.cuda.max_memory_allocated() if step.device == "cuda" else None
-  return times, peak
+  return dict(times, peak_device_bytes=peak)

@@ -16,10 +16,19 @@ the largest single ops. Each plane of the profile is a trace "process" (`/host:C
   the containers that hold other ops (`while`, `call`, `conditional`, the thunk executor) so
   that nothing is counted twice, classified by `KINDS`.
 
-Given `phases` ({HLO instruction name: phase}, `bench/hlo_kernels.phase_by_instruction` of the
-compiled step), it also adds up time per phase of the step (`phase_durations`): from the GPU's
-`XLA Ops` line, whose events carry the HLO instruction names (the stream lines carry cuBLAS's
-or cuDNN's own kernel names), or from the XLA:CPU op events, which are named by instruction.
+Given `phases` ({HLO instruction name: phase} in program order, `aot/hlo.phase_by_instruction`
+of the compiled step), it also adds up time per phase of the step (`phase_durations`). On XLA:CPU
+the op events are named by instruction. On a GPU each stream event names the HLO instruction that
+launched it in `args.hlo_op` (the kernel's own name is cuBLAS's, or a fusion's shared kernel:
+XLA launches one kernel for identical fusions, named after one of them, `_N` for `.N`). When
+`hlo_op` names a command buffer (a CUDA graph: the whole step is one, `command_buffer_1`) the
+graph's events of one launch (one `correlation_id`) are the program's kernel-launching
+instructions in program order, and `align` walks the two together: an event goes to the next
+instruction whose name stem it shares (`loop_add_fusion_4` ~ `loop_add_fusion.7`); a library
+kernel (`nvjet_...`, `cublasLt::splitKreduce...`: a stem no instruction has) to the next
+instruction that launches no kernel of its own name (a custom call, a copy), or to the one before
+it when that one is a custom call that already launched one; a memset goes with the instruction
+of the next event. What matches nothing is `(unattributed)`; `attributed_share` says how much.
 """
 from __future__ import annotations
 
@@ -75,13 +84,19 @@ def _load(path: str) -> tuple[list[dict], dict, dict]:
   return events, processes, threads
 
 
+def _stream_lines(processes: dict, threads: dict) -> set:
+  """{(pid, tid)} of the GPU's kernel lines: its `Stream ...` lines, else every device line but the
+  derived ones (`XLA Ops`, `Steps`, ...); empty for a CPU trace."""
+  device = {key: name for key, name in threads.items() if _DEVICE.match(processes.get(key[0], ""))}
+  return ({key for key, name in device.items() if _STREAM.match(name)}
+          or {key for key, name in device.items() if not _DERIVED.match(name)})
+
+
 def op_durations(path: str) -> tuple[str, collections.Counter]:
   """("gpu", microseconds per kernel name) when the trace has GPU stream lines, else ("cpu",
   microseconds per XLA op name over the host's XLA worker threads); `.N` / `_N` suffixes removed."""
   events, processes, threads = _load(path)
-  device = {key: name for key, name in threads.items() if _DEVICE.match(processes.get(key[0], ""))}
-  streams = ({key for key, name in device.items() if _STREAM.match(name)}
-             or {key for key, name in device.items() if not _DERIVED.match(name)})
+  streams = _stream_lines(processes, threads)
   total = collections.Counter()
   for e in events:
     if e.get("ph") != "X":
@@ -98,16 +113,114 @@ def op_durations(path: str) -> tuple[str, collections.Counter]:
   return ("gpu" if streams else "cpu"), total
 
 
-def phase_durations(path: str, phases: dict[str, str]) -> collections.Counter:
-  """Microseconds per phase of the trace's XLA ops (see the module docstring); ops of no known
-  instruction are `(unattributed)`, containers (`while`, `call`, ...) are left out."""
+def _stem(name: str) -> str:
+  """A kernel or instruction name without its numeric suffixes, `.` as `_` (`fusion.12` -> `fusion`)."""
+  return re.sub(r"([._]\d+)+$", "", name).replace(".", "_").replace("-", "_")
+
+
+_MEMSET = re.compile(r"^memset", re.IGNORECASE)
+
+
+_XLA_NAME = re.compile(r"fusion|^(loop|input|wrapped|triton)_")  # XLA's own kernels: named after their instruction
+_BAND = 96  # the most by which events and instructions drift apart in one launch (extra library kernels)
+
+
+def _pair_score(event: str, kernel: str, own: set) -> float | None:
+  """How well a kernel event's stem fits an instruction's stem (None: it cannot)."""
+  if event == kernel:
+    return 3.0
+  if event in own or _XLA_NAME.search(event):
+    return None  # an XLA kernel named after another instruction
+  return 3.0 if kernel not in own else 1.0  # a library kernel: a custom call or copy, else (weakly) any
+
+
+def align(events: list[str], kernels: list[str]) -> list[int | None]:
+  """For the kernel names of one launch of a command buffer (in launch order), the index into
+  `kernels` (the program's kernel-launching instructions, in program order) of the instruction
+  each belongs to, or None: the best-scoring monotone alignment (a banded dynamic programme over
+  the non-memset events; see the module docstring)."""
+  kernel_stems = [_stem(k) for k in kernels]
+  real = [e for e, name in enumerate(events) if not _MEMSET.match(name)]
+  stems = [_stem(events[e]) for e in real]
+  own = set(kernel_stems) & set(stems)  # instructions that launch kernels of their own name
+  n, m = len(stems), len(kernels)
+  best, back = {(0, 0): 0.0}, {}
+  for a in range(n + 1):
+    for b in range(max(0, a - _BAND), min(m, a + _BAND) + 1):
+      score = best.get((a, b))
+      if score is None:
+        continue
+      moves = [((a, b + 1), score - 0.5, None)] if b < m else []  # an instruction that launched nothing
+      if a < n:
+        if b < m and (fit := _pair_score(stems[a], kernel_stems[b], own)) is not None:
+          moves.append(((a + 1, b + 1), score + fit, b))
+        extra = b > 0 and stems[a] not in own and kernel_stems[b - 1] not in own and not _XLA_NAME.search(stems[a])
+        moves.append(((a + 1, b), score + (1.0 if extra else -2.0), b - 1 if extra else None))
+      for key, value, k in moves:
+        if value > best.get(key, float("-inf")):
+          best[key], back[key] = value, ((a, b), k)
+  last = max(k[0] for k in best)  # n, unless the events outrun the band (then the rest stays unmapped)
+  key = max((k for k in best if k[0] == last), key=lambda k: best[k] - 0.5 * (m - k[1]))
+  found = [None] * len(events)
+  while key in back:
+    previous, k = back[key]
+    if previous[0] < key[0]:
+      found[real[previous[0]]] = k
+    key = previous
+  following = None
+  for e in reversed(range(len(events))):  # a memset goes with the next event's instruction
+    if _MEMSET.match(events[e]):
+      found[e] = following
+    elif found[e] is not None:
+      following = found[e]
+  return found
+
+
+def kernel_durations(path: str, kernels: list[str]) -> tuple[collections.Counter, float]:
+  """({instruction: microseconds}, unattributed microseconds) of a GPU trace's stream events,
+  mapped through each event's `args.hlo_op`, or `align`ed when it names a command buffer (by
+  kernel name when a trace has no `hlo_op`)."""
   events, processes, threads = _load(path)
-  device = {key: name for key, name in threads.items() if _DEVICE.match(processes.get(key[0], ""))}
-  xla_ops = {key for key, name in device.items() if name == "XLA Ops"}
+  streams = _stream_lines(processes, threads)
+  known, total, unattributed = set(kernels), collections.Counter(), 0.0
+  by_kernel_name = {k.replace(".", "_"): k for k in kernels}
+  launches = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in streams:
+      continue
+    args = e.get("args", {})
+    if args.get("hlo_op") in known:
+      total[args["hlo_op"]] += e.get("dur", 0)
+    elif not args.get("hlo_op") and e["name"] in by_kernel_name:  # an older trace: no instruction argument
+      total[by_kernel_name[e["name"]]] += e.get("dur", 0)
+    else:
+      launches[(args.get("hlo_module"), args.get("hlo_op"), args.get("correlation_id"))].append(e)
+  for group in launches.values():
+    group.sort(key=lambda e: e.get("ts", 0))
+    for e, k in zip(group, align([e["name"] for e in group], kernels)):
+      if k is None:
+        unattributed += e.get("dur", 0)
+      else:
+        total[kernels[k]] += e.get("dur", 0)
+  return total, unattributed
+
+
+def phase_durations(path: str, phases: dict[str, str]) -> collections.Counter:
+  """Microseconds per phase of the trace's XLA ops or GPU kernels (see the module docstring); what
+  maps to no known instruction is `(unattributed)`, containers (`while`, `call`, ...) are left out."""
+  events, processes, threads = _load(path)
   total = collections.Counter()
+  if _stream_lines(processes, threads):
+    durations, unattributed = kernel_durations(path, list(phases))
+    for name, us in durations.items():
+      total[phases[name]] += us
+    if unattributed:
+      total["(unattributed)"] += unattributed
+    return total
   for e in events:
     key = (e.get("pid"), e.get("tid"))
-    if e.get("ph") != "X" or (key not in xla_ops if xla_ops else threads.get(key, "python").startswith("python")):
+    if e.get("ph") != "X" or threads.get(key, "python").startswith("python") or _DEVICE.match(
+        processes.get(e.get("pid"), "")):
       continue
     name = e["name"]
     if name in phases:
@@ -137,7 +250,9 @@ def summarize(directory: str, steps: int, top: int = 8, phases: dict[str, str] |
              "top_ops_ms_per_step": [(n[:80], per_step(v)) for n, v in durations.most_common(top)],
              "op_ms_per_step": per_step(sum(durations.values()))}
   if phases is not None:
-    summary["ms_per_step_by_phase"] = {p: per_step(v) for p, v in phase_durations(path, phases).most_common()}
+    by_phase = phase_durations(path, phases)
+    summary["ms_per_step_by_phase"] = {p: per_step(v) for p, v in by_phase.most_common()}
+    summary["attributed_share"] = 1 - by_phase["(unattributed)"] / max(sum(by_phase.values()), 1e-9)
   return summary
 
 

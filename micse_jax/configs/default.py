@@ -8,6 +8,7 @@ import ml_collections
 
 from micse_jax import paths
 from micse_jax.configs.methods import add_method_fields
+from micse_jax.configs.population import add_population_fields
 
 
 def shipped_minilm_dir() -> str:
@@ -91,13 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.cache.compilation_max_size = 16 * 2**30  # bytes (JAX's LRU eviction + file lock); -1 = unbounded
   c.cache.tokenized = True            # text corpora tokenised once, in <dir>/tokenized
 
-  c.population = ml_collections.ConfigDict()  # K runs in one jitted step (training/population.py)
-  c.population.seeds = ()             # e.g. (1, 2, 3): member i = the solo run with seed seeds[i]; () = one run
-  c.population.subset_seeds = ()      # one data.subset_seed per member (few-shot subsets); () = data.subset_seed
-  c.population.num_sentences = 0      # >0: every member's data.num_sentences (its own subset)
-  c.population.learning_rates = ()    # one peak optim.learning_rate per member (no recompile per value); () = shared
-  c.population.ami_weights = ()       # one ami.weight (λ) per member (no recompile per value); () = shared
-
+  add_population_fields(c)  # K runs in one jitted step: population.seeds, ... (configs/population.py)
   add_method_fields(c)  # views and loss terms of the relatives (issue 7)
 
   if arg == "demo":

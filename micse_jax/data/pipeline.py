@@ -112,6 +112,14 @@ def epoch_permutation(base_seed: int, epoch: int, num_sentences: int) -> np.ndar
   return permutation.astype(np.int32) if num_sentences < 2**31 else permutation
 
 
+def batch_layout(max_length: int):
+  """The `data/packing.BatchLayout` of every `TrainBatches.batch`: the token arrays `[rows,
+  max_length]`, `sentence_ids` and `row_mask` `[rows]` (the compiled step's batch, known without data)."""
+  from micse_jax.data.packing import BatchLayout
+  keys = (*TOKEN_KEYS, SENTENCE_IDS_KEY, ROW_MASK_KEY)
+  return BatchLayout.of({k: np.zeros((1, max_length) if k in TOKEN_KEYS else (1,), np.int32) for k in keys})
+
+
 class TrainBatches:
   """Infinite, step-indexed training batches; `batch(step)` is a pure function of step.
 

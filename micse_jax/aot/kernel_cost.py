@@ -1,0 +1,334 @@
+"""What each kernel of a compiled XLA program moves and computes, read from its optimised HLO text.
+
+`costs(hlo_text)` gives, for every kernel of `hlo.kernels` (the program's kernel-launching
+instructions, in program order), a `Cost`:
+
+* `read` / `written` bytes: only what the kernel really touches. A fusion is walked back from its
+  outputs, each instruction asking its operands for the elements it needs (`_demands`): a slice,
+  dynamic-slice or gather only its part (slices of one value add up), an elementwise op the same
+  elements (several users of one value read it once), a broadcast its operand once (its own size,
+  not the broadcast's), a reduction all it reduces, a dot or a nested fusion everything; the
+  target of an in-place dynamic-update-slice or scatter is not read and only the update is
+  written. A cuBLAS / cuDNN custom call reads its operands and writes its first result (the
+  tuple's `s8[...]` workspace is scratch, not traffic).
+* `flops`: 2·M·N·K of each `dot` (in a fusion, nested fusions included, or a cuBLAS call's
+  `dot_dimension_numbers`): 2 × the output's elements × the contracted size.
+* `rounds`: threefry-2x32 rounds computed inline: one 32-bit rotation (`or` of a `shift-left`
+  and a `shift-right-logical`) per round and element (a hash is 20 rounds, `ROUNDS_PER_HASH`).
+* `dtype`: the GEMM's operand element type (its peak rate), `tf32` for a float32 dot at the
+  default precision, `f32` at `HIGHEST`;
+* traits the time model times differently: a reduction, a column reduction into few outputs, a
+  wide concatenate written out, a sort's shared-memory traffic, a scatter's atomic updates.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+
+from micse_jax.aot import hlo
+
+ROUNDS_PER_HASH = 20  # threefry-2x32 (Salmon et al. 2011): 20 rounds of add, rotate, xor
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "token": 0}
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_SLICES = {"slice", "dynamic-slice", "gather"}
+_FREE = {"bitcast", "reshape", "get-tuple-element"}  # views: their users are the parameter's users
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """One kernel's traffic and work (see the module docstring)."""
+  name: str
+  kind: str
+  phase: str
+  read: float = 0.0
+  written: float = 0.0
+  flops: float = 0.0
+  rounds: float = 0.0
+  dtype: str = ""
+  reduces: bool = False        # it holds a reduction (reductions stream memory less well)
+  narrow_columns: bool = False  # a reduction over major dimensions into <= NARROW outputs (few blocks)
+  concat_operands: int = 0     # operands of a concatenate it writes out
+  sort_traffic: float = 0.0    # bytes a bitonic sort moves through shared memory (see `_sort_traffic`)
+  atomic_updates: float = 0.0  # scatter-add update elements (atomics)
+  atomic_chain: float = 0.0    # updates per target element: atomics to one address run one after another
+
+  @property
+  def bytes(self) -> float:
+    """Bytes read and written."""
+    return self.read + self.written
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """[(element type, dims)] of a shape's arrays (a tuple shape gives each element)."""
+  return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)]
+
+
+def nbytes(shape: str) -> float:
+  """Bytes of a (possibly tuple) shape."""
+  return sum(_BYTES.get(t, 4) * math.prod(dims) for t, dims in arrays(shape))
+
+
+def _shape(ins: hlo.Instruction) -> str:
+  match = hlo._INSTRUCTION.match(ins.text)
+  return match.group("shape") if match else ""
+
+
+def operands(ins: hlo.Instruction) -> list[str]:
+  """Names of the instruction's operands (the text inside its opcode's parentheses)."""
+  rest, depth = hlo._INSTRUCTION.match(ins.text).group("rest"), 1
+  for i, ch in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return _OPERAND.findall(rest[:i])
+  return _OPERAND.findall(rest)
+
+
+class Program:
+  """An optimised HLO module: its computations, instructions by name and their users."""
+
+  def __init__(self, hlo_text: str):
+    self.computations, self.entry = hlo.parse(hlo_text)
+    self.by_name = {i.name: i for body in self.computations.values() for i in body}
+    self.shapes = {name: _shape(i) for name, i in self.by_name.items()}
+
+  def users(self, computation: str) -> dict[str, list[tuple[hlo.Instruction, int]]]:
+    """{name: [(user, operand position)]} within one computation."""
+    found = {}
+    for ins in self.computations.get(computation, ()):
+      for position, name in enumerate(operands(ins)):
+        found.setdefault(name, []).append((ins, position))
+    return found
+
+  def fused(self, ins: hlo.Instruction) -> str | None:
+    """The computation a fusion calls."""
+    called = ins.called()
+    return called[0] if called else None
+
+
+_FULL = {"dot", "convolution", "sort", "fusion", "custom-call", "fft", "triangular-solve", "cholesky", "while",
+         "call", "conditional", "rng-bit-generator", "all-reduce", "all-gather", "reduce-scatter"}
+
+
+def _elements(program: Program, name: str) -> float:
+  return float(sum(math.prod(d) for _, d in arrays(program.shapes.get(name, ""))))
+
+
+def _in_place_target(program: Program, name: str, params: set[str]) -> bool:
+  """Whether `name` is (a view of) a parameter: an in-place update's target then needs no read."""
+  while name not in params and name in program.by_name and program.by_name[name].opcode in _FREE:
+    name = operands(program.by_name[name])[0]
+  return name in params
+
+
+def _operand_demand(program: Program, user: hlo.Instruction, position: int, demand: float,
+                    params: set[str]) -> float:
+  """Elements of operand `position` that `user` reads when `demand` of its own elements are used."""
+  name = operands(user)[position]
+  n_operand, n_user, op = _elements(program, name), max(_elements(program, user.name), 1.0), user.opcode
+  if demand <= 0 or op in ("iota", "constant", "parameter"):
+    return 0.0
+  if op in _FULL:
+    return n_operand
+  if op in ("reduce", "reduce-window"):
+    return n_operand * demand / n_user if position < len(operands(user)) // 2 else n_operand
+  if op == "concatenate":
+    return min(n_operand, demand * n_operand / n_user)
+  if op in ("dynamic-update-slice", "scatter") and position == 0:
+    return 0.0 if _in_place_target(program, name, params) else n_operand
+  if op == "broadcast":
+    return max(1.0, n_operand * demand / n_user)
+  return min(n_operand, demand)  # elementwise, views, slices, gathers: what is used
+
+
+def _demands(program: Program, body: list[hlo.Instruction], params: set[str]) -> dict[str, float]:
+  """{instruction: elements of it that the fusion's outputs need}, walked from the root back
+  (the text lists every instruction after its operands)."""
+  aligned, regions = collections.defaultdict(float), collections.defaultdict(float)
+  root = next((i for i in body if i.text.lstrip().startswith("ROOT")), body[-1] if body else None)
+  if root is None:
+    return aligned
+  for name in operands(root) if root.opcode == "tuple" else [root.name]:
+    aligned[name] = _elements(program, name)
+  demand = {}
+  for ins in reversed(body):
+    if ins.opcode == "tuple" or (ins.name not in aligned and ins.name not in regions):
+      continue
+    demand[ins.name] = min(_elements(program, ins.name), max(aligned[ins.name], regions[ins.name]))
+    for position, name in enumerate(operands(ins)):
+      need = _operand_demand(program, ins, position, demand[ins.name], params)
+      if ins.opcode in _SLICES:  # slices cover different parts: they add up
+        regions[name] += need
+      else:  # elementwise users read the same elements
+        aligned[name] = max(aligned[name], need)
+  for name in set(aligned) | set(regions):
+    demand.setdefault(name, min(_elements(program, name), max(aligned[name], regions[name])))
+  return demand
+
+
+def _written(program: Program, body: list[hlo.Instruction], params: set[str]) -> float:
+  """Bytes the fusion writes: its outputs, an in-place update's target only where updated."""
+  root = next((i for i in body if i.text.lstrip().startswith("ROOT")), None)
+  if root is None:
+    return 0.0
+  written = 0.0
+  for out in ([program.by_name[o] for o in operands(root)] if root.opcode == "tuple" else [root]):
+    ops = operands(out)
+    if out.opcode in ("dynamic-update-slice", "scatter") and _in_place_target(program, ops[0], params):
+      written += nbytes(program.shapes[ops[1 if out.opcode == "dynamic-update-slice" else 2]])
+    else:
+      written += nbytes(program.shapes[out.name])
+  return written
+
+
+def _dot_flops(program: Program, ins: hlo.Instruction) -> tuple[float, str]:
+  """(2 × output elements × contracted size, operand type) of a `dot`, or of a `convolution`
+  (a TPU's matmuls: the kernel's input-feature and spatial sizes, from `dim_labels`)."""
+  lhs, rhs = (operands(ins) + ["", ""])[:2]
+  (dtype, dims), = arrays(program.shapes.get(lhs, ""))[:1] or [("f32", ())]
+  if ins.opcode == "convolution":
+    labels = re.search(r"dim_labels=\w*_(\w+)->", ins.text)
+    kernel = arrays(program.shapes.get(rhs, ""))[:1]
+    k = math.prod(d for label, d in zip(labels.group(1), kernel[0][1]) if label == "i" or label.isdigit()) \
+        if labels and kernel else 1
+  else:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.text)
+    k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+  out = sum(math.prod(d) for _, d in arrays(program.shapes[ins.name]))
+  if dtype == "f32":
+    dtype = "f32" if "HIGHEST" in ins.text else "tf32"
+  return 2.0 * out * k, dtype
+
+
+def _is_rotation(program: Program, ins: hlo.Instruction) -> bool:
+  """A 32-bit rotation: an `or` of a `shift-left` and a `shift-right-logical` (one per threefry round)."""
+  if ins.opcode != "or" or not program.shapes[ins.name].startswith("u32"):
+    return False
+  return {program.by_name[o].opcode for o in operands(ins) if o in program.by_name} == {
+      "shift-left", "shift-right-logical"}
+
+
+def _work(program: Program, computation: str, demand: dict[str, float], seen: set[str]) -> tuple[float, float, str]:
+  """(flops, threefry rounds, GEMM dtype) of a fused computation and the fusions nested in it;
+  rounds counted on the elements that the outputs need."""
+  flops, rounds, dtype = 0.0, 0.0, ""
+  if computation in seen:
+    return flops, rounds, dtype
+  seen.add(computation)
+  for ins in program.computations.get(computation, ()):
+    if ins.opcode in ("dot", "convolution"):
+      f, dtype = _dot_flops(program, ins)
+      flops += f
+    elif ins.opcode == "fusion":
+      f, r, d = _work(program, program.fused(ins) or "", collections.defaultdict(lambda: float("inf")), seen)
+      flops, rounds, dtype = flops + f, rounds + r, dtype or d
+    elif _is_rotation(program, ins):
+      rounds += min(_elements(program, ins.name), demand.get(ins.name, 0.0))
+  return flops, rounds, dtype
+
+
+def _sort_traffic(program: Program, ins: hlo.Instruction) -> float:
+  """Bytes a `sort` moves through shared memory: a bitonic sort of n (rounded up to a power of two)
+  runs log2(n)·(log2(n)+1)/2 compare-exchange stages, each reading and writing every element's
+  keys and values."""
+  dims = re.search(r"dimensions=\{(\d+)\}", ins.text)
+  shapes = [arrays(program.shapes[o])[0] for o in operands(ins) if arrays(program.shapes.get(o, ""))]
+  if not shapes:
+    return 0.0
+  n = shapes[0][1][int(dims.group(1))] if dims and shapes[0][1] else 1
+  log_n = max(1, math.ceil(math.log2(max(n, 2))))
+  elements = math.prod(shapes[0][1])
+  return 2.0 * elements * log_n * (log_n + 1) / 2 * sum(_BYTES.get(t, 4) for t, _ in shapes)
+
+
+NARROW = 16384  # outputs of a column reduction below which XLA gives it too few blocks to fill the memory system
+
+
+def _narrow_columns(program: Program, ins: hlo.Instruction) -> bool:
+  """A `reduce` that keeps its input's minor (fastest-varying) dimension and has <= NARROW outputs."""
+  shape = program.shapes.get(operands(ins)[0], "")
+  layout = re.search(r"\[([\d,]*)\]\{([\d,]*)", shape)
+  rank = len(arrays(shape)[0][1]) if arrays(shape) else 0
+  minor = int(layout.group(2).split(",")[0]) if layout and layout.group(2) else rank - 1
+  reduced = re.search(r"dimensions=\{([\d,]*)\}", ins.text)
+  dims = {int(d) for d in reduced.group(1).split(",") if d} if reduced else set()
+  return minor not in dims and _elements(program, ins.name) <= NARROW
+
+
+def _traits(program: Program, body: list[hlo.Instruction]) -> dict:
+  """The fused computation's reductions, widest concatenate, sort traffic and scatter atomics."""
+  root = next((i for i in body if i.text.lstrip().startswith("ROOT")), None)
+  outputs = [program.by_name[o] for o in operands(root)] if root is not None and root.opcode == "tuple" else [root]
+  traits = {"reduces": any(i.opcode in ("reduce", "reduce-window") for i in body),
+            "narrow_columns": any(_narrow_columns(program, i) for i in body if i.opcode == "reduce"),
+            "concat_operands": max((len(operands(i)) for i in outputs if i is not None and i.opcode == "concatenate"),
+                                   default=0),
+            "sort_traffic": sum(_sort_traffic(program, i) for i in body if i.opcode == "sort")}
+  for i in body:
+    if i.opcode == "scatter":
+      ops = operands(i)
+      updates, target = _elements(program, ops[2]), max(_elements(program, ops[0]), 1.0)
+      traits["atomic_updates"] = traits.get("atomic_updates", 0.0) + updates
+      traits["atomic_chain"] = max(traits.get("atomic_chain", 0.0), updates / target)
+  return traits
+
+
+def fusion_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
+  """The cost of one fusion kernel (see the module docstring)."""
+  computation = program.fused(ins) or ""
+  body = program.computations.get(computation, [])
+  params = {p.name for p in body if p.opcode == "parameter"}
+  demand = _demands(program, body, params)
+  read = sum(demand.get(p, 0.0) * nbytes(program.shapes[p]) / max(_elements(program, p), 1.0) for p in params)
+  flops, rounds, dtype = _work(program, computation, demand, set())
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, _written(program, body, params), flops, rounds, dtype,
+              **_traits(program, body))
+
+
+def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
+  """A library call: operands read whole, the first result written; a GEMM's FLOPs from its
+  `dot_dimension_numbers` (cuBLAS) and operand shapes."""
+  ops = operands(ins)
+  read = sum(nbytes(program.shapes.get(o, "")) for o in ops)
+  results = arrays(program.shapes[ins.name])
+  result = [a for a in results if a[0] != "s8"][:1] or results[:1]
+  written = sum(_BYTES.get(t, 4) * math.prod(d) for t, d in result)
+  flops, dtype = 0.0, ""
+  config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', ins.text)
+  if config and ops:
+    numbers = json.loads(config.group(1))
+    (dtype, dims), = arrays(program.shapes[ops[0]])[:1]
+    k = math.prod(dims[int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
+    flops = 2.0 * sum(math.prod(d) for _, d in result) * k
+    if dtype == "f32":
+      dtype = "f32" if "HIGHEST" in ins.text else "tf32"
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, written, flops, 0.0, dtype)
+
+
+def plain_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
+  """Any other kernel (copy, sort, collective, an unfused op): operands read, result written."""
+  read = sum(nbytes(program.shapes.get(o, "")) for o in operands(ins))
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, nbytes(program.shapes[ins.name]),
+              **_traits(program, [ins]))
+
+
+def costs(hlo_text: str) -> list[Cost]:
+  """The `Cost` of every kernel of an optimised HLO module, in program order."""
+  program = Program(hlo_text)
+  found = []
+  for kernel in hlo.kernels(hlo_text):
+    ins = program.by_name[kernel.name]
+    if ins.opcode == "async-start":  # the wrapped instruction does the work
+      wrapped = [i for c in ins.called() for i in program.computations.get(c, ()) if i.opcode != "parameter"]
+      ins = wrapped[-1] if wrapped else ins
+    if ins.opcode == "fusion":
+      found.append(fusion_cost(program, ins, kernel))
+    elif ins.opcode == "custom-call":
+      found.append(custom_call_cost(program, ins, kernel))
+    else:
+      found.append(plain_cost(program, ins, kernel))
+  return found

@@ -1,0 +1,72 @@
+"""The devices of a GPU or TPU that is not here, for a deviceless compile, and their memory.
+
+`jax.experimental.topologies.get_topology_desc` gives the devices of a GPU topology (from a
+`GpuTargetConfigProto`, the shipped `aot/targets/*.txtpb`, sources in `aot/targets/README.md`)
+or of a TPU slice (libtpu). They place shapes for `jax.jit(...).lower(...).compile()`, which then
+runs the target's whole compiler on this CPU (no autotuning: XLA's default tiles); nothing runs
+on them. Needs the optional extra `aot` (GPU: the jax-cuda13 plugin and PJRT wheels of the
+installed jax) or `tpu` (libtpu).
+"""
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import re
+
+from micse_jax import optional
+from micse_jax.errors import ConfigError
+
+GPU_TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100": "a100.txtpb", "v100": "v100.txtpb"}
+TPU_TARGETS = {  # target -> (libtpu's chip name, slice shapes to pick the smallest that holds the devices)
+    "tpu-v4": ("v4", ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")),
+    "tpu-v5e": ("v5e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
+    "tpu-v6e": ("v6e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
+}
+TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
+
+
+def gpu_target_config(target: str) -> str:
+  """The shipped GpuTargetConfigProto text of a GPU target (`aot/targets/`, README there)."""
+  return importlib.resources.files("micse_jax.aot").joinpath("targets", GPU_TARGETS[target]).read_text()
+
+
+def device_memory_bytes(target: str) -> int | None:
+  """A GPU target's device memory (its GpuTargetConfigProto's `device_memory_size`); None for a TPU
+  target, whose deviceless topology does not give the chip's memory."""
+  if target not in GPU_TARGETS:
+    return None
+  match = re.search(r"^\s*device_memory_size:\s*(\d+)", gpu_target_config(target), re.MULTILINE)
+  return int(match.group(1)) if match else None
+
+
+def _require_cuda_plugin(target: str) -> None:
+  """The CUDA plugin that compiles for `target`, at the installed jax's version: CUDA 13's (extra
+  `aot`), or CUDA 12's (extra `aot-v100`), the only one for a V100 (CUDA 13's ptxas dropped sm_70)."""
+  has_cuda13 = importlib.util.find_spec("jax_cuda13_plugin") is not None
+  if target == "v100" and has_cuda13:  # both plugins claim the platform `cuda`; jax keeps CUDA 13's
+    raise ConfigError("--aot v100 needs the CUDA 12 plugin without the CUDA 13 one (CUDA 13's ptxas compiles "
+                      "nothing for sm_70): use an environment with pip install 'micse-jax[aot-v100]' (docs/AOT.md)")
+  cuda = "13" if has_cuda13 else "12"
+  optional.require(f"jax_cuda{cuda}_plugin", f"--aot {target}")
+  for part in ("plugin", "pjrt"):
+    optional.require_jax_match(f"jax-cuda{cuda}-{part}", f"--aot {target}")
+
+
+def target_devices(target: str, num_devices: int = 1) -> list:
+  """`num_devices` devices of a topology of `target`, for placing shapes (never for running)."""
+  from jax.experimental import topologies
+  if target in GPU_TARGETS:
+    _require_cuda_plugin(target)
+    topo = topologies.get_topology_desc("aot", "cuda", target_config=gpu_target_config(target),
+                                        topology=f"1x1x{num_devices}")
+    return list(topo.devices)[:num_devices]
+  if target not in TPU_TARGETS:
+    raise ConfigError(f"unknown --aot target {target!r}; expected one of {', '.join(TARGETS)}")
+  optional.require("libtpu", f"--aot {target}")
+  optional.require_jax_match("libtpu", f"--aot {target}")
+  chip, shapes = TPU_TARGETS[target]
+  for shape in shapes:
+    devices = list(topologies.get_topology_desc(f"{chip}:{shape}", "tpu").devices)
+    if len(devices) >= num_devices:
+      return devices[:num_devices]
+  raise ConfigError(f"--devices {num_devices} is more than the largest {target} slice here ({chip}:{shapes[-1]})")

@@ -1,0 +1,238 @@
+"""The step time of a compiled XLA program on a target device, predicted from its optimised HLO.
+
+    python -m micse_jax.bench --aot h100 --model bert-base --batch_size 50 --dtype bfloat16
+    python -m micse_jax.bench --aot_hlo step.hlo.txt.gz --aot h200
+
+Each kernel (`aot/kernel_cost.py`: bytes it really reads and writes, GEMM FLOPs, inline threefry
+rounds, sort and scatter work) takes
+
+    t = LAUNCH_S [+ GEMM_OVERHEAD_S for a GEMM] + max(bytes / (bandwidth · e_mem),
+          flops / (peak[dtype] · GEMM_EFFICIENCY), rounds / round_rate,
+          sort traffic / (shared-memory bandwidth · SHARED_EFFICIENCY),
+          updates / ATOMIC_RATE + updates per target element · ATOMIC_CHAIN_S)
+
+with `e_mem` by what the kernel does (`memory_efficiency`: elementwise, reduction, narrow column
+reduction, wide concatenate) and `round_rate` = the 32-bit integer lanes' rate / `OPS_PER_ROUND`
+· `INTEGER_EFFICIENCY`. The kernels of one step add up to the device time
+(`predicted_device_ms`): XLA runs them one after another (one CUDA graph per step, kernels back to
+back). The trainer does not wait for a step before dispatching the next, so a step takes the
+device time or, when the host is slower, the host's (`predicted_step_ms` = max(device, host)).
+A step that is waited for (`predicted_blocked_step_ms`, what a blocked benchmark measures) pays
+both: the host's dispatch of the step's CUDA graph (`HOST_PER_KERNEL_S` per kernel: updating and
+launching the graph's nodes) then the device time. `floor_ms`: each kernel's bytes at peak
+bandwidth or FLOPs at peak rate, the larger, summed, with no launch cost. Constants and their
+sources: docs/AOT.md, "The time model". A TPU program is read the same way (its fusions are its
+kernels; XLA:TPU runs the whole step as one program, so the per-kernel and host costs are small
+constants); TPU figures are not calibrated against a measurement.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import sys
+
+from micse_jax import jsonio
+from micse_jax.aot import kernel_cost
+from micse_jax.errors import ConfigError
+
+# One set of constants for every GPU target and point. The efficiencies and per-kernel costs are
+# fitted once (least squares on log time, weighted by time) to the 1,868 kernels of the H200's
+# batch-50 and batch-512 calibration traces (docs/AOT.md); the population trace
+# (K = 5) was held out. Each lies where the trace's own kernel classes put it (comments).
+MEMORY_EFFICIENCY = 0.75          # share of peak bandwidth: large elementwise fusions reach 3.2-3.7 TB/s of 4.8
+REDUCTION_EFFICIENCY = 0.58       # fusions with a reduction: 2.5-3.0 TB/s
+NARROW_COLUMNS_EFFICIENCY = 0.24  # column reductions into <= 16 K outputs (bias gradients): 1.1-1.4 TB/s
+WIDE_CONCAT_EFFICIENCY = 0.29     # a concatenate of > WIDE_CONCAT operands (the flat update): 1.4-1.7 TB/s
+WIDE_CONCAT = 16
+GEMM_EFFICIENCY = 0.74            # share of the dense peak: bf16 GEMMs > 1 GFLOP, cuBLAS 807, Triton 680 TFLOP/s of 989
+GEMM_OVERHEAD_S = 2.3e-6          # a GEMM's prologue and epilogue (the cuBLAS fit's intercept: 4.7 us with launch)
+LAUNCH_S = 1.7e-6                 # a kernel in a CUDA graph: kernels moving < 100 kB take 1.1-1.5 us, 64 kB-1 MB 2 us
+OPS_PER_ROUND = 3                 # a threefry round: a 3-input add, a funnel-shift rotate, an xor (IADD3, SHF, LOP3)
+INTEGER_EFFICIENCY = 0.85         # the threefry fusions: 4.7-5.8 T rounds/s of 5.6 (132 SMs x 64 lanes x 1.98 GHz / 3)
+SHARED_EFFICIENCY = 0.65          # the bitonic sorts: 0.64-0.66 of 128 B/clock/SM of shared memory
+ATOMIC_RATE = 2.1e11              # scatter-add updates/s (the word-embedding gradient: 25 M updates in 120 us)
+ATOMIC_CHAIN_S = 20e-9            # atomics on one address run one after another (the token-type gradient: 16 K deep)
+HOST_PER_KERNEL_S = 5.9e-6        # blocked - pipelined step per kernel: 4.3 (b50), 6.7 (b512), 6.8 us (K = 5)
+TPU_LAUNCH_S = 0.3e-6             # XLA:TPU runs the whole step as one program: a fusion boundary, not a launch
+TPU_HOST_S = 100e-6               # one program launch per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """A target's peaks: memory bandwidth (bytes/s), dense FLOP/s per GEMM operand type, 32-bit
+  integer operations/s (threefry), and whether it is a GPU (kernels, CUDA graph) or a TPU."""
+  name: str
+  bandwidth: float
+  flops: dict
+  integer_ops: float
+  platform: str = "gpu"
+  memory_bytes: float = 0.0
+  shared_bandwidth: float = 0.0  # GPU: SMs × 128 B per clock of shared memory
+
+
+def _gpu(name, bandwidth, bf16, tf32, f32, sms, clock_ghz, memory, f16=None, f8=None) -> Device:
+  flops = {"bf16": bf16, "f16": f16 or bf16, "tf32": tf32, "f32": f32, "f64": f32, "f8e4m3fn": f8 or bf16,
+           "f8e5m2": f8 or bf16, "s8": f8 or bf16}
+  clock = clock_ghz * 1e9  # 64 INT32 lanes and 128 bytes of shared memory per clock per SM
+  return Device(name, bandwidth, flops, sms * 64 * clock, "gpu", memory, sms * 128 * clock)
+
+
+# NVIDIA datasheets (SXM parts, dense tensor-core rates) and architecture whitepapers (SMs, boost clock).
+DEVICES = {
+    "h100": _gpu("H100 SXM5 80GB", 3.35e12, 989.4e12, 494.7e12, 66.9e12, 132, 1.98, 80e9, f8=1978.9e12),
+    "h200": _gpu("H200 SXM 141GB", 4.8e12, 989.4e12, 494.7e12, 66.9e12, 132, 1.98, 141e9, f8=1978.9e12),
+    "a100": _gpu("A100 SXM4 80GB", 2.039e12, 312e12, 156e12, 19.5e12, 108, 1.41, 80e9),
+    # Volta: float16 tensor cores (125 TFLOP/s); bfloat16 has none (runs at the float32 rate), no TF32.
+    "v100": _gpu("V100 SXM2 32GB", 0.9e12, 15.7e12, 15.7e12, 15.7e12, 80, 1.53, 32e9, f16=125e12),
+    # Google Cloud TPU system architecture pages: bf16 peak and HBM bandwidth per chip.
+    "tpu-v4": Device("TPU v4", 1.2e12, {"bf16": 275e12, "f32": 275e12 / 6, "tf32": 275e12 / 3}, 0, "tpu", 32e9),
+    "tpu-v5e": Device("TPU v5e", 0.819e12, {"bf16": 197e12, "f32": 197e12 / 6, "tf32": 197e12 / 3}, 0, "tpu", 16e9),
+    "tpu-v6e": Device("TPU v6e", 1.64e12, {"bf16": 918e12, "f32": 918e12 / 6, "tf32": 918e12 / 3}, 0, "tpu", 32e9),
+}
+
+
+def round_rate(device: Device) -> float:
+  """Threefry rounds per second the device computes (GPU: its INT32 lanes; a TPU: its VPU,
+  taken as a tenth of its bf16 matrix rate in 32-bit operations: not calibrated)."""
+  ops = device.integer_ops or device.flops["bf16"] / 10
+  return ops / OPS_PER_ROUND * INTEGER_EFFICIENCY
+
+
+def memory_efficiency(cost: kernel_cost.Cost) -> float:
+  """The share of peak bandwidth a kernel's memory traffic gets (see the module docstring)."""
+  if cost.concat_operands > WIDE_CONCAT:
+    return WIDE_CONCAT_EFFICIENCY
+  if cost.narrow_columns:
+    return NARROW_COLUMNS_EFFICIENCY
+  return REDUCTION_EFFICIENCY if cost.reduces else MEMORY_EFFICIENCY
+
+
+def kernel_class(cost: kernel_cost.Cost) -> str:
+  """The model's class of a kernel: which term and efficiency time it (for per-class errors)."""
+  if cost.flops:
+    return cost.kind if cost.kind.startswith("GEMM") else "GEMM (other)"
+  if cost.rounds:
+    return "threefry (inline RNG)"
+  if cost.sort_traffic:
+    return "sort"
+  if cost.atomic_updates:
+    return "scatter-add"
+  if cost.concat_operands > WIDE_CONCAT:
+    return "concatenate (wide)"
+  if cost.narrow_columns:
+    return "column reduction (narrow)"
+  return "reduction" if cost.reduces else "elementwise / copy / transpose"
+
+
+def kernel_seconds(cost: kernel_cost.Cost, device: Device) -> float:
+  """One kernel's predicted time (see the module docstring)."""
+  memory = cost.bytes / (device.bandwidth * memory_efficiency(cost))
+  gemm = cost.flops / (device.flops.get(cost.dtype, device.flops["f32"]) * GEMM_EFFICIENCY) if cost.flops else 0.0
+  rng = cost.rounds / round_rate(device) if cost.rounds else 0.0
+  gpu = device.platform == "gpu"
+  sort = cost.sort_traffic / (device.shared_bandwidth * SHARED_EFFICIENCY) if cost.sort_traffic and gpu else 0.0
+  atomics = cost.atomic_updates / ATOMIC_RATE + cost.atomic_chain * ATOMIC_CHAIN_S if gpu else 0.0
+  launch = LAUNCH_S if gpu else TPU_LAUNCH_S
+  return launch + max(memory, gemm, rng, sort, atomics) + (GEMM_OVERHEAD_S if cost.flops and gpu else 0.0)
+
+
+def floor_seconds(cost: kernel_cost.Cost, device: Device) -> float:
+  """The kernel at the device's peaks alone: max(bytes / bandwidth, FLOPs / peak)."""
+  gemm = cost.flops / device.flops.get(cost.dtype, device.flops["f32"]) if cost.flops else 0.0
+  return max(cost.bytes / device.bandwidth, gemm)
+
+
+def host_seconds(kernels: int, device: Device) -> float:
+  """The host's time to dispatch one step (GPU: update and launch the step's CUDA graph)."""
+  return kernels * HOST_PER_KERNEL_S if device.platform == "gpu" else TPU_HOST_S
+
+
+def _ms_by(timed, attr: str) -> dict:
+  total = collections.Counter()
+  for cost, seconds in timed:
+    total[getattr(cost, attr)] += 1e3 * seconds
+  return dict(total.most_common())
+
+
+def predict(hlo_text: str, target: str, top: int = 20, members: int = 1) -> dict:
+  """The predicted step of an optimised HLO module on `target` (a key of `DEVICES`), JSON-able:
+  `predicted_step_ms` (pipelined, as the trainer runs), `predicted_blocked_step_ms`, `floor_ms`,
+  by phase and kind, bytes, FLOPs and threefry hashes per step, the `top` largest kernels;
+  `members` > 1 (a population step) adds `predicted_ms_per_member_step`."""
+  device = DEVICES[target]
+  timed = [(c, kernel_seconds(c, device)) for c in kernel_cost.costs(hlo_text)]
+  device_s = sum(s for _, s in timed)
+  host_s = host_seconds(len(timed), device)
+  largest = sorted(timed, key=lambda x: -x[1])[:top]
+  floor_s = sum(floor_seconds(c, device) for c, _ in timed)
+  extra = {"predicted_ms_per_member_step": 1e3 * max(device_s, host_s) / members} if members > 1 else {}
+  return {
+      "time_model_target": target, "time_model_device": device.name, **extra,
+      "predicted_step_ms": 1e3 * max(device_s, host_s), "predicted_over_floor": max(device_s, host_s) / floor_s,
+      "predicted_blocked_step_ms": 1e3 * (device_s + host_s),
+      "predicted_device_ms": 1e3 * device_s, "predicted_host_ms": 1e3 * host_s,
+      "floor_ms": 1e3 * floor_s,
+      "predicted_ms_by_phase": _ms_by(timed, "phase"), "predicted_ms_by_kind": _ms_by(timed, "kind"),
+      "bytes_per_step": sum(c.bytes for c, _ in timed), "flops_per_step": sum(c.flops for c, _ in timed),
+      "rng_hashes_per_step": sum(c.rounds for c, _ in timed) / kernel_cost.ROUNDS_PER_HASH,
+      "kernels_per_step": len(timed),
+      "largest_kernels": [{"name": c.name, "kind": c.kind, "phase": c.phase, "ms": 1e3 * s, "bytes": c.bytes,
+                           "flops": c.flops, "rng_hashes": c.rounds / kernel_cost.ROUNDS_PER_HASH}
+                          for c, s in largest]}
+
+
+def read_hlo(path: str) -> str:
+  """A saved optimised-HLO text file, plain or gzip-compressed (`ConfigError` if it is not one)."""
+  try:
+    with open(path, "rb") as f:
+      head = f.read(2)
+    opener = gzip.open if head == b"\x1f\x8b" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError, EOFError) as e:
+    raise ConfigError(f"--aot_hlo {path}: cannot read it ({e})") from e
+  if "\nENTRY " not in text and not text.startswith("ENTRY "):
+    raise ConfigError(f"--aot_hlo {path}: no HLO module in it (expected the text of compiled.as_text())")
+  return text
+
+
+def run_saved(path: str, target: str, output: str | None = None, members: int = 1) -> dict:
+  """`python -m micse_jax.bench --aot_hlo FILE --aot TARGET [--population K]`: the time model of a
+  saved program (K members: a population's), with its kernel counts (no compile); prints the
+  report and the JSON line, returns the result."""
+  from micse_jax import cli
+  from micse_jax.aot import hlo
+  with cli.input_errors_as_one_line():
+    if target not in DEVICES:
+      raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
+    text = read_hlo(path)
+  counts = hlo.summary(text)
+  result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members),
+            "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
+            "update_kernels_per_step": counts["update_kernels_per_step"]}
+  print(f"micse_jax.bench --aot_hlo {path} --aot {target}: {result['kernels_per_step']} kernels")
+  print("\n".join(report_lines(result)))
+  if output:
+    jsonio.write_json(output, result)
+  print(json.dumps(result))
+  sys.stdout.flush()
+  return result
+
+
+def report_lines(p: dict) -> list[str]:
+  """The prediction as report lines."""
+  lines = [f"  time model ({p['time_model_device']}; docs/AOT.md): step {p['predicted_step_ms']:.2f} ms "
+           f"pipelined, {p['predicted_blocked_step_ms']:.2f} ms blocked (device {p['predicted_device_ms']:.2f} ms, "
+           f"host dispatch {p['predicted_host_ms']:.2f} ms), floor {p['floor_ms']:.2f} ms "
+           f"(predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
+           + (f"; {p['predicted_ms_per_member_step']:.2f} ms per member-step"
+              if "predicted_ms_per_member_step" in p else ""),
+           f"    {p['bytes_per_step'] / 1e9:.2f} GB moved, {p['flops_per_step'] / 1e12:.2f} TFLOP, "
+           f"{p['rng_hashes_per_step'] / 1e6:.0f} M threefry hashes, {p['kernels_per_step']} kernels per step",
+           "    predicted ms by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in p["predicted_ms_by_phase"].items()),
+           "    predicted ms by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in p["predicted_ms_by_kind"].items()),
+           "    largest kernels:"]
+  lines += [f"      {k['ms']:8.3f} ms  {k['name']:<40} {k['kind']:<28} {k['phase']}" for k in p["largest_kernels"]]
+  return lines

@@ -1,0 +1,80 @@
+"""Step times two ways, the same for micse_jax and the PyTorch peers.
+
+* **pipelined** (the headline): runs of `steps` steps dispatched back to back with one wait at
+  the end of each run, as the trainer runs them (it waits only when it logs, evaluates or
+  saves), so the host's dispatch of step i+1 overlaps the device's work on step i; the time of a
+  run over `steps`, median over `rounds` runs.
+* **blocked**: each step waited for before the next is dispatched; the median of single steps.
+  The gap between the two is the host's launch latency and the device's idle time per step.
+
+A peer gives two callables: `dispatch()` launches one step and returns a handle to its result
+without waiting for it (a JAX step's metrics, a PyTorch step's loss tensor, never `.item()`),
+and `wait(handle)` blocks until the device has finished it (`jax.block_until_ready`;
+`torch.cuda.synchronize`). Steps depend on their predecessor's state, so waiting for the last
+step of a run waits for the whole run.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+PIPELINED = ("pipelined: runs of {steps} steps dispatched back to back, one wait per run (as the trainer runs), "
+             "median of {rounds} runs; blocked: median of {steps} single steps, each waited for")
+
+
+def blocked_seconds(dispatch: Callable[[], Any], wait: Callable[[Any], Any], steps: int) -> list[float]:
+  """Wall seconds of `steps` single steps, each dispatched and waited for."""
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    wait(dispatch())
+    times.append(time.perf_counter() - t)
+  return times
+
+
+def pipelined_seconds(dispatch: Callable[[], Any], wait: Callable[[Any], Any], steps: int,
+                      rounds: int) -> list[float]:
+  """Seconds per step of each of `rounds` runs of `steps` steps with one wait per run."""
+  per_step = []
+  for _ in range(rounds):
+    t = time.perf_counter()
+    handle = None
+    for _ in range(steps):
+      handle = dispatch()
+    wait(handle)
+    per_step.append((time.perf_counter() - t) / steps)
+  return per_step
+
+
+def measure(dispatch: Callable[[], Any], wait: Callable[[Any], Any], warmup: int, steps: int,
+            rounds: int) -> dict:
+  """`warmup` untimed steps, then blocked and pipelined times (ms): `blocked_step_ms`,
+  `pipelined_step_ms`, `pipelined_rounds_ms` (one per run, to show the spread)."""
+  for _ in range(warmup):
+    wait(dispatch())
+  blocked = blocked_seconds(dispatch, wait, steps)
+  pipelined = pipelined_seconds(dispatch, wait, steps, rounds)
+  return {"pipelined_step_ms": 1e3 * statistics.median(pipelined), "blocked_step_ms": 1e3 * statistics.median(blocked),
+          "pipelined_rounds_ms": [1e3 * s for s in pipelined]}
+
+
+def jax_peer(step) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+  """(dispatch, wait) of a compiled micse_jax step (`bench/jax_step.JaxStep`, after `compile()`):
+  dispatch runs one step on the step's state (donated, replaced) and returns its metrics."""
+  import jax
+
+  def dispatch():
+    step.state, metrics = step.compiled(step.state, step.batch)
+    return metrics
+  return dispatch, jax.block_until_ready
+
+
+def add_arguments(parser) -> None:
+  """The timing flags of `python -m micse_jax.bench`: --steps, --rounds, --warmup."""
+  parser.add_argument("--steps", type=int, default=10,
+                      help="steps per timed run: blocked, the median of this many single steps; pipelined, runs "
+                           "of this many steps with one wait each")
+  parser.add_argument("--rounds", type=int, default=3, help="pipelined runs of --steps steps (median reported)")
+  parser.add_argument("--warmup", type=int, default=2,
+                      help="untimed steps first (the compiled PyTorch peer's second step still compiles: keep >= 2)")

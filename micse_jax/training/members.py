@@ -1,0 +1,145 @@
+"""The runs a training loop steps, as views of its one state: a solo run is one, a population
+(`population.seeds`) one per member. The loop (`training/trainer.py`) is the same for both;
+what differs is here:
+
+- where a run's files go (`RunView.folder`): a solo run's workdir; member i's `members/<i>/`
+  (`workdir.member_dir`), which reads like a solo workdir (its solo `config.json`, `best/`,
+  `results.json`, `timeline.json`, TensorBoard scalars);
+- how its params and scalars are read from the state and the step's metrics (member i's slice);
+- which runs still train (`Health`): a solo run's non-finite loss stops the run with one error
+  line; a population member whose update goes non-finite stops alone (the step keeps its state,
+  `training/population.py`), is reported once and recorded in its folder (`workdir.STOPPED_FILE`),
+  and the run stops once no member trains.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from micse_jax import workdir as workdir_lib
+from micse_jax.configs import population as population_fields
+from micse_jax.errors import NonFiniteLossError
+from micse_jax.training import population, summaries
+from micse_jax.training.finite import FiniteWatch, kept_clause
+from micse_jax.training.setup import Run
+
+
+@dataclasses.dataclass
+class RunView:
+  """One run of the loop: its member index (None: a solo run), set-up, folder, `best/` manager,
+  best dev score so far and TensorBoard writer."""
+  index: int | None
+  run: Run
+  folder: str
+  best: ocp.CheckpointManager
+  best_score: float
+  writer: Any
+
+  @property
+  def label(self) -> str:
+    """How the run's lines name it ('' for a solo run)."""
+    return "" if self.index is None else f" member {self.index}"
+
+  def params(self, state) -> dict:
+    """The run's params in the loop's state."""
+    return state.params if self.index is None else population.member(state.members.params, self.index)
+
+  def step(self, state) -> int:
+    """The run's own step (a stopped member's is the step it stopped at)."""
+    return int(state.step if self.index is None else population.member(state.members.step, self.index))
+
+  def scalars(self, metrics: dict) -> dict[str, float]:
+    """The run's scalars from the step's host metrics."""
+    if self.index is None:
+      return {k: float(v) for k, v in metrics.items()}
+    return population.member_metrics(metrics, self.index)
+
+
+def run_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
+  """The configs of the runs the loop steps: the members' solo configs, or the run's own."""
+  return population_fields.member_configs(config) or [config]
+
+
+def folders(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
+  """The runs' folders that exist besides `workdir` (a population's member folders; [] for a solo run)."""
+  dirs = [workdir_lib.member_dir(workdir, i) for i in range(population_fields.size(config))]
+  return [d for d in dirs if os.path.isdir(d)]
+
+
+def create(config: ml_collections.ConfigDict, runs: list[Run], workdir: str) -> list[RunView]:
+  """The runs' views; a member's folder is created with its solo `config.json`."""
+  solo = not population_fields.enabled(config)
+  views = []
+  for i, run in enumerate(runs):
+    folder = os.path.abspath(workdir) if solo else workdir_lib.member_dir(workdir, i)
+    if not solo:
+      os.makedirs(folder, exist_ok=True)
+      if jax.process_index() == 0:
+        workdir_lib.write_run_config(folder, config_json(run))
+    best = workdir_lib.best_manager(folder)
+    step = best.best_step()
+    score = float(best.metrics(step)[workdir_lib.BEST_METRIC]) if step is not None else -math.inf
+    views.append(RunView(None if solo else i, run, folder, best, score, summaries.summary_writer(folder)))
+  return views
+
+
+def config_json(run: Run, config: ml_collections.ConfigDict | None = None) -> dict:
+  """What a `config.json` holds: the run's config (or `config`, a population's), the resolved model
+  folder and BERT config."""
+  return {**(config or run.config).to_dict(), "model_dir": run.model_dir, "bert_config": run.bert_config.to_dict()}
+
+
+def close(views: list[RunView]) -> None:
+  """Waits for the `best/` saves; closes the writers."""
+  for view in views:
+    view.best.wait_until_finished()
+    if view.writer:
+      view.writer.close()
+
+
+class Health:
+  """Which runs still train, read only when the loop logs, evaluates or saves (one sync)."""
+
+  def __init__(self, views: list[RunView], state):
+    self.views, self.watch, self.reported = views, FiniteWatch(), set()
+    if views[0].index is not None:  # a member training again after a resume: no stale record
+      for i in _alive_indices(state):
+        workdir_lib.clear_member_stopped(views[i].folder)
+
+  def update(self, state, metrics) -> None:
+    """After each step: a solo run folds the loss into the device flag (no sync)."""
+    if self.views[0].index is None:
+      self.watch.update(metrics, state.step)
+
+  def alive(self, state, saved_step: int | None, write) -> list[RunView]:
+    """The runs that still train; a newly stopped member is reported (`write`: a line to the
+    user) and recorded in its folder. NonFiniteLossError (one line, saying what `saved_step`
+    left) when none does."""
+    if self.views[0].index is None:
+      self.watch.check(saved_step)
+      return self.views
+    alive = _alive_indices(state)
+    for i, step in population.newly_stopped(state.stopped_at, self.reported):
+      view = self.views[i]
+      line = population.stopped_line(i, view.run.config.seed, step, len(alive))
+      logging.warning(line)
+      write(line)
+      if jax.process_index() == 0:
+        workdir_lib.record_member_stopped(view.folder, step, line)
+    if not alive:
+      stops = ", ".join(f"member {i} at step {int(s)}" for i, s in enumerate(np.asarray(state.stopped_at)))
+      raise NonFiniteLossError(f"every population member went non-finite ({stops}); stopped, "
+                               f"{kept_clause(saved_step)} (lower optim.learning_rate?)")
+    return [self.views[i] for i in alive]
+
+
+def _alive_indices(state) -> list[int]:
+  return [i for i, s in enumerate(np.asarray(state.stopped_at)) if s == population.STOPPED]

@@ -1,0 +1,199 @@
+"""The one training program of a config, built and jitted here for a solo run and a population alike.
+
+`build(config, bert_config, abstract_params, devices)` makes the networks, the optimizer and
+schedule, the abstract train state (`jax.ShapeDtypeStruct`s on their shardings, never
+materialised), the batch layout and the jitted, donated step. The trainer, the deviceless
+compile (`micse_jax/aot/compile.py`), the scaling analyses and the bench all take the step from
+here, so what `bench --aot` counts is the program the trainer runs.
+
+A solo run's step is `training/step.make_train_step` over a data mesh: (state, packed batch) →
+(state, metrics). A population's (`population.seeds`) vmaps that step over the stacked members
+(`training/population.make_population_step`): (PopulationState, packed `[K, rows, cols]`,
+hyper) → (state, metrics `[K]`), `hyper` holding the members' step inputs
+(`configs/population.PER_MEMBER`). The batch comes packed in one int32 array (`data/packing.py`).
+The params' shapes come from the checkpoint the trainer loaded (`abstract_of`) or, with no
+weights at all, from the model's init (`abstract_params`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from micse_jax.configs import population as population_fields
+from micse_jax.data.packing import BatchLayout
+from micse_jax.data.pipeline import batch_layout
+from micse_jax.models.bert import BertConfig, BertModel
+from micse_jax.training import checkpoint, compute_weights, optim, population, setup
+from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import state as state_lib
+from micse_jax.training.networks import Networks, SpecialTokens, build_networks
+from micse_jax.training.optim import learning_rate_schedule, make_optimizer
+from micse_jax.training.step import make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A config's networks, optimizer, abstract state and shardings, batch layout and jitted step."""
+  config: ml_collections.ConfigDict  # what the step is built from (`step_config`)
+  nets: Networks
+  tx: optax.GradientTransformation
+  mesh: Mesh
+  members: int                       # 0: a solo run; K: a population of K members
+  abstract_params: tuple             # (params, frozen params) of one run, as ShapeDtypeStructs
+  abstract_state: Any                # ShapeDtypeStructs placed on `state_sharding`
+  state_sharding: Any
+  layout: BatchLayout
+  rows: int                          # global rows of a run's batch (padded to the devices)
+  hyper: dict                        # the members' step inputs, float32 [K] each ({} for a solo run)
+  step: Callable                     # jitted, donated: `step(*program.inputs(state, packed))`
+
+  @property
+  def batch_sharding(self):
+    """Where a packed batch lives: rows split over the data axis (a population: by member or rows)."""
+    return population.batch_sharding(self.mesh) if self.members else mesh_lib.batch_sharded(self.mesh)
+
+  def abstract_batch(self) -> jax.ShapeDtypeStruct:
+    """The packed batch's shape, placed: `[rows, columns]`, a population's `[K, rows, columns]`."""
+    shape = (self.rows, self.layout.columns)
+    return jax.ShapeDtypeStruct(((self.members,) if self.members else ()) + shape, jnp.int32,
+                                sharding=self.batch_sharding)
+
+  @functools.cached_property
+  def placed_hyper(self) -> dict:
+    """`hyper` on the devices (once), split like the members."""
+    return jax.device_put(self.hyper, population.member_sharding(self.mesh)) if self.members else {}
+
+  def inputs(self, state, packed) -> tuple:
+    """The step's arguments: (state, packed), a population's with its step inputs."""
+    return (state, packed, self.placed_hyper) if self.members else (state, packed)
+
+  def lower(self):
+    """The step lowered on the abstract state and batch (nothing placed: also for absent devices)."""
+    hyper = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
+        self.mesh)), self.hyper)
+    args = (self.abstract_state, self.abstract_batch()) + ((hyper,) if self.members else ())
+    return self.step.lower(*args)
+
+  def place_batch(self, host_batches: list[dict]):
+    """The members' host batches of one step (one for a solo run), packed and placed."""
+    packed = [self.layout.pack(b) for b in host_batches]
+    return population.stacked_batch(packed, self.mesh) if self.members else mesh_lib.global_batch(packed[0], self.mesh)
+
+  def place_state(self, member_states: list):
+    """The step-0 state from the members' step-0 train states (one for a solo run), placed."""
+    state = population.initial_state([jax.device_get(s) for s in member_states]) if self.members else member_states[0]
+    return jax.device_put(state, self.state_sharding)
+
+
+def step_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config the program is built from: a solo run's own; a population's member 0 (members
+  differ only in what their states, batches and step inputs hold), with the schedule at peak 1
+  when the learning rate is a step input (each member's peak scales its update, `training/step.py`)."""
+  if not population_fields.enabled(config):
+    return config
+  shared = population_fields.member_config(config, 0)
+  if "learning_rate" in population_fields.step_inputs(config):
+    shared.optim.learning_rate = 1.0
+  return shared
+
+
+def abstract_of(tree):
+  """A pytree's shapes and dtypes (`ShapeDtypeStruct`s)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def abstract_params(config: ml_collections.ConfigDict, bert_config: BertConfig) -> tuple:
+  """(params, frozen params) shapes at step 0 without any weights: the model's init (with the MLM
+  head where the method reads the checkpoint's) through `setup.initial_params`, as the trainer builds them."""
+  nets = build_networks(config, bert_config)
+  model = BertModel(bert_config, add_mlm_head=setup.needs_mlm_head(config))
+  ids = jnp.zeros((1, config.model.max_length), jnp.int32)
+
+  def init():
+    encoder = model.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
+    return setup.initial_params(config, nets, encoder)
+  return jax.eval_shape(init)
+
+
+def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tuple, devices=None,
+          tokens: SpecialTokens | None = None) -> Program:
+  """The program of `config` on `devices` (default: all here; a deviceless target's also work):
+  `params` are one run's (params, frozen params) shapes (`abstract_of`, `abstract_params`),
+  `tokens` the checkpoint's special token ids (the views and masks that need them)."""
+  k, shared = population_fields.size(config), step_config(config)
+  nets, tx = build_networks(shared, bert_config, tokens), make_optimizer(shared)
+  devices = jax.devices() if devices is None else list(devices)
+  mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
+  member = jax.eval_shape(lambda p: setup.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
+  if k:
+    abstract = population.abstract_state(member, k)
+    sharding = population.state_sharding(abstract, mesh)
+  else:
+    abstract = member
+    sharding = mesh_lib.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements)
+  layout = batch_layout(shared.model.max_length)
+  hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
+  return Program(shared, nets, tx, mesh, k, params, _placed(abstract, sharding), sharding, layout,
+                 mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
+                 _jitted_step(shared, nets, tx, mesh, sharding, layout, k))
+
+
+def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:
+  """The program of `config`'s prepared runs (`setup.prepare`: the run, or each member): the
+  params' shapes and special tokens of the first, which all share."""
+  first = runs[0]
+  return build(config, first.bert_config, abstract_of((first.initial_params, first.frozen_params)), devices,
+               first.nets.tokens)
+
+
+def _placed(abstract, sharding):
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, sharding)
+
+
+def _jitted_step(config, nets, tx, mesh: Mesh, sharding, layout: BatchLayout, members: int) -> Callable:
+  """The one jit of the train step: state in/out on `sharding` (donated), the packed batch unpacked
+  inside; a population's step vmapped over its members, with their step inputs."""
+  schedule = learning_rate_schedule(config)
+  if members:
+    step = make_train_step(config, nets, tx, schedule, population.inner_mesh(mesh))
+    per_member = population.member_sharding(mesh)
+    fn = population.make_population_step(step, layout, mesh)
+    shardings = (sharding, population.batch_sharding(mesh), per_member), (sharding, per_member)
+  else:
+    step = make_train_step(config, nets, tx, schedule, mesh)
+
+    def train_step(state, packed):
+      return step(state, layout.unpack(packed))
+    fn, shardings = train_step, ((sharding, mesh_lib.batch_sharded(mesh)), (sharding, mesh_lib.replicated(mesh)))
+  return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
+
+
+def legacy_layout(program: Program) -> checkpoint.Legacy | None:
+  """The older train-state layout a checkpoint of this program may hold, converted on restore:
+  a solo run's releases before the flat optimizer state and the `Queue` struct (per-leaf AdamW
+  moments, `optim.per_leaf_optimizer`; the queue as loose fields, `state.as_legacy_fields`); a
+  population's with its members' half-precision weight copies saved ({'encoder', 'ema'}), as
+  releases before copies were dropped by type wrote them (none in float32)."""
+  if program.members:
+    copies = program.abstract_state.members.compute_weights
+    if not copies:
+      return None
+    old = {name: copies[name] for name in ("encoder", compute_weights.EMA)}
+    return checkpoint.Legacy(program.abstract_state.replace(members=program.abstract_state.members.replace(
+        compute_weights=old)), compute_weights.dropped)
+  c, hidden = program.config, program.nets.online.config.hidden_size
+  per_leaf = optim.per_leaf_optimizer(c)
+  old = jax.eval_shape(lambda p: state_lib.as_legacy_fields(setup.new_train_state(c, hidden, per_leaf, *p)),
+                       program.abstract_params)
+  old_sharding = mesh_lib.state_sharding(old, program.mesh, c.mesh.shard_state, c.mesh.shard_min_elements)
+  convert = jax.jit(lambda fields: state_lib.from_legacy_fields(fields, optim.legacy_to_flat),
+                    out_shardings=program.state_sharding)
+  return checkpoint.Legacy(_placed(old, old_sharding), convert)

@@ -1,0 +1,155 @@
+"""A population's workdir says only what is true: a half-precision checkpoint holds no weight copies
+and resumes to the uninterrupted run (also from the older layout that saved them); a stopped member
+is recorded in its folder, refused by micse-convert / micse-evaluate --member unless asked, and
+named by the run summary; a member field given on the command line that the population replaces is
+one error line; a run whose every member diverged before its first save does not claim a checkpoint."""
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from micse_jax import config_checks, convert, evaluate
+from micse_jax import workdir as workdir_lib
+from micse_jax.configs import population as population_fields
+from micse_jax.errors import CheckpointError, ConfigError, NonFiniteLossError
+from micse_jax.training import checkpoint, program, setup, trainer
+from tests.train_utils import tiny_training_config, train_preempted_after_first_save
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _population(tmp_path, minilm_dir, steps, **fields):
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=steps)
+  for key, value in fields.items():
+    config.population[key] = value
+  return config
+
+
+def _saved_members(workdir: str, step: int) -> dict:
+  """The members' saved tree at `step`, read by key path (no abstract state of the library's)."""
+  return workdir_lib.read_subtree(os.path.join(workdir, workdir_lib.ROLLING_DIR), step, "members")
+
+
+def _saved_layout(workdir: str, step: int) -> set:
+  reader = workdir_lib.step_reader(os.path.join(workdir, workdir_lib.ROLLING_DIR))
+  try:
+    return checkpoint.state_layout(reader.item_metadata(step).tree)
+  finally:
+    reader.close()
+
+
+def _assert_equal_trees(a, b) -> None:
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _bf16_population(tmp_path, minilm_dir):
+  config = _population(tmp_path, minilm_dir, 4, seeds=(1, 2))
+  config.model.dtype, config.checkpoint_every = "bfloat16", 2
+  return config
+
+
+def test_a_bfloat16_population_checkpoint_holds_no_copies_and_resumes_to_the_uninterrupted_run(
+    tmp_path, minilm_dir, monkeypatch):
+  config = _bf16_population(tmp_path, minilm_dir)
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  trainer.train_and_evaluate(config, straight)
+  train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, resumed)
+  trainer.train_and_evaluate(config, resumed)
+  for workdir in (straight, resumed):
+    for step in (2, 4):
+      layout = _saved_layout(workdir, step)
+      assert any(k.startswith("members/params/encoder/") and k.endswith("kernel") for k in layout)
+      assert not [k for k in layout if "compute_weights" in k]  # the copies are derived: never saved
+  _assert_equal_trees(_saved_members(straight, 4), _saved_members(resumed, 4))
+
+
+@pytest.mark.slow  # a third bfloat16 population run (~30 s on the shared CPU)
+def test_a_population_checkpoint_that_saved_the_copies_resumes_converted(tmp_path, minilm_dir, monkeypatch, caplog):
+  """The layout earlier releases wrote (every member's half-precision copies in the checkpoint) is
+  converted on resume, to the uninterrupted run."""
+  config = _bf16_population(tmp_path, minilm_dir)
+  straight, old = str(tmp_path / "straight"), str(tmp_path / "old")
+  trainer.train_and_evaluate(config, straight)
+  train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, old)
+  runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
+  abstract = program.of_runs(config, runs).abstract_state
+  manager = workdir_lib.rolling_manager(old, 2)
+  state = checkpoint.restore_state(manager, abstract, step=2)
+  assert state.members.compute_weights["encoder"]  # rebuilt on restore
+  manager.delete(2)
+  manager.save(2, args=ocp.args.StandardSave(state))  # as saved before copies were dropped by type
+  manager.wait_until_finished()
+  assert [k for k in _saved_layout(old, 2) if "compute_weights" in k]
+  trainer.train_and_evaluate(config, old)
+  assert "older release's layout" in caplog.text
+  _assert_equal_trees(_saved_members(straight, 4), _saved_members(old, 4))
+
+
+def test_a_stopped_member_is_recorded_refused_and_named(tmp_path, minilm_dir, capsys):
+  config = _population(tmp_path, minilm_dir, 4, seeds=(1, 2), learning_rates=(1e-3, 1e12))
+  config.optim.grad_clip_norm, config.optim.warmup_steps, config.checkpoint_every = 0.0, 0, 1
+  workdir = str(tmp_path / "pop")
+  trainer.train_and_evaluate(config, workdir)
+  stopped = workdir_lib.member_stopped(workdir_lib.member_dir(workdir, 1))
+  assert stopped is not None and 0 <= stopped < 4
+  assert workdir_lib.member_stopped(workdir_lib.member_dir(workdir, 0)) is None
+  with pytest.raises(convert.ConvertError, match=f"member 1 of .* stopped at step {stopped}") as error:
+    convert.convert(output=str(tmp_path / "export1"), workdir=workdir, member=1)
+  assert "\n" not in str(error.value) and "--allow_stopped" in str(error.value)
+  assert not os.path.exists(tmp_path / "export1")  # nothing written
+  with pytest.raises(CheckpointError, match="stopped at step"):
+    evaluate._model_path(SimpleNamespace(model=workdir, member=1))
+  capsys.readouterr()
+  convert.convert(output=str(tmp_path / "export1"), workdir=workdir, member=1, allow_stopped=True)
+  assert f"member 1 stopped at step {stopped}" in capsys.readouterr().out
+  convert.convert(output=str(tmp_path / "export0"), workdir=workdir, member=0)  # a healthy member as before
+  lines = workdir_lib.population_summary(workdir)
+  assert f"STOPPED at step {stopped}" in lines[1] and "--allow_stopped" in lines[1]
+  assert "STOPPED" not in lines[0] and "--allow_stopped" not in lines[0]
+
+
+@pytest.mark.parametrize("fields", [{"seeds": (1, 2), "learning_rates": (1e12, 1e12)}, {}], ids=["population", "solo"])
+def test_a_run_that_diverges_before_its_first_save_claims_no_checkpoint(tmp_path, minilm_dir, fields):
+  config = _population(tmp_path, minilm_dir, 4, **fields)
+  config.optim.grad_clip_norm, config.optim.warmup_steps, config.checkpoint_every = 0.0, 0, 10
+  if not fields:
+    config.optim.learning_rate = 1e12
+  with pytest.raises(NonFiniteLossError) as error:
+    trainer.train_and_evaluate(config, str(tmp_path / "wd"))
+  message = str(error.value)
+  assert "\n" not in message and "intact" not in message and "before any checkpoint was saved" in message
+  assert ("every population member" in message) == bool(fields)
+  assert workdir_lib.rolling_manager(str(tmp_path / "wd"), 2).latest_step() is None
+
+
+@pytest.mark.parametrize("name", sorted(population_fields.PER_MEMBER))
+def test_a_member_field_the_population_replaces_is_refused_on_the_command_line(tmp_path, minilm_dir, name):
+  config = _population(tmp_path, minilm_dir, 4, seeds=(1, 2))
+  spec = population_fields.PER_MEMBER[name]
+  if name != "seeds":
+    config.population[name] = (1, 1) if spec.per_member else 8
+  with pytest.raises(ConfigError, match=rf"--config\.{spec.field} is replaced in every member by population\.{name}"):
+    config_checks.check_command_line(config, {spec.field, "batch_size"})
+  config_checks.check_command_line(config, {"batch_size", "population.seeds"})  # nothing it replaces
+  config.population.seeds = ()
+  config.population[name] = () if spec.per_member else 0
+  config_checks.check_command_line(config, {spec.field})  # a solo run: the field is the run's
+
+
+def test_micse_train_refuses_seed_beside_population_seeds_in_one_line(tmp_path):
+  workdir = tmp_path / "wd"
+  out = subprocess.run([sys.executable, "-m", "micse_jax.main", "--config", "micse:demo",
+                        "--config.population.seeds=(1,)", "--config.seed=7", f"--workdir={workdir}"],
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 1
+  errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "--config.seed is replaced in every member by population.seeds" in errors[0]
+  assert not workdir.exists()  # nothing written

@@ -1,0 +1,206 @@
+"""The time model of a compiled program (`micse_jax/aot`) on hand-written HLO: each kernel's bytes,
+FLOPs and threefry hashes, and its time, against values computed by hand here."""
+import gzip
+import json
+
+import pytest
+
+from micse_jax.aot import kernel_cost, time_model
+
+H100 = time_model.DEVICES["h100"]
+
+
+def _module(fused: str, entry_params: str, entry_body: str) -> str:
+  """An optimised-HLO module: fused computations, then an entry with `entry_params` and body lines."""
+  return f"HloModule jit_step\n\n{fused}\nENTRY %main ({entry_params}) -> f32[] {{\n{entry_body}\n}}\n"
+
+
+def _one(text: str) -> kernel_cost.Cost:
+  costs = kernel_cost.costs(text)
+  assert len(costs) == 1, costs
+  return costs[0]
+
+
+SLICE = _module(
+    "%fused_slice (param_0.1: f32[1024,256]) -> f32[8,256] {\n"
+    "  %param_0.1 = f32[1024,256]{1,0} parameter(0)\n"
+    "  %neg.1 = f32[1024,256]{1,0} negate(%param_0.1)\n"
+    "  ROOT %slice.1 = f32[8,256]{1,0} slice(%neg.1), slice={[16:24], [0:256]}\n}\n",
+    "p: f32[1024,256]",
+    "  %p = f32[1024,256]{1,0} parameter(0)\n"
+    "  ROOT %loop_slice_fusion = f32[8,256]{1,0} fusion(%p), kind=kLoop, calls=%fused_slice, "
+    'metadata={op_name="jit(train_step)/optimizer/slice"}')
+
+
+def test_a_fusion_that_slices_its_operand_reads_only_the_slice():
+  cost = _one(SLICE)
+  assert cost.read == 8 * 256 * 4  # 8 rows of 256 float32, not the 1024-row operand
+  assert cost.written == 8 * 256 * 4
+  assert cost.flops == 0 and cost.rounds == 0 and cost.phase == "optimizer"
+  bandwidth = 3.35e12 * time_model.MEMORY_EFFICIENCY
+  assert time_model.kernel_seconds(cost, H100) == pytest.approx(time_model.LAUNCH_S + 16384 / bandwidth)
+  assert time_model.floor_seconds(cost, H100) == pytest.approx(16384 / 3.35e12)
+
+
+def test_a_broadcast_operand_is_read_once():
+  text = _module(
+      "%fused_add (param_0.2: f32[256], param_1.2: f32[1024,256]) -> f32[1024,256] {\n"
+      "  %param_0.2 = f32[256]{0} parameter(0)\n"
+      "  %broadcast.2 = f32[1024,256]{1,0} broadcast(%param_0.2), dimensions={1}\n"
+      "  %param_1.2 = f32[1024,256]{1,0} parameter(1)\n"
+      "  ROOT %add.2 = f32[1024,256]{1,0} add(%broadcast.2, %param_1.2)\n}\n",
+      "b: f32[256], x: f32[1024,256]",
+      "  %b = f32[256]{0} parameter(0)\n  %x = f32[1024,256]{1,0} parameter(1)\n"
+      "  ROOT %loop_add_fusion = f32[1024,256]{1,0} fusion(%b, %x), kind=kLoop, calls=%fused_add")
+  cost = _one(text)
+  assert cost.read == 256 * 4 + 1024 * 256 * 4  # the bias once, not once per row
+  assert cost.written == 1024 * 256 * 4
+
+
+def test_an_in_place_dynamic_update_slice_writes_only_the_update():
+  text = _module(
+      "%fused_dus (param_0.3: f32[1024,256], param_1.3: f32[8,256], param_2.3: s32[]) -> f32[1024,256] {\n"
+      "  %param_0.3 = f32[1024,256]{1,0} parameter(0)\n"
+      "  %param_1.3 = f32[8,256]{1,0} parameter(1)\n"
+      "  %param_2.3 = s32[] parameter(2)\n"
+      "  %constant.3 = s32[] constant(0)\n"
+      "  ROOT %dynamic-update-slice.3 = f32[1024,256]{1,0} dynamic-update-slice(%param_0.3, %param_1.3, "
+      "%param_2.3, %constant.3)\n}\n",
+      "q: f32[1024,256], u: f32[8,256], i: s32[]",
+      "  %q = f32[1024,256]{1,0} parameter(0)\n  %u = f32[8,256]{1,0} parameter(1)\n  %i = s32[] parameter(2)\n"
+      "  ROOT %dynamic-update-slice_fusion = f32[1024,256]{1,0} fusion(%q, %u, %i), kind=kLoop, calls=%fused_dus")
+  cost = _one(text)
+  assert cost.read == 8 * 256 * 4 + 4  # the update and the index; the target is updated in place
+  assert cost.written == 8 * 256 * 4
+
+
+GEMM_CONFIG = ('backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+               '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}')
+
+
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (2048, 1024, 512)])
+def test_a_cublas_gemm_does_2mnk_flops_at_the_gemm_efficiency(m, n, k):
+  text = _module("", f"a: bf16[{m},{k}], b: bf16[{k},{n}]",
+                 f"  %a = bf16[{m},{k}]{{1,0}} parameter(0)\n  %b = bf16[{k},{n}]{{1,0}} parameter(1)\n"
+                 f"  ROOT %custom-call.1 = (bf16[{m},{n}]{{1,0}}, s8[33554432]{{0}}) custom-call(%a, %b), "
+                 f'custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}')
+  cost = _one(text)
+  assert cost.kind == "GEMM (cuBLAS)" and cost.dtype == "bf16"
+  assert cost.flops == 2 * m * n * k
+  assert cost.read == 2 * (m * k + k * n) and cost.written == 2 * m * n  # the s8 workspace is not traffic
+  compute = 2 * m * n * k / (989.4e12 * time_model.GEMM_EFFICIENCY)
+  memory = 2 * (m * k + k * n + m * n) / (3.35e12 * time_model.MEMORY_EFFICIENCY)
+  expected = time_model.LAUNCH_S + time_model.GEMM_OVERHEAD_S + max(compute, memory)
+  assert time_model.kernel_seconds(cost, H100) == pytest.approx(expected)
+
+
+def test_a_triton_gemm_fusion_counts_its_dot():
+  text = _module(
+      "%gemm_fusion_dot.4_computation (parameter_0.4: bf16[512,768], parameter_1.4: bf16[768,3072]) -> bf16[512,3072] {\n"
+      "  %parameter_0.4 = bf16[512,768]{1,0} parameter(0)\n  %parameter_1.4 = bf16[768,3072]{1,0} parameter(1)\n"
+      "  ROOT %dot.4 = bf16[512,3072]{1,0} dot(%parameter_0.4, %parameter_1.4), lhs_contracting_dims={1}, "
+      "rhs_contracting_dims={0}\n}\n",
+      "x: bf16[512,768], w: bf16[768,3072]",
+      "  %x = bf16[512,768]{1,0} parameter(0)\n  %w = bf16[768,3072]{1,0} parameter(1)\n"
+      "  ROOT %gemm_fusion_dot.4 = bf16[512,3072]{1,0} fusion(%x, %w), kind=kCustom, "
+      'calls=%gemm_fusion_dot.4_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}')
+  cost = _one(text)
+  assert cost.kind == "GEMM (Triton fusion)"
+  assert cost.flops == 2 * 512 * 3072 * 768
+
+
+def _threefry_fusion(elements: int, rounds: int) -> str:
+  """A fused computation computing `rounds` threefry-2x32 rounds on u32[elements] counters."""
+  lines = [f"  %param_0.5 = u32[{elements}]{{0}} parameter(0)", f"  %param_1.5 = u32[{elements}]{{0}} parameter(1)",
+           "  %c13 = u32[] constant(13)", f"  %r = u32[{elements}]{{0}} broadcast(%c13), dimensions={{}}",
+           "  %c19 = u32[] constant(19)", f"  %l = u32[{elements}]{{0}} broadcast(%c19), dimensions={{}}"]
+  x0, x1 = "%param_0.5", "%param_1.5"
+  for i in range(rounds):  # x0 += x1; x1 = rotl(x1, 13); x1 ^= x0
+    lines += [f"  %add.{i} = u32[{elements}]{{0}} add({x0}, {x1})",
+              f"  %shl.{i} = u32[{elements}]{{0}} shift-left({x1}, %r)",
+              f"  %shr.{i} = u32[{elements}]{{0}} shift-right-logical({x1}, %l)",
+              f"  %or.{i} = u32[{elements}]{{0}} or(%shl.{i}, %shr.{i})",
+              f"  %xor.{i} = u32[{elements}]{{0}} xor(%or.{i}, %add.{i})"]
+    x0, x1 = f"%add.{i}", f"%xor.{i}"
+  lines.append(f"  ROOT %compare.5 = pred[{elements}]{{0}} compare({x0}, {x1}), direction=LT")
+  fused = f"%fused_compare (param_0.5: u32[{elements}], param_1.5: u32[{elements}]) -> pred[{elements}] {{\n"
+  fused += "\n".join(lines) + "\n}\n"
+  return _module(fused, f"k: u32[{elements}], c: u32[{elements}]",
+                 f"  %k = u32[{elements}]{{0}} parameter(0)\n  %c = u32[{elements}]{{0}} parameter(1)\n"
+                 f"  ROOT %loop_compare_fusion = pred[{elements}]{{0}} fusion(%k, %c), kind=kLoop, calls=%fused_compare")
+
+
+def test_a_threefry_fusion_counts_its_hashes():
+  elements = 1_000_000
+  cost = _one(_threefry_fusion(elements, rounds=20))
+  assert cost.rounds == 20 * elements  # one rotation per round and element
+  prediction = time_model.predict(_threefry_fusion(elements, rounds=20), "h100")
+  assert prediction["rng_hashes_per_step"] == elements  # 20 rounds make one hash
+  rate = 132 * 64 * 1.98e9 / 3 * time_model.INTEGER_EFFICIENCY  # INT32 lanes / 3 instructions a round
+  memory = (2 * 4 * elements + elements) / (3.35e12 * time_model.MEMORY_EFFICIENCY)
+  assert time_model.kernel_seconds(cost, H100) == pytest.approx(time_model.LAUNCH_S + max(20 * elements / rate, memory))
+
+
+def test_pipelined_step_is_device_or_host_time_and_blocked_pays_both():
+  p = time_model.predict(SLICE, "h200")
+  kernel = time_model.LAUNCH_S + 16384 / (4.8e12 * time_model.MEMORY_EFFICIENCY)
+  host = time_model.HOST_PER_KERNEL_S  # one kernel to dispatch
+  assert p["predicted_device_ms"] == pytest.approx(1e3 * kernel)
+  assert p["predicted_step_ms"] == pytest.approx(1e3 * max(kernel, host))
+  assert p["predicted_blocked_step_ms"] == pytest.approx(1e3 * (kernel + host))
+  assert p["floor_ms"] == pytest.approx(1e3 * 16384 / 4.8e12)
+  assert p["bytes_per_step"] == 16384 and p["largest_kernels"][0]["name"] == "loop_slice_fusion"
+  assert p["predicted_ms_by_phase"] == {"optimizer": pytest.approx(1e3 * kernel)}
+
+
+@pytest.mark.parametrize("target", sorted(time_model.DEVICES))
+def test_every_target_predicts_a_gemm(target):
+  m = n = k = 1024
+  text = _module("", f"a: f32[{m},{k}], b: f32[{k},{n}]",
+                 f"  %a = f32[{m},{k}]{{1,0}} parameter(0)\n  %b = f32[{k},{n}]{{1,0}} parameter(1)\n"
+                 f"  ROOT %custom-call.1 = f32[{m},{n}]{{1,0}} custom-call(%a, %b), "
+                 f'custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}')
+  p = time_model.predict(text, target)
+  assert p["predicted_step_ms"] > p["floor_ms"] > 0 and p["kernels_per_step"] == 1
+
+
+def test_aot_hlo_predicts_a_saved_program(tmp_path, capsys):
+  from micse_jax.bench import __main__ as bench
+  path = tmp_path / "step.hlo.txt.gz"
+  with gzip.open(path, "wt") as f:
+    f.write(SLICE)
+  result = bench.main(["--aot_hlo", str(path), "--aot", "h100"])
+  last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  for key in ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
+              "predicted_ms_by_kind", "bytes_per_step", "rng_hashes_per_step", "largest_kernels", "kernels_per_step"):
+    assert key in last and key in result, key
+  assert last["kernels_per_step"] == 1 and last["bytes_per_step"] == 16384
+
+
+def test_aot_hlo_bad_file_is_one_error_line(tmp_path, capsys):
+  from micse_jax.bench import __main__ as bench
+  (tmp_path / "x.txt").write_text("not a program\n")
+  for argv in (["--aot_hlo", str(tmp_path / "x.txt"), "--aot", "h100"], ["--aot_hlo", str(tmp_path / "absent")],
+               ["--aot_hlo", str(tmp_path / "absent"), "--aot", "h100"]):
+    with pytest.raises(SystemExit) as e:
+      bench.entry(argv)
+    assert e.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+
+
+def test_a_tpu_convolution_matmul_counts_2mnk():
+  """XLA:TPU writes a matmul as a `convolution` (dim_labels bf_io->bf) inside a fusion."""
+  text = _module(
+      "%fused_conv (param_0.6: bf16[512,768], param_1.6: bf16[768,3072]) -> bf16[512,3072] {\n"
+      "  %param_0.6 = bf16[512,768]{1,0} parameter(0)\n  %param_1.6 = bf16[768,3072]{1,0} parameter(1)\n"
+      "  ROOT %convolution.6 = bf16[512,3072]{1,0} convolution(%param_0.6, %param_1.6), dim_labels=bf_io->bf\n}\n",
+      "x: bf16[512,768], w: bf16[768,3072]",
+      "  %x = bf16[512,768]{1,0} parameter(0)\n  %w = bf16[768,3072]{1,0} parameter(1)\n"
+      "  ROOT %fusion.6 = bf16[512,3072]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_conv")
+  cost = _one(text)
+  assert cost.kind == "matmul fusion" and cost.flops == 2 * 512 * 3072 * 768
+  device = time_model.DEVICES["tpu-v5e"]
+  expected = time_model.TPU_LAUNCH_S + max(2 * 512 * 3072 * 768 / (197e12 * time_model.GEMM_EFFICIENCY),
+                                           2 * (512 * 768 + 768 * 3072 + 512 * 3072) / (0.819e12 * time_model.MEMORY_EFFICIENCY))
+  assert time_model.kernel_seconds(cost, device) == pytest.approx(expected)
