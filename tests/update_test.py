@@ -1,7 +1,8 @@
 """The fused update (`training/update.py`) against an independent NumPy AdamW + global-norm clipping +
 EMA (the module docstring's equations, float64), bit for bit against optax's own per-leaf chain,
 the keep-or-stop mask (a stopped member's state unchanged bit for bit, also under `vmap`), and the
-checkpoint layouts (the flat optimizer's state converts; the older per-leaf state is this state)."""
+checkpoint layouts (the previous release's flat optimizer state converts both ways; the older per-leaf
+state is this state)."""
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -188,34 +189,47 @@ def _config(clip=CLIP):
 
 
 @pytest.mark.parametrize("clip", [CLIP, 0.0])
-def test_the_state_is_the_older_per_leaf_layout(clip):
-  """Checkpoints of releases before the flat optimizer hold exactly this state: they resume unconverted."""
+def test_the_state_is_the_per_leaf_optax_chain(clip):
+  """`optim.make_optimizer`'s state is optax's own chain's (older per-leaf checkpoints hold it), and
+  the step's `adamw` and `clip_norm` are that chain's parts."""
   config, params = _config(clip), make_params()
-  ours = jax.eval_shape(update.optimizer(config, optim.learning_rate_schedule(config)).init, params)
-  older = jax.eval_shape(optim.per_leaf_optimizer(config).init, params)
-  assert jax.tree.structure(ours) == jax.tree.structure(older)
-  assert jax.tree.map(lambda s: (s.shape, s.dtype), ours) == jax.tree.map(lambda s: (s.shape, s.dtype), older)
-  assert update.clip_norm(config) == (clip or None)
+  schedule = optim.learning_rate_schedule(config)
+  ours = jax.eval_shape(optim.make_optimizer(config).init, params)
+  adamw = optax.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+  theirs = jax.eval_shape((optax.chain(optax.clip_by_global_norm(clip), adamw) if clip else adamw).init, params)
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), ours) == jax.tree.map(lambda s: (s.shape, s.dtype), theirs)
+  assert optim.clip_norm(config) == (clip or None)
+  assert jax.tree.structure(jax.eval_shape(optim.adamw(config, schedule).init, params)) == \
+      jax.tree.structure(jax.eval_shape(adamw.init, params))
 
 
-def test_flat_state_converts_to_the_per_leaf_state():
-  """The flat optimizer (`optim.flat`) and per-leaf optax run 4 steps on the same gradients; the flat
-  state converted is the per-leaf one (to float32 rounding: the flat clipping norm sums in another
-  order), and converting back gives the flat state bit for bit."""
+def _flat_by_hand(per_leaf_state, params):
+  """The previous release's flat layout written independently: each moment tree's leaves raveled in
+  tree order into one float32 NumPy vector, zero-padded to a multiple of 4096."""
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  pad = -(-n // 4096) * 4096
+  flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(tree)]
+                                     + [np.zeros(pad - n, np.float32)])
+  clip_state, (adam, *rest) = per_leaf_state
+  return optim.FlatState((clip_state, (adam._replace(mu=flat(adam.mu), nu=flat(adam.nu)), *rest)))
+
+
+def test_the_previous_flat_layout_converts_both_ways_bit_for_bit():
+  """A per-leaf state after 4 clipped steps, laid out flat by hand: `from_flat` gives it back bit
+  for bit (counts kept, padding dropped), and `to_flat` writes the hand-made layout."""
   params = make_params()
-  chain = lambda: optax.chain(optax.clip_by_global_norm(CLIP), inner())
-  flat, per_leaf = optim.flat(chain()), chain()
-  fs, ps, fp, pp = flat.init(params), per_leaf.init(params), params, params
+  chain = optax.chain(optax.clip_by_global_norm(CLIP), inner())
+  state, p = chain.init(params), params
   for step in range(4):
-    grads = make_grads(params, step, SCALES[step])
-    fu, fs = flat.update(grads, fs, fp)
-    pu, ps = per_leaf.update(grads, ps, pp)
-    fp, pp = optax.apply_updates(fp, fu), optax.apply_updates(pp, pu)
-  converted = update.from_flat(fs, params)
-  assert jax.tree.structure(converted) == jax.tree.structure(ps)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9), converted, ps)
-  back = update.to_flat(converted, fs.inner_state[1][0].mu.size)
-  jax.tree.map(np.testing.assert_array_equal, back, fs.inner_state)
+    updates, state = chain.update(make_grads(params, step, SCALES[step]), state, p)
+    p = optax.apply_updates(p, updates)
+  flat = _flat_by_hand(state, params)
+  assert flat.inner_state[1][0].mu.shape == (4096,)
+  converted = optim.from_flat(flat, params)
+  assert jax.tree.structure(converted) == jax.tree.structure(state)
+  jax.tree.map(np.testing.assert_array_equal, converted, state)
+  jax.tree.map(np.testing.assert_array_equal, optim.to_flat(state), flat)
 
 
 def test_flat_state_converts_abstractly_at_bert_base_size():
@@ -225,9 +239,11 @@ def test_flat_state_converts_abstractly_at_bert_base_size():
   shapes["word_embeddings"] = {"embedding": (30522, 768)}
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=lambda s: isinstance(s, tuple))
   chain = optax.chain(optax.clip_by_global_norm(CLIP), inner())
-  flat_state = jax.eval_shape(optim.flat(chain).init, params)
-  converted = jax.eval_shape(update.from_flat, flat_state, params)
   expected = jax.eval_shape(chain.init, params)
+  flat_state = jax.eval_shape(optim.to_flat, expected)
+  n = sum(int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=lambda s: isinstance(s, tuple)))
+  assert flat_state.inner_state[1][0].nu.shape == (-(-n // 4096) * 4096,)
+  converted = jax.eval_shape(lambda s: optim.from_flat(s, params), flat_state)
   assert jax.tree.structure(converted) == jax.tree.structure(expected)
   assert jax.tree.map(lambda s: s.shape, converted) == jax.tree.map(lambda s: s.shape, expected)
 
@@ -238,9 +254,9 @@ def test_h100_update_is_few_kernels_not_one_per_leaf():
   leaves of a shape into a few fusions and the norm into one variadic reduction per shape, where the
   per-leaf optax chain launches one update and one or two reductions per leaf."""
   pytest.importorskip("jax_cuda13_plugin", reason="needs the extra 'aot' (pip install 'micse-jax[aot]')")
-  from micse_jax.bench import aot, hlo_kernels
+  from micse_jax.aot import hlo, targets
   jax.config.update("jax_platforms", "cpu")
-  sharding = jax.sharding.SingleDeviceSharding(aot.target_devices("h100", 1)[0])
+  sharding = jax.sharding.SingleDeviceSharding(targets.target_devices("h100", 1)[0])
   shapes = {f"layer_{i}": {"dense": {"kernel": (256, 256), "bias": (256,)}, "LayerNorm": {"scale": (256,)},
                            "ffn": {"kernel": (256, 1024), "bias": (1024,)}} for i in range(24)}
   params = {"encoder": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding), shapes,
@@ -257,7 +273,7 @@ def test_h100_update_is_few_kernels_not_one_per_leaf():
     updates, opt_state = chain.update(grads, opt_state, params)
     return opt_state, optax.apply_updates(params, updates), optax.tree.norm(grads)
 
-  count = lambda fn: len(hlo_kernels.kernels(jax.jit(fn, donate_argnums=(1, 2)).lower(params, opt_state, params)
+  count = lambda fn: len(hlo.kernels(jax.jit(fn, donate_argnums=(1, 2)).lower(params, opt_state, params)
                                              .compile().as_text()))
   leaves, ours_kernels = len(jax.tree.leaves(params)), count(ours)
   assert ours_kernels <= 30 < leaves <= count(per_leaf), ours_kernels

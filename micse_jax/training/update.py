@@ -25,20 +25,16 @@ Why it moves few bytes in few kernels on a GPU (deviceless H100 compiles; figure
   it every bias and LayerNorm leaf is a kernel of its own;
 * nothing is concatenated or selected over the whole state afterwards.
 
-The optimizer state is optax's own per-leaf state of `optimizer(config)` (= clip_by_global_norm →
-adamw), the layout older releases checkpointed; the flat layout (`optim.FlatState`) converts with
-`from_flat`.
+The optimizer state is optax's own per-leaf state of `optim.make_optimizer` (= clip_by_global_norm →
+adamw); the train step passes its `optim.adamw` and `optim.clip_norm` (`training/step.py`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
-from jax.flatten_util import ravel_pytree
 
 from micse_jax.training import compute_weights
 from micse_jax.training.momentum import ema_update
@@ -52,26 +48,6 @@ class Result(NamedTuple):
   copies: dict
   grad_norm: jax.Array
   applied: jax.Array
-
-
-def adamw(config: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
-  """`optax.adamw` of `config.optim` on `schedule`: the elementwise part of the update."""
-  o = config.optim
-  return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
-
-
-def clip_norm(config: ml_collections.ConfigDict) -> float | None:
-  """The clipping threshold c, or None when `optim.grad_clip_norm` is 0 (no clipping)."""
-  c = config.optim.grad_clip_norm
-  return float(c) if c and c > 0 else None
-
-
-def optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
-  """clip_by_global_norm → `adamw` as optax chains them: its `init` gives the state `apply` updates, and
-  its `update` is the per-leaf reference `apply` equals."""
-  c = clip_norm(config)
-  inner = adamw(config, schedule)
-  return inner if c is None else optax.chain(optax.clip_by_global_norm(c), inner)
 
 
 def global_norm(tree) -> jax.Array:
@@ -101,12 +77,13 @@ def _add_pairwise(a, b):
   return tuple(x + y for x, y in zip(a, b))
 
 
-def _shared(norm: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(norm, keep) read back from one vector behind an optimization barrier, so that every leaf's
-  fusion reads the same non-scalar operand: what XLA's sibling multi-output fusion needs to merge
-  same-shaped leaves into one kernel (it does not count shared scalars). Exact: no arithmetic."""
-  vector = jax.lax.optimization_barrier(jnp.stack([norm, keep.astype(norm.dtype)]))
-  return vector[0], vector[1] != 0
+def _shared(*scalars: jax.Array) -> list[jax.Array]:
+  """`scalars` (the norm, the keep flag, the update's scale) read back from one float32 vector behind an
+  optimization barrier, so that every leaf's fusion reads the same non-scalar operand: what XLA's
+  sibling multi-output fusion needs to merge same-shaped leaves into one kernel (it does not count
+  shared scalars). Exact: float32 values and a 0/1 flag, no arithmetic."""
+  vector = jax.lax.optimization_barrier(jnp.stack([jnp.asarray(x, jnp.float32) for x in scalars]))
+  return [vector[i] for i in range(len(scalars))]
 
 
 def clipped(grads, norm: jax.Array, max_norm: float):
@@ -121,11 +98,13 @@ def _where(keep: jax.Array, new, old):
 
 def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_norm: float | None,
           ema_params=None, ema_decay: float | None = None, copies: dict | None = None, keep=True,
-          skip_nonfinite: bool = False) -> Result:
+          skip_nonfinite: bool = False, scale: jax.Array | None = None) -> Result:
   """One fused update (see the module docstring) of `params` and `opt_state` (the state of
   `optax.chain(clip_by_global_norm(max_norm), inner)`, or of `inner` when `max_norm` is None) by
-  `grads`; `inner` must be elementwise per leaf (AdamW is). With `ema_decay`, `ema_params` follows
-  `params["encoder"]`; `copies` (`compute_weights.of`) are recast from the new weights.
+  `grads`; `inner` must be elementwise per leaf (AdamW is). `scale` (a float32 scalar) multiplies
+  `inner`'s updates (a population member's peak learning rate on a schedule that peaks at 1). With
+  `ema_decay`, `ema_params` follows `params["encoder"]`; `copies` (`compute_weights.of`) are recast
+  from the new weights.
 
   `keep` (a traced bool or True) leaves everything as it was where false; with `skip_nonfinite` a
   non-finite ‖g‖₂ does too (`applied` says which). A finite norm and a finite state give a finite
@@ -138,11 +117,14 @@ def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_
   keep = jnp.asarray(keep, bool)
   if skip_nonfinite:
     keep = keep & jnp.isfinite(norm)
-  shared_norm, shared_keep = _shared(norm, keep)
+  shared = _shared(norm, keep, *(() if scale is None else (scale,)))
+  shared_norm, shared_keep = shared[0], shared[1] != 0
   inner_state = opt_state if max_norm is None else opt_state[1]
   if max_norm is not None:
     grads = clipped(grads, shared_norm, max_norm)
   updates, new_inner = inner.update(grads, inner_state, params)
+  if scale is not None:
+    updates = jax.tree.map(lambda u: u * shared[2].astype(u.dtype), updates)
   new_params = _where(shared_keep, optax.apply_updates(params, updates), params)
   new_inner = _where(shared_keep, new_inner, inner_state)
   new_state = new_inner if max_norm is None else (opt_state[0], new_inner)
@@ -155,41 +137,13 @@ def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_
   return Result(new_params, new_state, new_ema, new_copies, norm, keep)
 
 
-# ---------------------------------------------------------------- checkpoint layouts
+WRITTEN = ("params", "opt_state", "ema_params", "compute_weights")  # the train-state fields `apply` writes
 
 
-def _map_state(node, fn):
-  """`fn` applied to every parameter-shaped node of an optax state (params are mappings, optax
-  states tuples / NamedTuples), everything else (counts, empty states) kept."""
-  if isinstance(node, Mapping):
-    return fn(node)
-  if isinstance(node, tuple):
-    parts = [_map_state(n, fn) for n in node]
-    return type(node)(*parts) if hasattr(node, "_fields") else tuple(parts)
-  return node
-
-
-def from_flat(flat_state, params):
-  """The flat optimizer's state (`optim.FlatState`: mu, nu raveled into one zero-padded vector each)
-  → `optimizer`'s per-leaf state, for restoring checkpoints of that layout; `params` gives the tree
-  (shapes suffice). Counts are kept; the padding, zero by construction, is dropped."""
-  unravel = ravel_pytree(params)[1]
-  size = sum(leaf.size for leaf in jax.tree.leaves(params))
-
-  def convert(node):
-    if isinstance(node, tuple):
-      parts = [convert(n) for n in node]
-      return type(node)(*parts) if hasattr(node, "_fields") else tuple(parts)
-    if getattr(node, "ndim", 0) == 1 and node.shape[0] >= size:
-      return unravel(node[:size])
-    return node
-  return convert(flat_state.inner_state)
-
-
-def to_flat(opt_state, pad_to: int):
-  """`from_flat`'s inverse (per-leaf mu, nu → one float32 vector each, zero-padded to `pad_to`), for
-  tests and for writing the older layout."""
-  def flatten(tree):
-    vector = ravel_pytree(tree)[0].astype(jnp.float32)
-    return jnp.pad(vector, (0, pad_to - vector.size))
-  return _map_state(opt_state, flatten)
+def rest_kept(keep: jax.Array, new, old):
+  """The train state `new` with every field that `apply` does not write (step, queue, loss scale, ...)
+  taken from `old` where `keep` is false: the select over the small rest of the state, `apply` having
+  kept its own fields in the same pass (no select over params, moments, EMA and copies)."""
+  rest = lambda state: state.replace(**{name: None for name in WRITTEN})
+  kept = _where(jnp.asarray(keep, bool), rest(new), rest(old))
+  return kept.replace(**{name: getattr(new, name) for name in WRITTEN})
