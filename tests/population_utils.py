@@ -31,7 +31,7 @@ def run_solo(member_config, steps: int):
   run = setup.prepare(member_config)
   tx = make_optimizer(member_config)
   state = setup.initial_state(run, tx)
-  step = jax.jit(make_train_step(member_config, run.nets, tx, learning_rate_schedule(member_config)))
+  step = jax.jit(make_train_step(member_config, run.nets, learning_rate_schedule(member_config)))
   losses = []
   for s in range(steps):
     state, metrics = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(s).items()})

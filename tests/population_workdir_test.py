@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from micse_jax import config_checks, convert, evaluate
@@ -70,23 +69,31 @@ def test_a_bfloat16_population_checkpoint_holds_no_copies_and_resumes_to_the_uni
   _assert_equal_trees(_saved_members(straight, 4), _saved_members(resumed, 4))
 
 
-@pytest.mark.slow  # a third bfloat16 population run (~30 s on the shared CPU)
-def test_a_population_checkpoint_that_saved_the_copies_resumes_converted(tmp_path, minilm_dir, monkeypatch, caplog):
-  """The layout earlier releases wrote (every member's half-precision copies in the checkpoint) is
-  converted on resume, to the uninterrupted run."""
+@pytest.mark.slow  # a third and fourth bfloat16 population run (~30 s each on the shared CPU)
+@pytest.mark.parametrize("copies_saved", [False, True])
+def test_a_population_checkpoint_of_an_older_layout_resumes_converted(tmp_path, minilm_dir, monkeypatch, caplog,
+                                                                      copies_saved):
+  """The layouts earlier releases wrote — every member's optimizer state flat (the previous release),
+  and also every member's half-precision copies (releases before it) — written here by hand, are
+  converted on resume, to the uninterrupted run bit for bit."""
+  from tests.train_utils import in_flat_layout, rewrite_rolling
   config = _bf16_population(tmp_path, minilm_dir)
   straight, old = str(tmp_path / "straight"), str(tmp_path / "old")
   trainer.train_and_evaluate(config, straight)
   train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, old)
   runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
   abstract = program.of_runs(config, runs).abstract_state
-  manager = workdir_lib.rolling_manager(old, 2)
-  state = checkpoint.restore_state(manager, abstract, step=2)
+  state = checkpoint.restore_state(workdir_lib.rolling_manager(old, 2), abstract, step=2)
   assert state.members.compute_weights["encoder"]  # rebuilt on restore
-  manager.delete(2)
-  manager.save(2, args=ocp.args.StandardSave(state))  # as saved before copies were dropped by type
-  manager.wait_until_finished()
-  assert [k for k in _saved_layout(old, 2) if "compute_weights" in k]
+  members = state.members.replace(opt_state=in_flat_layout(jax.device_get(state.members.opt_state), members=True))
+  if copies_saved:
+    members = members.replace(compute_weights={k: state.members.compute_weights[k] for k in ("encoder", "ema")})
+  else:
+    members = members.replace(compute_weights={})
+  rewrite_rolling(old, state.replace(members=members))
+  layout = _saved_layout(old, 2)
+  assert bool([k for k in layout if "compute_weights" in k]) == copies_saved
+  assert "members/opt_state/inner_state/1/0/mu" in layout
   trainer.train_and_evaluate(config, old)
   assert "older release's layout" in caplog.text
   _assert_equal_trees(_saved_members(straight, 4), _saved_members(old, 4))

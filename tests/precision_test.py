@@ -3,10 +3,11 @@ state across checkpoint/resume, and fp16 vs fp32 loss on one fixed batch."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.training import checkpoint, precision, setup, trainer
+from micse_jax.training import checkpoint, precision, setup, trainer, update
 from micse_jax.training.momentum import Queue
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState
@@ -26,14 +27,20 @@ def _scale_state(scale, counter=0, skipped=0):
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad):
-  previous = _toy_state(_scale_state(1024.0, counter=7, skipped=2))
-  updated = previous.replace(step=previous.step + 1, params={"w": jnp.full(3, 9.0)},
-                             ema_params={"w": jnp.full(3, 8.0)}, opt_state={"mu": jnp.full(3, 7.0)},
-                             queue=Queue.empty(2, 3).replace(valid=jnp.ones(2, bool), ptr=jnp.asarray(1, jnp.int32)))
+  """The update skips the step itself (`update.apply(skip_nonfinite=True)`: params and moments
+  unchanged; the EMA too, `tests/update_test.py`), `keep_if_finite` keeps the queue, advances the
+  step and halves the scale."""
+  adamw = optax.adamw(1e-2)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
+  previous = _toy_state(_scale_state(1024.0, counter=7, skipped=2)).replace(opt_state=tx.init({"w": jnp.ones(3)}))
   grads = {"w": jnp.array([1.0, bad, 2.0])}
-  new, metrics = precision.keep_if_finite(grads, updated, previous, period=2000)
+  result = update.apply(adamw, grads, previous.opt_state, previous.params, max_norm=1.0, skip_nonfinite=True)
+  assert not bool(result.applied) and not np.isfinite(float(result.grad_norm))
+  updated = previous.replace(step=previous.step + 1, params=result.params, opt_state=result.opt_state,
+                             queue=Queue.empty(2, 3).replace(valid=jnp.ones(2, bool), ptr=jnp.asarray(1, jnp.int32)))
+  new, metrics = precision.keep_if_finite(jnp.isfinite(result.grad_norm), updated, previous, period=2000)
   assert int(new.step) == 6  # the data position advances
-  for name in ("params", "ema_params", "opt_state", "queue"):
+  for name in ("params", "opt_state", "queue"):
     for kept, before in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(previous, name))):
       np.testing.assert_array_equal(kept, before)
   assert float(new.loss_scale["scale"]) == 512.0 and int(new.loss_scale["counter"]) == 0
@@ -44,12 +51,12 @@ def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad)
 def test_finite_gradient_keeps_the_update_and_doubles_the_scale_every_period():
   previous = _toy_state(_scale_state(1024.0, counter=2, skipped=1))
   updated = previous.replace(step=previous.step + 1, params={"w": jnp.full(3, 9.0)})
-  new, metrics = precision.keep_if_finite({"w": jnp.ones(3)}, updated, previous, period=3)
+  new, metrics = precision.keep_if_finite(jnp.asarray(True), updated, previous, period=3)
   np.testing.assert_array_equal(new.params["w"], np.full(3, 9.0))
   # counter 2 == period - 1: this finite step completes a period, S -> 2S, counter -> 0
   assert float(new.loss_scale["scale"]) == 2048.0 and int(new.loss_scale["counter"]) == 0
   assert int(new.loss_scale["skipped_steps"]) == 1 and int(metrics["step_skipped"]) == 0
-  again, _ = precision.keep_if_finite({"w": jnp.ones(3)}, new.replace(step=new.step + 1), new, period=3)
+  again, _ = precision.keep_if_finite(jnp.asarray(True), new.replace(step=new.step + 1), new, period=3)
   assert float(again.loss_scale["scale"]) == 2048.0 and int(again.loss_scale["counter"]) == 1
 
 
@@ -64,7 +71,7 @@ def _one_step(config, state=None):
   run = setup.prepare(config)
   tx = make_optimizer(config)
   state = setup.initial_state(run, tx) if state is None else state
-  step = jax.jit(make_train_step(config, run.nets, tx, learning_rate_schedule(config)))
+  step = jax.jit(make_train_step(config, run.nets, learning_rate_schedule(config)))
   batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}
   return state, *jax.device_get(step(state, batch))
 

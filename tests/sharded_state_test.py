@@ -82,11 +82,13 @@ def test_sharded_state_equals_replicated_on_four_devices(four_device_runs):
   word = ".params['encoder']['embeddings']['word_embeddings']['embedding']"
   assert layout[word][1][1] * 4 == layout[word][0][1]  # the embedding matrix really is split
   split = [name for name, (s, l) in layout.items() if s != l]
-  # every matrix of params and EMA params (2 layers x 6 + embeddings + head + pooler), and the flat
-  # Adam mu and nu (training/optim.py: one padded vector each, split in 4 contiguous blocks)
-  assert len(split) >= 2 * 14 + 2, split
-  moments = [name for name in layout if name.startswith(".opt_state.inner_state") and name[-3:] in (".mu", ".nu")]
-  assert len(moments) == 2 and all(layout[m][1][0] * 4 == layout[m][0][0] for m in moments), moments
+  # every matrix of params and EMA params (2 layers x 6 + embeddings + head + pooler), and Adam's mu
+  # and nu per leaf, each split as its parameter
+  assert len(split) >= 4 * 14, split
+  for name in [n for n in split if n.startswith(".params")]:
+    for moment in ("mu", "nu"):
+      (twin,) = [n for n in layout if n.startswith(".opt_state") and n.endswith(f".{moment}{name[len('.params'):]}")]
+      assert layout[twin] == layout[name], twin
   queue = ".queue.embeddings"  # [12, 64]: 768 elements, replicated (the `Queue` struct's field)
   assert layout[queue][0] == layout[queue][1]
 

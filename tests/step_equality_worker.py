@@ -1,10 +1,10 @@
 """Run with XLA_FLAGS=--xla_force_host_platform_device_count=4: a test module's `compare(config,
-shard_state)` (flat_update_test: flat vs per-leaf optimizer; kernel_diet_test: fused vs unfused
+shard_state)` (update_step_test: the fused update vs the per-leaf optax update; kernel_diet_test: fused vs unfused
 projections; compute_weights_test: half-precision weight copies vs casts in the step) over 20 steps
 on 4 devices, state replicated and sharded, at `model.dtype` DTYPE (default: the config's float32);
 prints the differences.
 
-    python -m tests.step_equality_worker TMP MODEL_DIR tests.flat_update_test [DTYPE]
+    python -m tests.step_equality_worker TMP MODEL_DIR tests.update_step_test [DTYPE]
 """
 import importlib
 import json
@@ -15,7 +15,7 @@ import jax
 
 
 def main(tmp, model_dir, test_module, dtype=None):
-  from tests.flat_update_test import step_config
+  from tests.update_step_test import step_config
   compare = importlib.import_module(test_module).compare
   assert jax.device_count() == 4, jax.devices()
   results = {"num_devices": jax.device_count()}

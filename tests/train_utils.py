@@ -64,19 +64,52 @@ def rewrite_in_old_layout(workdir: str, state) -> None:
   """Replaces `workdir`'s rolling checkpoints by `state` saved as releases before the `Queue`
   struct laid it out (written here by hand, independently of the library's conversion): a dict of
   the fields with the queue as four loose entries."""
+  fields = {k: getattr(state, k) for k in ("step", "params", "ema_params", "opt_state", "rng", "loss_scale",
+                                          "frozen_params")}
+  q = state.queue
+  rewrite_rolling(workdir, dict(fields, queue=q.embeddings, queue_valid=q.valid, queue_ptr=q.ptr, queue_ids=q.ids))
+
+
+def rewrite_rolling(workdir: str, tree) -> None:
+  """Replaces `workdir`'s rolling checkpoints by `tree` saved as it is, at `tree`'s step."""
   import shutil
 
   import orbax.checkpoint as ocp
 
   from micse_jax import workdir as workdir_lib
-  fields = {k: getattr(state, k) for k in ("step", "params", "ema_params", "opt_state", "rng", "loss_scale",
-                                          "frozen_params")}
-  q = state.queue
-  old = dict(fields, queue=q.embeddings, queue_valid=q.valid, queue_ptr=q.ptr, queue_ids=q.ids)
+  step = tree["step"] if isinstance(tree, dict) else tree.step
   rolling = os.path.join(workdir, workdir_lib.ROLLING_DIR)
   for name in os.listdir(rolling):
     if name.isdigit():
       shutil.rmtree(os.path.join(rolling, name))
   manager = workdir_lib.rolling_manager(workdir, 2)
-  manager.save(int(state.step), args=ocp.args.StandardSave(old))
+  manager.save(int(step), args=ocp.args.StandardSave(tree))
   manager.wait_until_finished()
+
+
+def in_flat_layout(opt_state, members: bool = False):
+  """An optimizer state as the previous release laid it out (written here by hand, independently of
+  the library's conversion): `FlatState` around the chain's state, each moment tree (a dict) raveled
+  in tree order into one float32 vector, zero-padded to a multiple of 4096; `members`: stacked
+  population members (a leading axis kept)."""
+  import jax
+  import numpy as np
+
+  from micse_jax.training.optim import FlatState
+
+  def flat(tree):
+    leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
+    rows = [np.concatenate([x[i].ravel() for x in leaves]) for i in range(leaves[0].shape[0])] if members \
+        else [np.concatenate([x.ravel() for x in leaves])]
+    pad = -(-rows[0].size // 4096) * 4096 - rows[0].size
+    padded = np.stack([np.concatenate([r, np.zeros(pad, np.float32)]) for r in rows])
+    return padded if members else padded[0]
+
+  def walk(node):
+    if isinstance(node, dict):
+      return flat(node)
+    if isinstance(node, tuple):
+      parts = [walk(n) for n in node]
+      return type(node)(*parts) if hasattr(node, "_fields") else tuple(parts)
+    return node
+  return FlatState(walk(opt_state))

@@ -7,7 +7,7 @@
 Restores are portable: every array is restored onto the sharding of the target the caller
 builds for the *current* devices (the trainer: replicated over its mesh), never onto the
 sharding stored in the checkpoint, so a run resumes on any device or host count. A checkpoint of
-an older layout (`Legacy`: the per-leaf optimizer state) is converted on restore.
+an older layout (`Legacy`: e.g. the previous release's flat optimizer state) is converted on restore.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -44,42 +45,46 @@ def on_current_devices(abstract_state):
 
 @dataclasses.dataclass(frozen=True)
 class Legacy:
-  """An older train-state layout a checkpoint may hold (releases before the flat optimizer state and
-  the `Queue` struct, `trainer.legacy_layout`): its abstract state (with shardings) and `convert`,
-  old state → current state."""
+  """An older train-state layout a checkpoint may hold (`program.legacy_layouts`): what it is (for the
+  warning line), its abstract state (with shardings) and `convert`, old state → current state (without
+  the half-precision copies: the restore rebuilds them)."""
+  name: str
   abstract_state: Any
   convert: Callable[[Any], Any]
 
 
-def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, legacy: Legacy | None):
-  """The state at `step` on `abstract_state`; a checkpoint in the `legacy` layout is restored in it
-  and converted (one warning line). Errors are those of the current layout's restore. The
+Layouts = Sequence[Legacy]  # the older layouts a restore tries, in order, when the current one fails
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, legacy: Layouts):
+  """The state at `step` on `abstract_state`; a checkpoint in one of the `legacy` layouts is restored
+  in it and converted (one warning line). Errors are those of the current layout's restore. The
   half-precision weight copies, never saved, are rebuilt (`compute_weights.rebuilt`)."""
   restore = lambda target: manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(target)))
   with_copies = lambda state: compute_weights.rebuilt(state, on_current_devices(abstract_state))
   try:
     return with_copies(restore(compute_weights.dropped(abstract_state)))
   except Exception as current_error:
-    if legacy is None:
-      raise
-    try:
-      old = restore(legacy.abstract_state)
-    except Exception:
-      raise current_error from None
-  logging.warning("checkpoint step %d in %s has an older release's layout (per-leaf optimizer state, the queue "
-                  "as loose fields); converted", step, manager.directory)
-  return with_copies(legacy.convert(old))
+    for layout in legacy:
+      try:
+        old = restore(layout.abstract_state)
+      except Exception:
+        continue
+      logging.warning("checkpoint step %d in %s has an older release's layout (%s); converted", step,
+                      manager.directory, layout.name)
+      return with_copies(layout.convert(old))
+    raise current_error from None
 
 
-def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps, legacy: Legacy | None = None):
+def _newest_readable_state(manager: ocp.CheckpointManager, abstract_state, steps, legacy: Layouts = ()):
   restore = lambda s: _restore_step(manager, s, abstract_state, legacy)
   return newest_readable(steps, restore, str(manager.directory))
 
 
 def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None,
-                  legacy: Legacy | None = None):
+                  legacy: Layouts = ()):
   """The state at `step` (default: the newest readable step), on `abstract_state`'s shardings
-  (a checkpoint in the `legacy` layout converted).
+  (a checkpoint in one of the `legacy` layouts converted).
 
   Without `step`, an unreadable (truncated, corrupt) newest checkpoint falls back to the previous
   good one with a warning line; CheckpointError (one line) when no checkpoint can be read.
@@ -104,9 +109,9 @@ def state_layout(tree) -> set[str]:
   return {"/".join(name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_layout(manager: ocp.CheckpointManager, abstract_state, legacy: Legacy | None = None) -> None:
+def check_layout(manager: ocp.CheckpointManager, abstract_state, legacy: Layouts = ()) -> None:
   """Refuses, in one line, a workdir whose newest checkpoint holds neither this train-state layout
-  nor the `legacy` one that is converted on restore (e.g. a layout of a development version). Its
+  nor one of the `legacy` ones that are converted on restore (e.g. a layout of a development version). Its
   params stay readable (`micse-convert`, `micse-evaluate` read only `params`). An unreadable
   newest step is left to `resume`'s fallback."""
   step = manager.latest_step()
@@ -118,7 +123,7 @@ def check_layout(manager: ocp.CheckpointManager, abstract_state, legacy: Legacy 
   finally:
     reader.close()
   wanted = state_layout(compute_weights.dropped(abstract_state))
-  if saved != wanted and (legacy is None or saved != state_layout(legacy.abstract_state)):
+  if saved != wanted and all(saved != state_layout(layout.abstract_state) for layout in legacy):
     raise CheckpointError(
         f"checkpoint step {step} in {manager.directory} has another train-state layout than this micse_jax "
         f"(saved, not expected: {_some(saved - wanted)}; expected, not saved: {_some(wanted - saved)}): it was "
@@ -131,8 +136,8 @@ def _some(names: set[str], most: int = 4) -> str:
   return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "") if shown else "none"
 
 
-def resume(manager: ocp.CheckpointManager, abstract_state, legacy: Legacy | None = None):
-  """`restore_state` for the trainer, after `check_layout` (a `legacy` checkpoint converted);
+def resume(manager: ocp.CheckpointManager, abstract_state, legacy: Layouts = ()):
+  """`restore_state` for the trainer, after `check_layout` (a checkpoint of a `legacy` layout converted);
   unreadable newer steps are moved to `unreadable_checkpoints/` (kept for inspection, not
   deleted) so that the resumed run can save those steps again."""
   check_layout(manager, abstract_state, legacy)

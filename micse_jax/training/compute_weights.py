@@ -4,10 +4,10 @@ With `model.dtype` bfloat16 or float16 every Dense layer multiplies by its kerne
 dtype (`nn.Dense(dtype=...)`, `bert.fused_dense`); the parameters stay float32 (`precision.py`).
 Cast inside the step, that is one GPU kernel per weight and forward — XLA fuses no narrowing cast
 into a Triton GEMM — 77 of a BERT-base miCSE step's kernels (the two-view forward and the
-momentum encoder's; `BENCHMARKS.md`, kernel diet). Cast where the weights change instead, after
-the optimizer and the EMA update, and the forwards read the copies:
+momentum encoder's; `BENCHMARKS.md`, kernel diet). Cast where the weights change instead, in the
+update's own pass over the weights (`training/update.py`), and the forwards read the copies:
 
-  copies_{t+1} = cast(θ_{t+1}),  copies of the EMA weights likewise     (`refreshed`)
+  copies_{t+1} = cast(θ_{t+1}),  copies of the EMA weights likewise     (`of`)
   forward_t reads copies_t = cast(θ_t): the values the in-step cast gives, bit for bit (`substituted`)
 
 The gradient reaches the float32 parameter as through the cast (`_as_copy`: the cotangent cast to
@@ -56,13 +56,6 @@ def dtype_of(copies: dict):
   """The dtype the copies hold (None without copies)."""
   leaves = jax.tree.leaves(copies)
   return leaves[0].dtype if leaves else None
-
-
-def refreshed(state):
-  """`state` with its copies recast from its weights (a no-op without copies)."""
-  if not state.compute_weights:
-    return state
-  return state.replace(compute_weights=of(state.params, state.ema_params, dtype_of(state.compute_weights)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

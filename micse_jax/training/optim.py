@@ -1,15 +1,18 @@
-"""AdamW with linear warm-up then linear decay to zero (HF Trainer's schedule, as SimCSE), run over
-one flat buffer.
+"""AdamW with linear warm-up then linear decay to zero (HF Trainer's schedule, as SimCSE), after
+global-norm clipping; and the previous release's flat layout of its state, read only.
 
-The optimizer state does not mirror the ~200 parameter leaves: `flat` ravels the gradient (and the
-params) into one float32 vector, padded with zeros to a multiple of `FLAT_ALIGN`, and runs the
-inner `clip_by_global_norm` → AdamW chain on it, so the clipping norm is one reduction and AdamW one
-elementwise pass; the updates are unravelled back to the parameter tree (XLA fuses the per-leaf
-`params + updates` horizontally). The padding is zero in every moment and update (a zero gradient and
-a zero parameter give a zero AdamW step), keeps the norm exact, and lets FSDP (`mesh.leaf_partition`)
-split the moments over any power-of-two device count up to `FLAT_ALIGN`. Params and the EMA keep
-their per-leaf layout (checkpoint names, export and the model are unchanged).
+The optimizer state is optax's own per-leaf state of `make_optimizer` (clip_by_global_norm → adamw:
+`mu` and `nu` mirror the parameter tree). The step does not call its `update`: the update runs as
+one fused pass over the train state (`training/update.py`, the same optax formulas) with `adamw`
+and `clip_norm` as its inputs.
+
+Older layouts, converted when a workdir resumes (`training/program.legacy_layouts`):
+  * the previous release ran clipping + AdamW over one flat buffer: its state (`FlatState`) holds
+    `mu` and `nu` as one float32 vector each, every trainable leaf raveled (`ravel_pytree` order)
+    and zero-padded to a multiple of `FLAT_ALIGN`; `from_flat` gives this per-leaf state back;
+  * releases before it saved this per-leaf state already (with the queue as loose fields).
 """
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -19,47 +22,7 @@ import ml_collections
 import optax
 from jax.flatten_util import ravel_pytree
 
-FLAT_ALIGN = 4096  # elements; the flat buffer's length is a multiple of this
-
-
-class FlatState(NamedTuple):
-  """The inner transformation's state over the flat, padded parameter vector."""
-  inner_state: Any
-
-
-def flat_size(num_elements: int) -> int:
-  """The padded length of the flat buffer for `num_elements` parameters."""
-  return -(-num_elements // FLAT_ALIGN) * FLAT_ALIGN
-
-
-def flatten(tree) -> jax.Array:
-  """The tree's leaves as one float32 vector (`ravel_pytree` order), zero-padded to `flat_size`."""
-  vector = ravel_pytree(tree)[0].astype(jnp.float32)
-  return jnp.pad(vector, (0, flat_size(vector.size) - vector.size))
-
-
-def all_finite(tree) -> jax.Array:
-  """Whether every leaf of `tree` is finite: one reduction over `flatten(tree)`, not one per leaf."""
-  return jnp.all(jnp.isfinite(flatten(tree)))
-
-
-def global_grad_norm(grads) -> jax.Array:
-  """‖g‖₂ over all leaves, as one reduction over `flatten(grads)` (the clipping norm; XLA shares it)."""
-  return optax.global_norm(flatten(grads))
-
-
-def flat(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-  """`inner` run on `flatten(updates)` (like `optax.flatten`, plus the `FLAT_ALIGN` padding)."""
-  def init(params):
-    return FlatState(inner.init(flatten(params)))
-
-  def update(updates, state, params=None):
-    vector, unravel = ravel_pytree(updates)
-    flat_params = None if params is None else flatten(params)
-    new, inner_state = inner.update(flatten(updates), state.inner_state, flat_params)
-    return unravel(new[:vector.size]), FlatState(inner_state)
-
-  return optax.GradientTransformation(init, update)
+FLAT_ALIGN = 4096  # elements; the previous layout's flat buffer length is a multiple of this
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -72,32 +35,76 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
       boundaries=[warmup])
 
 
-def per_leaf_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW (Loshchilov & Hutter 2019: m ← b1·m + (1−b1)·g, v ← b2·v + (1−b2)·g², θ ← θ − η_t·(m̂/(√v̂+ε) + λ·θ))
-  on `learning_rate_schedule`, after global-norm clipping (g ← g·min(1, c/‖g‖₂)) when `optim.grad_clip_norm` > 0.
-
-  Per-leaf state: the layout of checkpoints written before the flat optimizer (`legacy_to_flat`)."""
+def adamw(config: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """`optax.adamw` of `config.optim` on `schedule` (Loshchilov & Hutter 2019: m ← b1·m + (1−b1)·g,
+  v ← b2·v + (1−b2)·g², θ ← θ − η_t·(m̂/(√v̂+ε) + λ·θ)): the elementwise part of the update."""
   o = config.optim
-  adamw = optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                      weight_decay=o.weight_decay)
-  if o.grad_clip_norm and o.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
-  return adamw
+  return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """The training optimizer: `per_leaf_optimizer`'s clipping + AdamW over one flat buffer (`flat`)."""
-  return flat(per_leaf_optimizer(config))
+def clip_norm(config: ml_collections.ConfigDict) -> float | None:
+  """The global-norm clipping threshold c (g ← g·min(1, c/‖g‖₂)), or None when `optim.grad_clip_norm` is 0."""
+  c = config.optim.grad_clip_norm
+  return float(c) if c and c > 0 else None
 
 
-def legacy_to_flat(opt_state):
-  """A per-leaf `per_leaf_optimizer` state (older checkpoints) → the `make_optimizer` state.
+def make_optimizer(config: ml_collections.ConfigDict,
+                   schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+  """clip_by_global_norm → `adamw` on `schedule` (default `learning_rate_schedule`), as optax chains
+  them: its `init` gives the train state's optimizer state, its `update` is what the step's fused
+  update computes (`training/update.py`)."""
+  inner, c = adamw(config, learning_rate_schedule(config) if schedule is None else schedule), clip_norm(config)
+  return inner if c is None else optax.chain(optax.clip_by_global_norm(c), inner)
 
-  Every state leaf that is a parameter tree (AdamW's mu and nu) is flattened; counts are kept."""
+
+# ---------------------------------------------------------------- the previous release's flat layout
+
+
+class FlatState(NamedTuple):
+  """The previous layout: the optimizer's state over the flat, padded parameter vector."""
+  inner_state: Any
+
+
+def flat_size(num_elements: int) -> int:
+  """The padded length of the previous layout's flat buffer for `num_elements` parameters."""
+  return -(-num_elements // FLAT_ALIGN) * FLAT_ALIGN
+
+
+def _map_state(node, fn):
+  """`fn` applied to every parameter tree of an optax state (params are mappings, optax states
+  tuples / NamedTuples), everything else (counts, empty states) kept."""
+  if isinstance(node, Mapping):
+    return fn(node)
+  if isinstance(node, tuple):
+    parts = [_map_state(n, fn) for n in node]
+    return type(node)(*parts) if hasattr(node, "_fields") else tuple(parts)
+  return node
+
+
+def to_flat(opt_state) -> FlatState:
+  """A `make_optimizer` state in the previous layout: each moment tree raveled into one float32
+  vector, zero-padded to `flat_size` (its shapes say what such a checkpoint holds)."""
+  def flatten(tree):
+    vector = ravel_pytree(tree)[0].astype(jnp.float32)
+    return jnp.pad(vector, (0, flat_size(vector.size) - vector.size))
+  return FlatState(_map_state(opt_state, flatten))
+
+
+def from_flat(flat_state: FlatState, params):
+  """`to_flat`'s inverse: the previous layout's state → the `make_optimizer` state of `params`
+  (shapes suffice). Counts are kept; the padding, zero by construction, is dropped."""
+  leaves, tree = jax.tree.flatten(params)
+  sizes = [math.prod(leaf.shape) for leaf in leaves]
+  size, starts = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
+
+  def unravel(vector):  # `ravel_pytree`'s order: the leaves in tree order, each raveled
+    return tree.unflatten([vector[a:a + n].reshape(leaf.shape) for a, n, leaf in zip(starts, sizes, leaves)])
+
   def convert(node):
-    if isinstance(node, Mapping):  # a parameter tree (params are mappings; optax states are tuples)
-      return flatten(node)
     if isinstance(node, tuple):
-      return type(node)(*map(convert, node)) if hasattr(node, "_fields") else tuple(map(convert, node))
+      parts = [convert(n) for n in node]
+      return type(node)(*parts) if hasattr(node, "_fields") else tuple(parts)
+    if getattr(node, "ndim", 0) == 1 and node.shape[0] == flat_size(size):
+      return unravel(node[:size])
     return node
-  return FlatState(convert(opt_state))
+  return convert(flat_state.inner_state)

@@ -7,9 +7,11 @@ weight, which the step takes as arrays: `configs/population.PER_MEMBER`).
 The members' train states (whatever the `TrainState` pytree holds) are stacked on a leading
 member axis (`stack`) inside one `PopulationState`, and the pure step of `training/step.py` is
 `jax.vmap`ped over it (`make_population_step`; built and jitted by `training/program.py`):
-member i's update is the solo run's update, to float32 rounding. A member whose loss, gradient
-norm or new params are not finite is stopped alone: from that step on its state is kept as it
-was (`stopped_at[i]` = the step), the others go on.
+member i's update is the solo run's update, to float32 rounding. A member whose loss or gradient
+norm is not finite is stopped alone: from that step on its state is kept as it was
+(`stopped_at[i]` = the step), the others go on. The update keeps a stopped member's params,
+moments, EMA and copies in its own pass (`training/update.py`: no select over the stacked state);
+only the rest of its state (step, queue, loss scale) is selected.
 
 Placement (`population_mesh`): when the devices divide the members, the member axis is split
 over a `member` mesh axis and each device trains whole members under `shard_map` (members
@@ -29,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.data.packing import BatchLayout
-from micse_jax.training import compute_weights, optim
+from micse_jax.training import compute_weights, update
 from micse_jax.training import mesh as mesh_lib
 
 MEMBER_AXIS = "member"
@@ -135,20 +137,20 @@ def stacked_batch(packed_batches, mesh: Mesh):
 
 def member_step_fn(step_fn: Callable, layout: BatchLayout) -> Callable:
   """One member's masked step: (state, packed batch, stopped_at, hyper) → (state, metrics, went_bad);
-  `step_fn(state, batch, hyper)` is the pure train step (`training/step.py`).
+  `step_fn(state, batch, hyper, alive)` is the pure train step (`training/step.py`).
 
-  A member that trains and stays finite takes `step_fn`'s new state (unchanged, bit for bit);
-  a stopped one, or one whose loss, gradient norm or new params are not finite, keeps its state.
-  A float16 step the loss scale skipped (`step_skipped`) is no failure (its update was not applied).
+  A member that trains and stays finite takes `step_fn`'s new state (unchanged, bit for bit); a
+  stopped one, or one whose loss or gradient norm is not finite, keeps its state: the update keeps
+  params, moments, EMA and copies itself (the member's `alive` flag passed into it), and the rest
+  (step, queue, loss scale) is selected here. A float16 step the loss scale skipped
+  (`step_skipped`) is no failure (its update was not applied).
   """
   def masked(state, packed, stopped_at, member_hyper):
-    new, metrics = step_fn(state, layout.unpack(packed), member_hyper)
+    alive = stopped_at == STOPPED
+    new, metrics = step_fn(state, layout.unpack(packed), member_hyper, alive)
     applied = metrics.get("step_skipped", jnp.asarray(0)) == 0
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & optim.all_finite(new.params)
-    bad = applied & ~finite
-    keep_new = (stopped_at == STOPPED) & ~bad
-    kept = jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, state)
-    return kept, metrics, bad
+    bad = applied & ~(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
+    return update.rest_kept(alive & ~bad, new, state), metrics, bad
   return masked
 
 
@@ -187,7 +189,7 @@ def newly_stopped(stopped_at, reported: set[int]) -> list[tuple[int, int]]:
 
 def stopped_line(index: int, seed: int, step: int, alive: int) -> str:
   """The one line that reports a member stopped for a non-finite update."""
-  return (f"population member {index} (seed {seed}) stopped: non-finite loss, gradient or params at step {step}; "
+  return (f"population member {index} (seed {seed}) stopped: non-finite loss or gradient at step {step}; "
           f"its state is kept as before that step, {alive} member(s) go on (lower optim.learning_rate?)")
 
 

@@ -6,7 +6,8 @@ loss scaling; float16 (V100, which has no bfloat16) does: small gradients underf
 5-bit exponent. Dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training")
 multiplies the loss by a scale S before differentiation, divides the gradients by S, and
 
-  * when every gradient is finite: applies the update; every `period` finite steps S ← 2S;
+  * when the gradient norm ‖g‖₂ is finite (every gradient is, and their squares' sum does not
+    overflow): applies the update; every `period` finite steps S ← 2S;
   * otherwise: skips the update (params, optimizer, EMA and queue untouched) and S ← S/2.
 
 The rule is `jmp.DynamicLossScale`; its state (scale, counter) plus a running count of the
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from micse_jax.errors import ConfigError
 from micse_jax.models.dtypes import AUTO, DTYPES, auto_dtype, device_dtype, dtype_name  # noqa: F401 (re-export)
 from micse_jax.optional import require
-from micse_jax.training import optim
+from micse_jax.training import update
 
 COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
 
@@ -96,19 +97,20 @@ def value_and_unscaled_grad(loss_fn: Callable, state: dict, period: int) -> Call
   return run
 
 
-def keep_if_finite(grads, updated: Any, previous: Any, period: int) -> tuple[Any, dict]:
-  """The step's new train state: `updated` if all `grads` are finite, else `previous`.
+def keep_if_finite(finite: jax.Array, updated: Any, previous: Any, period: int) -> tuple[Any, dict]:
+  """The step's new train state after a float16 step whose gradients were `finite` (or not).
 
-  Either way the step counter (= data position) advances and the loss scale is adjusted
-  (jmp rule). Returns (state, metrics) with `loss_scale`, `skipped_steps` (running total,
-  for TensorBoard) and `step_skipped` (0/1 for this step). No-op without loss scaling.
+  The update itself skipped a non-finite step already (`update.apply(skip_nonfinite=True)`: params,
+  moments, EMA and copies unchanged); here the rest of the state (the queue) is kept as in
+  `previous` too, while the step counter (= data position) advances and the loss scale is adjusted
+  (jmp rule). Returns (state, metrics) with `loss_scale`, `skipped_steps` (running total, for
+  TensorBoard) and `step_skipped` (0/1 for this step). No-op without loss scaling.
   """
   state = previous.loss_scale
   if not state:
     return updated, {}
-  jmp = _jmp()
-  finite = optim.all_finite(grads)  # one reduction over all leaves
-  kept = jmp.select_tree(finite, updated, previous.replace(step=updated.step))
+  finite = jnp.asarray(finite, bool)
+  kept = update.rest_kept(finite, updated, previous.replace(step=updated.step))
   adjusted = _as_jmp(state, period).adjust(finite)
   skipped = 1 - finite.astype(jnp.int32)
   new_state = {"scale": adjusted.loss_scale, "counter": adjusted.counter.astype(jnp.int32),

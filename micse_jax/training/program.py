@@ -44,7 +44,7 @@ class Program:
   """A config's networks, optimizer, abstract state and shardings, batch layout and jitted step."""
   config: ml_collections.ConfigDict  # what the step is built from (`step_config`)
   nets: Networks
-  tx: optax.GradientTransformation
+  tx: optax.GradientTransformation  # `optim.make_optimizer`: its init gives the optimizer state
   mesh: Mesh
   members: int                       # 0: a solo run; K: a population of K members
   abstract_params: tuple             # (params, frozen params) of one run, as ShapeDtypeStructs
@@ -143,7 +143,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tu
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
   return Program(shared, nets, tx, mesh, k, params, _placed(abstract, sharding), sharding, layout,
                  mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
-                 _jitted_step(shared, nets, tx, mesh, sharding, layout, k))
+                 _jitted_step(shared, nets, mesh, sharding, layout, k))
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:
@@ -158,17 +158,17 @@ def _placed(abstract, sharding):
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, sharding)
 
 
-def _jitted_step(config, nets, tx, mesh: Mesh, sharding, layout: BatchLayout, members: int) -> Callable:
+def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, members: int) -> Callable:
   """The one jit of the train step: state in/out on `sharding` (donated), the packed batch unpacked
   inside; a population's step vmapped over its members, with their step inputs."""
   schedule = learning_rate_schedule(config)
   if members:
-    step = make_train_step(config, nets, tx, schedule, population.inner_mesh(mesh))
+    step = make_train_step(config, nets, schedule, population.inner_mesh(mesh))
     per_member = population.member_sharding(mesh)
     fn = population.make_population_step(step, layout, mesh)
     shardings = (sharding, population.batch_sharding(mesh), per_member), (sharding, per_member)
   else:
-    step = make_train_step(config, nets, tx, schedule, mesh)
+    step = make_train_step(config, nets, schedule, mesh)
 
     def train_step(state, packed):
       return step(state, layout.unpack(packed))
@@ -176,24 +176,42 @@ def _jitted_step(config, nets, tx, mesh: Mesh, sharding, layout: BatchLayout, me
   return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
 
 
-def legacy_layout(program: Program) -> checkpoint.Legacy | None:
-  """The older train-state layout a checkpoint of this program may hold, converted on restore:
-  a solo run's releases before the flat optimizer state and the `Queue` struct (per-leaf AdamW
-  moments, `optim.per_leaf_optimizer`; the queue as loose fields, `state.as_legacy_fields`); a
-  population's with its members' half-precision weight copies saved ({'encoder', 'ema'}), as
-  releases before copies were dropped by type wrote them (none in float32)."""
+def legacy_layouts(program: Program) -> tuple[checkpoint.Legacy, ...]:
+  """The older train-state layouts a checkpoint of this program may hold, converted on restore:
+  the previous release's, whose optimizer state was flat (`optim.FlatState`, converted by
+  `optim.from_flat`), solo and population; a solo run's releases before it (this per-leaf optimizer
+  state, the queue as loose fields, `state.as_legacy_fields`); a population's releases that also
+  saved its members' half-precision weight copies ({'encoder', 'ema'}; none in float32)."""
+  dropped = compute_weights.dropped(program.abstract_state)
   if program.members:
+    layouts = [_population_flat(program, dropped.members)]
     copies = program.abstract_state.members.compute_weights
-    if not copies:
-      return None
-    old = {name: copies[name] for name in ("encoder", compute_weights.EMA)}
-    return checkpoint.Legacy(program.abstract_state.replace(members=program.abstract_state.members.replace(
-        compute_weights=old)), compute_weights.dropped)
-  c, hidden = program.config, program.nets.online.config.hidden_size
-  per_leaf = optim.per_leaf_optimizer(c)
-  old = jax.eval_shape(lambda p: state_lib.as_legacy_fields(setup.new_train_state(c, hidden, per_leaf, *p)),
-                       program.abstract_params)
-  old_sharding = mesh_lib.state_sharding(old, program.mesh, c.mesh.shard_state, c.mesh.shard_min_elements)
-  convert = jax.jit(lambda fields: state_lib.from_legacy_fields(fields, optim.legacy_to_flat),
-                    out_shardings=program.state_sharding)
-  return checkpoint.Legacy(_placed(old, old_sharding), convert)
+    if copies:
+      old = {name: copies[name] for name in ("encoder", compute_weights.EMA)}
+      layouts.append(_population_flat(program, dropped.members.replace(compute_weights=old)))
+    return tuple(layouts)
+  params, c = program.abstract_params[0], program.config
+  flat = jax.eval_shape(lambda s: s.replace(opt_state=optim.to_flat(s.opt_state)), dropped)
+  to_per_leaf = jax.jit(lambda s: s.replace(opt_state=optim.from_flat(s.opt_state, params)),
+                        out_shardings=compute_weights.dropped(program.state_sharding))
+  fields = state_lib.as_legacy_fields(dropped)
+  from_fields = jax.jit(state_lib.from_legacy_fields, out_shardings=compute_weights.dropped(program.state_sharding))
+  solo = lambda old: _placed(old, mesh_lib.state_sharding(old, program.mesh, c.mesh.shard_state,
+                                                          c.mesh.shard_min_elements))
+  return (checkpoint.Legacy("flat optimizer state", solo(flat), to_per_leaf),
+          checkpoint.Legacy("the queue as loose fields", solo(fields), from_fields))
+
+
+def _population_flat(program: Program, members) -> checkpoint.Legacy:
+  """A population's previous layout: each member's optimizer state flat, its `members` fields
+  otherwise as given (with saved copies: dropped on conversion)."""
+  params = program.abstract_params[0]
+  old = program.abstract_state.replace(members=members.replace(
+      opt_state=jax.eval_shape(jax.vmap(optim.to_flat), members.opt_state)))
+
+  def convert(state):
+    opt_state = jax.vmap(lambda s: optim.from_flat(s, params))(state.members.opt_state)
+    return state.replace(members=state.members.replace(opt_state=opt_state, compute_weights={}))
+  name = "flat optimizer state" + (", the members' weight copies saved" if members.compute_weights else "")
+  return checkpoint.Legacy(name, _placed(old, population.state_sharding(old, program.mesh)),
+                           jax.jit(convert, out_shardings=compute_weights.dropped(program.state_sharding)))

@@ -25,7 +25,7 @@ class TrainState:
   step: jax.Array              # int32 scalar: optimizer steps taken == data position
   params: Params               # {'encoder', 'head'} + the method's extras (`networks.method_params`)
   ema_params: Params           # momentum-encoder BERT params ({} when momentum is off)
-  opt_state: optax.OptState    # clipping + AdamW over the flat params (`optim.FlatState`)
+  opt_state: optax.OptState    # clipping → AdamW per leaf (`optim.make_optimizer`; updated by `update.apply`)
   queue: Queue | None          # the momentum queue of negatives (None when momentum is off)
   rng: jax.Array               # uint32[2] base key; each step folds in `step`
   # float16 only: {'scale', 'counter', 'skipped_steps'} of dynamic loss scaling (precision.py)

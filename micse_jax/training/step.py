@@ -1,4 +1,4 @@
-"""The one update step: two views → loss terms picked by config → AdamW → EMA → enqueue.
+"""The one update step: two views → loss terms picked by config → enqueue → the fused update (AdamW, EMA, copies).
 
 miCSE total loss L = L_C + L_D (paper §2): L_C is InfoNCE over the MLP-pooled [CLS] of two
 dropout views with in-batch and queue negatives (Eq. 2); L_D = −λ·AMI between the views'
@@ -22,13 +22,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import compute_weights, infocse, optim, precision, terms
+from micse_jax.training import compute_weights, infocse, optim, precision, terms, update
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training.momentum import Queue, ema_update, momentum_embeddings
+from micse_jax.training.momentum import Queue, momentum_embeddings
 from micse_jax.training.networks import Networks
 from micse_jax.training.state import TrainState
 from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
@@ -88,16 +87,24 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
   return loss_fn
 
 
-def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax.GradientTransformation,
-                    schedule: Callable[[Any], Any],
+def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule: Callable[[Any], Any],
                     mesh: Mesh | None = None) -> Callable[..., tuple[TrainState, dict]]:
-  """Returns the pure (un-jitted) step (state, batch, hyper=None) → (state, metrics); `program`
-  jits it with shardings and donation (and passes its `mesh`, see `make_loss_fn`)."""
+  """Returns the pure (un-jitted) step (state, batch, hyper=None, alive=None) → (state, metrics);
+  `program` jits it with shardings and donation (and passes its `mesh`, see `make_loss_fn`).
+
+  The update is one fused pass (`training/update.apply`: clipping + AdamW on `schedule`, the EMA, the
+  half-precision copies). `alive` (a population member's flag, traced) makes it a member's update:
+  applied only if the member trains and its loss and gradient norm are finite, else params,
+  moments, EMA and copies stay as they were (the population keeps the rest of the member's state by
+  the same rule, `population.member_step_fn`). A solo run (`alive` None) applies every update but a
+  float16 step the loss scale skips (`training/precision.py`)."""
   loss_fn = make_loss_fn(config, nets, mesh)
   sharded = config.get("mesh", {}).get("shard_state", False)
   whole = lambda tree: mesh_lib.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
+  inner, max_norm = optim.adamw(config, schedule), optim.clip_norm(config)
 
-  def train_step(state: TrainState, batch: dict, hyper: dict | None = None) -> tuple[TrainState, dict]:
+  def train_step(state: TrainState, batch: dict, hyper: dict | None = None,
+                 alive: jax.Array | None = None) -> tuple[TrainState, dict]:
     hyper = hyper or {}
     keys = step_keys(state.rng, state.step)
     queue = None if state.queue is None else state.queue.replace(embeddings=whole(state.queue.embeddings))
@@ -108,29 +115,27 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, tx: optax
     grad_fn = precision.value_and_unscaled_grad(loss_on_copies, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
                                      state.step, hyper)
-    with jax.named_scope("optimizer"):  # clipping + AdamW over one flat buffer (training/optim.py)
-      updates, opt_state = tx.update(grads, state.opt_state, state.params)
-      if "learning_rate" in hyper:  # the schedule peaks at 1: this member's peak scales the update
-        updates = jax.tree.map(lambda u: u * hyper["learning_rate"].astype(u.dtype), updates)
-      params = optax.apply_updates(state.params, updates)
-    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    new = state.replace(step=state.step + 1)
     if state.queue is not None:
       with jax.named_scope("momentum_forward"):
         ema_params = compute_weights.substituted(whole(state.ema_params), copies.get(compute_weights.EMA))
         embeddings = momentum_embeddings(nets, ema_params, whole(state.params["head"]), batch, keys["momentum"])
       with jax.named_scope("enqueue"):  # padding rows are never enqueued
-        pushed = state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY))
-      with jax.named_scope("ema"):
-        new = new.replace(ema_params=ema_update(params["encoder"], state.ema_params, config.momentum.decay),
-                          queue=pushed)
-    with jax.named_scope("compute_weights"):
-      new = compute_weights.refreshed(new)
+        new = new.replace(queue=state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY)))
+    keep = True if alive is None else alive & jnp.isfinite(loss)
+    with jax.named_scope("optimizer"):  # clipping + AdamW + EMA + copies in one pass (training/update.py)
+      result = update.apply(inner, grads, state.opt_state, state.params, max_norm=max_norm,
+                            ema_params=state.ema_params, ema_decay=config.momentum.decay if state.queue is not None
+                            else None, copies=state.compute_weights, keep=keep,
+                            skip_nonfinite=bool(state.loss_scale) or alive is not None, scale=hyper.get("learning_rate"))
+    new = new.replace(params=result.params, opt_state=result.opt_state, ema_params=result.ema_params,
+                      compute_weights=result.copies)
     with jax.named_scope("finite"):
-      new, precision_metrics = precision.keep_if_finite(grads, new, state, config.model.loss_scale_period)
-    with jax.named_scope("optimizer"):
-      grad_norm = optim.global_grad_norm(grads)  # the clipping's reduction (XLA shares it)
+      new, precision_metrics = precision.keep_if_finite(jnp.isfinite(result.grad_norm), new, state,
+                                                        config.model.loss_scale_period)
     lr = schedule(state.step) * hyper["learning_rate"] if "learning_rate" in hyper else schedule(state.step)
-    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=grad_norm, lr=lr)
+    metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=result.grad_norm, lr=lr)
     return new, metrics
 
   return train_step
+

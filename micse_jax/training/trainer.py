@@ -4,7 +4,7 @@
 A population (`population.seeds`) is K runs stepped by one program; the loop sees a solo run as
 one run and a population as K (`training/members.py`: each run's folder, params, scalars and
 whether it still trains), with one set-up, one resume path (older layouts converted,
-`program.legacy_layout`), one evaluation, one logging path, one checkpoint-save site and one
+`program.legacy_layouts`), one evaluation, one logging path, one checkpoint-save site and one
 final evaluation. The trainer owns the rolling `checkpoints/` and each run's `best/`; the
 evaluators (`micse_jax/evaluators/`) only score params, on the steps `evaluators.is_due` names.
 """
@@ -98,7 +98,7 @@ def _start(prog: program.Program, runs: list[Run], rolling):
   converted), else step 0."""
   if rolling.latest_step() is None:
     return prog.place_state([initial_state(r, prog.tx) for r in runs])
-  state = checkpoint.resume(rolling, prog.abstract_state, program.legacy_layout(prog))
+  state = checkpoint.resume(rolling, prog.abstract_state, program.legacy_layouts(prog))
   logging.info("resumed from step %d", int(state.step))
   return state
 
