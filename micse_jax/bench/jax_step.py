@@ -10,7 +10,9 @@ the step's key derivation and metrics).
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import time
 from typing import Callable
@@ -42,6 +44,7 @@ def model_dir_for(name: str) -> str:
     raise ModelLoadError(f"--model {name!r} is no directory and none of minilm, {', '.join(SHAPES)}")
   import transformers
   path = tempfile.mkdtemp(prefix=f"bench_{name}_")
+  atexit.register(shutil.rmtree, path, True)  # random weights: nothing worth keeping after the run
   transformers.BertModel(transformers.BertConfig(**SHAPES[name])).save_pretrained(path)
   transformers.AutoTokenizer.from_pretrained(shipped_tokenizer_dir()).save_pretrained(path)
   return path

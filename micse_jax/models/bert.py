@@ -64,12 +64,11 @@ def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
 
   Each output column is the same dot product and bias add as in its own `nn.Dense`. The
   parameters are cast to `dtype` before the concatenation (the cast `nn.Dense` makes: the same
-  values), and the concatenated kernel passes an `optimization_barrier`, so XLA casts and
-  concatenates the weights in one kernel that the forward and the backward GEMMs both read;
-  without it XLA moves the concatenation into the GEMM and casts each weight in its own kernel."""
+  values; a no-op where the step passes the half-precision copies, `training/compute_weights.py`).
+  XLA places the concatenation itself: holding it in a kernel of its own (an optimization barrier)
+  predicted a slower H100 step (BENCHMARKS.md, step cuts)."""
   widths = [p["bias"].shape[0] for p in params]
   both = {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}
-  both["kernel"] = jax.lax.optimization_barrier(both["kernel"])
   y = nn.Dense(sum(widths), dtype=dtype).apply({"params": both}, x)
   return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
 
