@@ -112,5 +112,5 @@ class Dropout(nn.Module):
     # No optimization barrier on the mask: XLA then draws a site's bits inside the kernel that
     # applies them (the residual add), overlapping the integer work with that kernel's memory
     # traffic, instead of drawing all sites' masks in one integer-bound kernel and reading them back
-    # (predicted H100 step 1.7 ms faster at batch 512, 0.15 ms at 50; BENCHMARKS.md, step cuts).
+    # (the faster H100 step by the time model; BENCHMARKS.md, step cuts).
     return jax.lax.select(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
