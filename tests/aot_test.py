@@ -51,8 +51,9 @@ def check_step(r: dict):
   """What holds for the miCSE step on any target."""
   assert sum(r["by_kind"].values()) == sum(r["by_phase"].values()) == r["kernels_per_step"]
   for phase in ("encode (forward)", "encode (backward)", "loss/contrastive (forward)", "loss/ami (forward)",
-                "momentum_forward", "optimizer", "ema", "enqueue"):
+                "momentum_forward", "optimizer", "enqueue"):
     assert r["by_phase"].get(phase, 0) > 0, phase
+  assert "ema" not in r["by_phase"]  # the EMA runs inside the update's one pass (training/update.py)
   assert r["update_kernels_per_step"] == sum(r["by_phase"].get(p, 0) for p in hlo.UPDATE_PHASES) > 0
   # Per layer at least Q/K/V (possibly one merged GEMM), the attention output, two FFN GEMMs; at most
   # six dense GEMMs and the two attention products; plus the MLP head's two.

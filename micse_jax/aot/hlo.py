@@ -30,7 +30,8 @@ import re
 
 PHASES = ("views", "encode", "loss/contrastive", "loss/ami", "loss/reconstruction", "loss/mlm", "loss/infocse",
           "optimizer", "ema", "compute_weights", "momentum_forward", "enqueue", "finite")
-# AdamW + clipping, the EMA, the half-precision weight copies (training/compute_weights.py), the finite check
+# AdamW + clipping (with the fused update also the EMA and the copies: training/update.py), the finite
+# check; `ema` and `compute_weights` are the scopes of programs compiled before the fused update
 UPDATE_PHASES = ("optimizer", "ema", "compute_weights", "finite")
 NO_PHASE = "(no phase)"
 _NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
