@@ -62,7 +62,7 @@ def test_each_member_equals_its_solo_run_with_the_rbg_dropout_generator(tmp_path
   config = _population_config(tmp_path, minilm_dir, steps=3, seeds=(1, 2))
   config.model.rng_impl = "rbg"
   pstate, history = run_population(config, 3)
-  for i, member_config in enumerate(population.member_configs(config)):
+  for i, member_config in enumerate(population_fields.member_configs(config)):
     solo, losses = run_solo(member_config, 3)
     np.testing.assert_allclose([float(h["loss"][i]) for h in history], losses, rtol=1e-5, atol=1e-6)
     assert max_difference(compared_parts(population.member(pstate.members, i)), compared_parts(solo)) < TOLERANCE

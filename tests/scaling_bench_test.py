@@ -13,10 +13,9 @@ TINY = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_atten
 
 def _state_bytes(batch_size):
   """Bytes of the train state, from the shapes alone (independent of the compiler)."""
-  from micse_jax.training.networks import build_networks
-  from micse_jax.training.optim import make_optimizer
+  from micse_jax.training import program
   config = scaling.bench_config(batch_size, 32, "float32", False, "none")
-  shapes = scaling.abstract_state(config, TINY, build_networks(config, TINY), make_optimizer(config))
+  shapes = program.build(config, TINY, program.abstract_params(config, TINY)).abstract_state
   return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
 
 
