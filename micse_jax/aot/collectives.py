@@ -71,11 +71,3 @@ def collective_table(hlo_text: str) -> dict[str, dict[str, int]]:
     row["bytes"] += size
     row["max_bytes"] = max(row["max_bytes"], size)
   return table
-
-
-def format_table(table: dict[str, dict[str, int]]) -> str:
-  """Markdown rows `| kind | count | bytes | max bytes |` of a collective table."""
-  lines = ["| collective | count | bytes | largest (bytes) |", "|---|---:|---:|---:|"]
-  for kind, row in table.items():
-    lines.append(f"| {kind} | {row['count']} | {row['bytes']} | {row['max_bytes']} |")
-  return "\n".join(lines)
