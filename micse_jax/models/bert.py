@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from micse_jax.models.attention import fused_attention
 from micse_jax.models.bert_config import ACTIVATIONS, SUPPORTED_MODEL_TYPES, BertConfig  # noqa: F401 (re-export)
+from micse_jax.models.column_sums import add_bias
 from micse_jax.models.dropout import Dropout
 from micse_jax.models.embed import Embed
 from micse_jax.models.layer_norm import LayerNorm
@@ -41,35 +42,59 @@ class BertOutput:
   mlm_logits: Array | None = None               # [B, T, vocab]
 
 
-def _dense(features: int, config: BertConfig, dtype, name: str) -> nn.Dense:
-  init = nn.initializers.normal(stddev=config.initializer_range)
-  return nn.Dense(features, dtype=dtype, kernel_init=init, name=name)
+def _dense(features: int, config: BertConfig, dtype, name: str) -> "Dense":
+  return Dense(features, nn.initializers.normal(stddev=config.initializer_range), dtype, name=name)
+
+
+def _dense_params(module: nn.Module, in_features: int, features: int, kernel_init) -> dict:
+  """The `kernel` and `bias` `nn.Dense(features)` creates in `module`'s scope (same names, shapes,
+  dtype and initialisers, hence the same initial values)."""
+  return {"kernel": module.param("kernel", kernel_init, (in_features, features), jnp.float32),
+          "bias": module.param("bias", nn.initializers.zeros_init(), (features,), jnp.float32)}
+
+
+def dense(x: Array, params: dict, dtype, bias_add=add_bias) -> Array:
+  """`nn.Dense(dtype=dtype)` applied with `params`: x and the parameters cast to `dtype`, x · kernel
+  + bias; by default the bias's gradient is summed by `column_sums.add_bias` (two stages on CUDA)."""
+  x, kernel, bias = (a.astype(dtype) for a in (x, params["kernel"], params["bias"]))
+  return bias_add(jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), bias)
+
+
+class Dense(nn.Module):
+  """`nn.Dense(features, dtype=dtype, kernel_init=kernel_init)`: its parameters and values (`dense`)."""
+  features: int
+  kernel_init: Any
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    return dense(x, _dense_params(self, x.shape[-1], self.features, self.kernel_init), self.dtype)
 
 
 class DenseParams(nn.Module):
-  """The `kernel` and `bias` an `nn.Dense(features)` named like this module would create (same
-  names, shapes, dtype and initialisers, hence the same initial values), returned unapplied."""
+  """The `kernel` and `bias` an `nn.Dense(features)` named like this module would create, returned unapplied."""
   features: int
   kernel_init: Any
 
   @nn.compact
   def __call__(self, in_features: int) -> dict:
-    return {"kernel": self.param("kernel", self.kernel_init, (in_features, self.features), jnp.float32),
-            "bias": self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)}
+    return _dense_params(self, in_features, self.features, self.kernel_init)
 
 
 def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
   """Several `nn.Dense` layers of the same input as one: their kernels and biases concatenated
-  along the output axis, applied by one `nn.Dense` (one GEMM), the result split back.
+  along the output axis, applied by one `dense` (one GEMM), the result split back.
 
   Each output column is the same dot product and bias add as in its own `nn.Dense`. The
   parameters are cast to `dtype` before the concatenation (the cast `nn.Dense` makes: the same
   values; a no-op where the step passes the half-precision copies, `training/compute_weights.py`).
   XLA places the concatenation itself: holding it in a kernel of its own (an optimization barrier)
-  predicted a slower H100 step (BENCHMARKS.md, step cuts)."""
+  predicted a slower H100 step (BENCHMARKS.md, step cuts). The bias is added plainly: the gradient
+  arrives in the attention's head layout, where XLA already sums it in two stages (tokens, then
+  sentences); `column_sums`' row chunks would first transpose it back."""
   widths = [p["bias"].shape[0] for p in params]
   both = {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}
-  y = nn.Dense(sum(widths), dtype=dtype).apply({"params": both}, x)
+  y = dense(x, both, dtype, bias_add=jnp.add)
   return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
 
 
@@ -132,10 +157,13 @@ class BertSelfAttention(nn.Module):
   sow_probs: bool = False
   dtype: Any = jnp.float32
   attention: str = "fused"
+  query_rows: int | None = None
 
   @nn.compact
   def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
-    """x: [B,T,H]; key_mask: bool [B,1,1,T], True for real (non-padding) keys."""
+    """x: [B,T,H]; key_mask: bool [B,1,1,T], True for real (non-padding) keys. Returns the context
+    [B,T,H], or [B,query_rows,H] of the first `query_rows` queries (every query's probabilities are
+    still computed, dropped and sown: AMI reads them)."""
     c = self.config
     heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
     split = lambda t: t.reshape(t.shape[:2] + (heads, head_dim))  # [B,T,h,d]
@@ -144,10 +172,12 @@ class BertSelfAttention(nn.Module):
     q, k, v = map(split, fused_dense(x, qkv, self.dtype))  # one GEMM for the three projections
     needs_probs = (self.attention == "explicit" or self.sow_probs
                    or (not deterministic and c.attention_probs_dropout_prob > 0))
+    rows = slice(0, self.query_rows)  # every row when query_rows is None
     if not needs_probs:  # nothing needs the probabilities: a fused kernel (cuDNN on GPU where it applies)
-      ctx = fused_attention(q, k, v, key_mask)
-      return ctx.reshape(x.shape[:2] + (c.hidden_size,))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+      ctx = fused_attention(q[:, rows], k, v, key_mask)
+      return ctx.reshape(ctx.shape[:2] + (c.hidden_size,))
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B,h,T,d]
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(head_dim)
     # HF extended mask: add float32-min to padded keys, so they get exactly zero probability.
     scores = jnp.where(key_mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -156,8 +186,8 @@ class BertSelfAttention(nn.Module):
     probs = _dropout(c, c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
     if self.sow_probs:
       self.sow("intermediates", "attention_probs", probs)
-    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
-    return ctx.reshape(x.shape[:2] + (c.hidden_size,))
+    ctx = jnp.einsum("bhqk,bhkd->bhqd", probs[:, :, rows].astype(self.dtype), v).transpose(0, 2, 1, 3)
+    return ctx.reshape(ctx.shape[:2] + (c.hidden_size,))
 
 
 class BertResidualOutput(nn.Module):
@@ -166,40 +196,47 @@ class BertResidualOutput(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Array, residual: Array, deterministic: bool) -> Array:
+  def __call__(self, x: Array, residual: Array, deterministic: bool, draw_shape=None) -> Array:
+    """`draw_shape`: x is the leading part of an activation of this shape (`Dropout`)."""
     x = _dense(self.config.hidden_size, self.config, self.dtype, "dense")(x)
-    x = _dropout(self.config, self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+    x = _dropout(self.config, self.config.hidden_dropout_prob)(x, deterministic=deterministic,
+                                                               draw_shape=draw_shape)
     return _layer_norm(self.config, self.dtype)(x + residual)
 
 
 class BertAttention(nn.Module):
-  """Self-attention and its residual output block (HF `BertAttention`)."""
+  """Self-attention and its residual output block (HF `BertAttention`), of every token or, with
+  `query_rows`, of the first `query_rows` tokens only."""
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
   attention: str = "fused"
+  query_rows: int | None = None
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
-    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.attention, name="self")(
-        x, key_mask, deterministic)
-    return BertResidualOutput(self.config, self.dtype, name="output")(ctx, x, deterministic)
+    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.attention, self.query_rows,
+                            name="self")(x, key_mask, deterministic)
+    return BertResidualOutput(self.config, self.dtype, name="output")(
+        ctx, x[:, :ctx.shape[1]], deterministic, draw_shape=x.shape)
 
 
 class BertLayer(nn.Module):
-  """One transformer layer: attention, then the feed-forward block with its residual output (HF `BertLayer`)."""
+  """One transformer layer: attention, then the feed-forward block with its residual output (HF
+  `BertLayer`); with `cls_only`, of the [CLS] token only past the attention (`BertModel.cls_only`)."""
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
   attention: str = "fused"
+  cls_only: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
     c = self.config
-    attn = BertAttention(c, self.sow_probs, self.dtype, self.attention, name="attention")(
-        x, key_mask, deterministic)
+    attn = BertAttention(c, self.sow_probs, self.dtype, self.attention, 1 if self.cls_only else None,
+                         name="attention")(x, key_mask, deterministic)
     inner = BertIntermediate(c, self.dtype, name="intermediate")(attn)
-    return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic)
+    return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic, draw_shape=x.shape)
 
 
 class BertIntermediate(nn.Module):
@@ -220,14 +257,16 @@ class BertEncoder(nn.Module):
   dtype: Any = jnp.float32
   attention: str = "fused"
   remat: str = "none"
+  cls_only: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool, output_hidden_states: bool = False):
     hidden_states = [x]
     layer = remat_layer(BertLayer, self.remat)
+    last = self.config.num_hidden_layers - 1
     for i in range(self.config.num_hidden_layers):
-      x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.attention, name=f"layer_{i}")(
-          x, key_mask, deterministic)
+      x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.attention,
+                self.cls_only and i == last, name=f"layer_{i}")(x, key_mask, deterministic)
       hidden_states.append(x)
     return x, (tuple(hidden_states) if output_hidden_states else None)
 
@@ -278,6 +317,12 @@ class BertModel(nn.Module):
     dtype: computation dtype (parameters stay float32).
     attention: "fused" | "explicit" (`BertSelfAttention`); remat: "none" | "layer" | "full"
       (module docstring). Neither changes the parameter tree or the function computed.
+    cls_only: the last layer computes only the [CLS] token (position 0) past its attention, so
+      `last_hidden_state` is `[B, 1, H]` (the pooler, the MLM head and `hidden_states` see that
+      row only). Its [CLS] values are the full model's: the same parameters, the same dropout
+      bits (each site draws the full shape's mask and keeps its first row, `Dropout`), the same
+      attention probabilities of every query (sown for AMI); the training step, which reads only
+      [CLS], leaves out the rest of the last layer (~1/12 of the FFN and attention-output work).
   """
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
@@ -286,6 +331,7 @@ class BertModel(nn.Module):
   dtype: Any = jnp.float32
   attention: str = "fused"
   remat: str = "none"
+  cls_only: bool = False
 
   def setup(self):
     for i in self.sow_attention_layers:
@@ -295,7 +341,7 @@ class BertModel(nn.Module):
       raise ValueError(f"unsupported attention {self.attention!r}; expected one of {ATTENTION_KERNELS}")
     self.embeddings = BertEmbeddings(self.config, self.dtype)
     self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.attention,
-                               self.remat)
+                               self.remat, self.cls_only)
     if self.add_pooler:
       self.pooler = BertPooler(self.config, self.dtype)
     if self.add_mlm_head:

@@ -101,14 +101,19 @@ class Dropout(nn.Module):
   rng_impl: str = "threefry"
 
   @nn.compact
-  def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, deterministic: bool, draw_shape: tuple[int, ...] | None = None) -> jax.Array:
+    """x dropped; with `draw_shape`, x is the leading part (`x.shape` from index 0 on every axis)
+    of an activation of that shape, and its mask is that part of the full shape's mask: the
+    same bits as if the whole activation were dropped (the counter-based generators compute
+    only the part kept)."""
     if self.random_bits not in RANDOM_BITS:
       raise ValueError(f"dropout random_bits must be one of {RANDOM_BITS}, got {self.random_bits}")
     if deterministic or self.rate == 0.0:
       return x
     if self.rate >= 1.0:
       return jnp.zeros_like(x)
-    keep = keep_mask(self.make_rng("dropout"), x.shape, self.rate, self.random_bits, self.rng_impl)
+    keep = keep_mask(self.make_rng("dropout"), tuple(draw_shape or x.shape), self.rate, self.random_bits,
+                     self.rng_impl)[tuple(slice(0, n) for n in x.shape)]
     # No optimization barrier on the mask: XLA then draws a site's bits inside the kernel that
     # applies them (the residual add), overlapping the integer work with that kernel's memory
     # traffic, instead of drawing all sites' masks in one integer-bound kernel and reading them back

@@ -38,6 +38,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from micse_jax.models.column_sums import column_sums
+
 Array = jax.Array
 
 
@@ -83,7 +85,7 @@ def _layer_norm_backward(epsilon, dtype, residuals, dy):
   x, scale = residuals
   dx, normalised = _input_gradient(x, scale, dy, epsilon)
   dy = dy.astype(jnp.float32)
-  dscale, dbias = _sums(dy * normalised, dy, axes=tuple(range(dy.ndim - 1)))
+  dscale, dbias = column_sums(dy * normalised, dy)
   return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(scale.dtype)
 
 

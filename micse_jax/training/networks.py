@@ -80,9 +80,11 @@ def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None
     extras["with_mlm_head"] = BertModel(bert_config, add_pooler=False, add_mlm_head=True, **options)
   if config.infocse.enabled:
     extras["infocse"] = infocse_lib.build_networks(config, bert_config, options)
+  # The step reads only the [CLS] row of both encoders' outputs (`step.project`, the momentum
+  # embedding): their last layer leaves out every other row (`BertModel.cls_only`).
   return Networks(
-      online=BertModel(bert_config, sow_attention_layers=ami_layers, **options),
-      momentum=BertModel(momentum_config, **options),
+      online=BertModel(bert_config, sow_attention_layers=ami_layers, cls_only=True, **options),
+      momentum=BertModel(momentum_config, cls_only=True, **options),
       head=MLPHead(bert_config.hidden_size, bert_config.initializer_range, dtype=dtype),
       ami_layers=ami_layers, tokens=tokens, **extras)
 

@@ -1,0 +1,83 @@
+"""Sums over an activation's rows (a bias's gradient, a LayerNorm's dγ and dβ) in two stages on CUDA.
+
+The gradient of a bias broadcast over rows, and of a LayerNorm's scale and shift, is a column sum:
+
+  dβ_c = Σ_r g_rc   over the R·N rows of a [rows, C] activation (rows = batch × tokens).
+
+XLA's GPU column reduction gives each block of columns every row, so with C ≤ a few thousand
+columns (BERT's 768 and 3072) the reduction has too few blocks to keep the memory system busy:
+it streams at about a quarter of peak bandwidth where other reductions reach more than half
+(`aot/time_model.NARROW_COLUMNS_EFFICIENCY`). In two stages the rows are cut into R chunks of N,
+
+  p_kc = Σ_{n<N} g_(kN+n)c   (R·C outputs: R times the blocks),   dβ_c = Σ_k p_kc,
+
+float32 partial sums, the second stage reading R·C values instead of rows·C. The sum is the same
+up to the order of float32 additions. Only where it pays (`jax.lax.platform_dependent`: a program
+lowered for CUDA here, for a GPU that is not here, gets it too): XLA:CPU sums rows in loops that
+chunks do not speed up, and keeps the plain sum of autodiff (its results bit for bit).
+
+`add_bias(y, bias)` is `y + bias` whose bias gradient is `column_sums`; `column_sums(*values)`
+sums several arrays of one shape in one (variadic) reduction.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+CHUNK_OUTPUTS = 32768  # partial sums to aim for: twice the outputs below which the reduction is narrow
+MIN_CHUNK_ROWS = 16    # shorter chunks make the second stage the larger read
+
+
+def chunks(rows: int, columns: int) -> int:
+  """R: the smallest divisor of `rows` with R · `columns` >= CHUNK_OUTPUTS and chunks of at least
+  MIN_CHUNK_ROWS rows; 1 (a plain sum) when no divisor qualifies."""
+  for r in range(2, rows // MIN_CHUNK_ROWS + 1):
+    if rows % r == 0 and r * columns >= CHUNK_OUTPUTS:
+      return r
+  return 1
+
+
+def _variadic_sum(values: tuple[Array, ...], axes: tuple[int, ...]) -> tuple[Array, ...]:
+  zeros = tuple(jnp.zeros((), v.dtype) for v in values)
+  return jax.lax.reduce(values, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), axes)
+
+
+def _plain(*values: Array) -> tuple[Array, ...]:
+  return _variadic_sum(values, tuple(range(values[0].ndim - 1)))
+
+
+def _two_stage(*values: Array) -> tuple[Array, ...]:
+  columns = values[0].shape[-1]
+  rows = values[0].size // max(columns, 1)
+  r = chunks(rows, columns)
+  if r == 1:
+    return _plain(*values)
+  wide = tuple(v.astype(jnp.float32).reshape(r, rows // r, columns) for v in values)
+  # The barrier keeps XLA's algebraic simplifier from folding the two sums back into one.
+  partial = jax.lax.optimization_barrier(_variadic_sum(wide, (1,)))
+  return tuple(s.astype(v.dtype) for s, v in zip(_variadic_sum(partial, (0,)), values))
+
+
+def column_sums(*values: Array) -> tuple[Array, ...]:
+  """Σ over every axis but the last of each of `values` (one shape), as the module docstring says:
+  in two float32 stages when lowered for CUDA, one plain reduction elsewhere."""
+  return jax.lax.platform_dependent(*values, cuda=_two_stage, default=_plain)
+
+
+@jax.custom_vjp
+def add_bias(y: Array, bias: Array) -> Array:
+  """y + bias (broadcast over y's leading axes); the bias's gradient by `column_sums`."""
+  return y + bias
+
+
+def _add_bias_forward(y, bias):
+  return y + bias, None
+
+
+def _add_bias_backward(_, g):
+  return g, column_sums(g)[0]
+
+
+add_bias.defvjp(_add_bias_forward, _add_bias_backward)
