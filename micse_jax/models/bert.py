@@ -6,12 +6,11 @@ table. Attention probabilities of the layers listed in `sow_attention_layers` ar
 the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
 to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`, `models/attention.py`). Layers may be
 rematerialised (`remat`, see `models/remat.py`). Each layer's query, key and value projections
-run as one GEMM over their three HF-named parameter sets (`fused_dense`; the parameter tree is
+run as one GEMM over their three HF-named parameter sets (`dense.fused_dense`; the parameter tree is
 HF's, unchanged). LayerNorm is `models/layer_norm.py`'s (flax's parameters, its own VJP on CUDA).
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, Sequence
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 
 from micse_jax.models.attention import fused_attention
 from micse_jax.models.bert_config import ACTIVATIONS, SUPPORTED_MODEL_TYPES, BertConfig  # noqa: F401 (re-export)
-from micse_jax.models.column_sums import add_bias
+from micse_jax.models.dense import Dense, DenseParams, fused_dense  # noqa: F401 (DenseParams, fused_dense: re-export)
 from micse_jax.models.dropout import Dropout
 from micse_jax.models.embed import Embed
 from micse_jax.models.layer_norm import LayerNorm
@@ -42,60 +41,8 @@ class BertOutput:
   mlm_logits: Array | None = None               # [B, T, vocab]
 
 
-def _dense(features: int, config: BertConfig, dtype, name: str) -> "Dense":
+def _dense(features: int, config: BertConfig, dtype, name: str) -> Dense:
   return Dense(features, nn.initializers.normal(stddev=config.initializer_range), dtype, name=name)
-
-
-def _dense_params(module: nn.Module, in_features: int, features: int, kernel_init) -> dict:
-  """The `kernel` and `bias` `nn.Dense(features)` creates in `module`'s scope (same names, shapes,
-  dtype and initialisers, hence the same initial values)."""
-  return {"kernel": module.param("kernel", kernel_init, (in_features, features), jnp.float32),
-          "bias": module.param("bias", nn.initializers.zeros_init(), (features,), jnp.float32)}
-
-
-def dense(x: Array, params: dict, dtype, bias_add=add_bias) -> Array:
-  """`nn.Dense(dtype=dtype)` applied with `params`: x and the parameters cast to `dtype`, x · kernel
-  + bias; by default the bias's gradient is summed by `column_sums.add_bias` (two stages on CUDA)."""
-  x, kernel, bias = (a.astype(dtype) for a in (x, params["kernel"], params["bias"]))
-  return bias_add(jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), bias)
-
-
-class Dense(nn.Module):
-  """`nn.Dense(features, dtype=dtype, kernel_init=kernel_init)`: its parameters and values (`dense`)."""
-  features: int
-  kernel_init: Any
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    return dense(x, _dense_params(self, x.shape[-1], self.features, self.kernel_init), self.dtype)
-
-
-class DenseParams(nn.Module):
-  """The `kernel` and `bias` an `nn.Dense(features)` named like this module would create, returned unapplied."""
-  features: int
-  kernel_init: Any
-
-  @nn.compact
-  def __call__(self, in_features: int) -> dict:
-    return _dense_params(self, in_features, self.features, self.kernel_init)
-
-
-def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
-  """Several `nn.Dense` layers of the same input as one: their kernels and biases concatenated
-  along the output axis, applied by one `dense` (one GEMM), the result split back.
-
-  Each output column is the same dot product and bias add as in its own `nn.Dense`. The
-  parameters are cast to `dtype` before the concatenation (the cast `nn.Dense` makes: the same
-  values; a no-op where the step passes the half-precision copies, `training/compute_weights.py`).
-  XLA places the concatenation itself: holding it in a kernel of its own (an optimization barrier)
-  predicted a slower H100 step (BENCHMARKS.md, step cuts). The bias is added plainly: the gradient
-  arrives in the attention's head layout, where XLA already sums it in two stages (tokens, then
-  sentences); `column_sums`' row chunks would first transpose it back."""
-  widths = [p["bias"].shape[0] for p in params]
-  both = {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}
-  y = dense(x, both, dtype, bias_add=jnp.add)
-  return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
 
 
 def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> LayerNorm:
