@@ -14,7 +14,7 @@ it streams at about a quarter of peak bandwidth where other reductions reach mor
 float32 partial sums, the second stage reading R·C values instead of rows·C. The sum is the same
 up to the order of float32 additions. Only where it pays (`jax.lax.platform_dependent`: a program
 lowered for CUDA here, for a GPU that is not here, gets it too): XLA:CPU sums rows in loops that
-chunks do not speed up, and keeps the plain sum of autodiff (its results bit for bit).
+chunks do not speed up, and keeps one plain sum in the values' own dtype, as autodiff computes it.
 
 `add_bias(y, bias)` is `y + bias` whose bias gradient is `column_sums`; `column_sums(*values)`
 sums several arrays of one shape in one (variadic) reduction.
