@@ -17,8 +17,9 @@ from the forward and recomputes the statistics. With g = dy · γ:
   dγ = Σ_rows dy · x̂,   dβ = Σ_rows dy
 
 Its row sums (x, x², g, g · x: one pass, none depending on another, so XLA computes them in one
-kernel; the variance from them is max(mean(x²) − μ², 0), the forward's up to rounding) and its
-column sums (dγ, dβ) are variadic reductions; dx's elementwise part fuses into the kernel of
+kernel; the variance from them is max(mean(x²) − μ², 0), the forward's up to rounding) are one
+variadic reduction, its column sums (dγ, dβ) one variadic sum in two stages (`models/column_sums.py`, whose first stage
+fuses into the kernel that computes dx); dx's elementwise part fuses into the kernel of
 whatever consumes it (dropout's backward). Written with two-pass statistics and plain
 reductions instead, XLA's Triton norm rewriter takes the backward apart into more kernels and
 float32 temporaries (`BENCHMARKS.md`, kernel diet).
