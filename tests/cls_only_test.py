@@ -38,16 +38,17 @@ def _batch():
   return ids, mask
 
 
-@pytest.mark.parametrize("attention_dropout, sown, attention", [
-    (0.1, (1, 2), "fused"),    # the last layer's probabilities sown (AMI) and dropped: explicit path
-    (0.0, (), "fused"),        # nothing needs the probabilities: the fused attention kernel
-    (0.1, (), "explicit"),
+@pytest.mark.parametrize("attention_dropout, sown, attention, remat", [
+    (0.1, (1, 2), "fused", "none"),    # the last layer's probabilities sown (AMI) and dropped: explicit path
+    (0.0, (), "fused", "none"),        # nothing needs the probabilities: the fused attention kernel
+    (0.1, (), "explicit", "none"),
+    (0.1, (2,), "fused", "full"),      # the last layer rematerialised
 ])
-def test_cls_row_sown_attention_and_gradients_equal_the_full_models(attention_dropout, sown, attention):
+def test_cls_row_sown_attention_and_gradients_equal_the_full_models(attention_dropout, sown, attention, remat):
   config = _config(attention_dropout)
   ids, mask = _batch()
   full = BertModel(config, sow_attention_layers=sown, attention=attention)
-  cls_only = BertModel(config, sow_attention_layers=sown, attention=attention, cls_only=True)
+  cls_only = BertModel(config, sow_attention_layers=sown, attention=attention, remat=remat, cls_only=True)
   params = full.init(jax.random.PRNGKey(0), ids, mask)["params"]
   weights = jax.random.normal(jax.random.PRNGKey(3), (5, 32))
   rngs = {"dropout": jax.random.PRNGKey(4)}
