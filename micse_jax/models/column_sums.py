@@ -39,13 +39,15 @@ def chunks(rows: int, columns: int) -> int:
   return 1
 
 
-def _variadic_sum(values: tuple[Array, ...], axes: tuple[int, ...]) -> tuple[Array, ...]:
+def variadic_sum(values: tuple[Array, ...], axes: tuple[int, ...]) -> tuple[Array, ...]:
+  """Σ over `axes` of each of `values` (one shape), as one variadic reduction (one kernel)."""
+  axes = tuple(a % values[0].ndim for a in axes)
   zeros = tuple(jnp.zeros((), v.dtype) for v in values)
   return jax.lax.reduce(values, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), axes)
 
 
 def _plain(*values: Array) -> tuple[Array, ...]:
-  return _variadic_sum(values, tuple(range(values[0].ndim - 1)))
+  return variadic_sum(values, tuple(range(values[0].ndim - 1)))
 
 
 def _two_stage(*values: Array) -> tuple[Array, ...]:
@@ -56,8 +58,8 @@ def _two_stage(*values: Array) -> tuple[Array, ...]:
     return _plain(*values)
   wide = tuple(v.astype(jnp.float32).reshape(r, rows // r, columns) for v in values)
   # The barrier keeps XLA's algebraic simplifier from folding the two sums back into one.
-  partial = jax.lax.optimization_barrier(_variadic_sum(wide, (1,)))
-  return tuple(s.astype(v.dtype) for s, v in zip(_variadic_sum(partial, (0,)), values))
+  partial = jax.lax.optimization_barrier(variadic_sum(wide, (1,)))
+  return tuple(s.astype(v.dtype) for s, v in zip(variadic_sum(partial, (0,)), values))
 
 
 def column_sums(*values: Array) -> tuple[Array, ...]:

@@ -39,7 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from micse_jax.models.column_sums import column_sums
+from micse_jax.models.column_sums import column_sums, variadic_sum
 
 Array = jax.Array
 
@@ -62,19 +62,12 @@ def _layer_norm_forward(x, scale, bias, epsilon, dtype):
   return (_normalise(x, epsilon)[0] * scale + bias).astype(dtype), (x, scale)
 
 
-def _sums(*values: Array, axes: tuple[int, ...]) -> tuple[Array, ...]:
-  """Σ over `axes` of each value, as one (variadic) reduction."""
-  axes = tuple(a % values[0].ndim for a in axes)
-  zeros = tuple(jnp.zeros((), v.dtype) for v in values)
-  return jax.lax.reduce(values, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b)), axes)
-
-
 def _input_gradient(x: Array, scale: Array, dy: Array, epsilon: float) -> tuple[Array, Array]:
   """dx and x̂ (float32) of the module docstring's equations, μ and rstd recomputed from x."""
   x, dy, width = x.astype(jnp.float32), dy.astype(jnp.float32), x.shape[-1]
   g = dy * scale
-  mean, mean_of_squares = (s[..., None] / width for s in _sums(x, jnp.square(x), axes=(-1,)))
-  g_mean, gx_mean = (s[..., None] / width for s in _sums(g, g * x, axes=(-1,)))
+  mean, mean_of_squares = (s[..., None] / width for s in variadic_sum((x, jnp.square(x)), (-1,)))
+  g_mean, gx_mean = (s[..., None] / width for s in variadic_sum((g, g * x), (-1,)))
   rstd = jax.lax.rsqrt(jnp.maximum(mean_of_squares - jnp.square(mean), 0.0) + epsilon)
   normalised = (x - mean) * rstd
   return rstd * (g - g_mean - normalised * (gx_mean - mean * g_mean) * rstd), normalised
