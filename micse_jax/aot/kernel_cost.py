@@ -10,11 +10,17 @@ instructions, in program order), a `Cost`:
   not the broadcast's), a reduction all it reduces, a dot or a nested fusion everything; the
   target of an in-place dynamic-update-slice or scatter is not read and only the update is
   written. A cuBLAS / cuDNN custom call reads its operands and writes its first result (the
-  tuple's `s8[...]` workspace is scratch, not traffic).
+  tuple's `s8[...]` workspace is scratch, not traffic). A Pallas (Triton) call reads each distinct
+  operand once (it may take one array several times, in different blocks).
 * `flops`: 2·M·N·K of each `dot` (in a fusion, nested fusions included, or a cuBLAS call's
   `dot_dimension_numbers`): 2 × the output's elements × the contracted size.
 * `rounds`: threefry-2x32 rounds computed inline: one 32-bit rotation (`or` of a `shift-left`
   and a `shift-right-logical`) per round and element (a hash is 20 rounds, `ROUNDS_PER_HASH`).
+* our own Pallas kernels, whose insides the HLO does not show, by their name (`_PALLAS_WORK`), from
+  their first output's shape (`models/dropout_attention.py`): `micse_dropout_attention_h<heads>`
+  computes QKᵀ and PV (4·d FLOPs per probability) and one threefry hash per probability;
+  `micse_dropout_attention_backward_h<heads>` recomputes QKᵀ and computes dP, dV, dQ, dK (10·d
+  FLOPs per probability), its keep mask read, not drawn. A Pallas call writes all its results.
 * `dtype`: the GEMM's operand element type (its peak rate), `tf32` for a float32 dot at the
   default precision, `f32` at `HIGHEST`;
 * traits the time model times differently: a reduction, a column reduction into few outputs, a
@@ -289,13 +295,41 @@ def fusion_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> C
               **_traits(program, body))
 
 
+def _dropout_attention_work(heads: int, output: tuple[str, tuple[int, ...]], backward: bool = False
+                            ) -> tuple[float, float, str]:
+  """(FLOPs, threefry rounds, GEMM dtype) of the dropout-attention kernels from their first output,
+  `[.., T, heads·d]` (forward: the context) or `[.., T, 3·heads·d]` (backward: d projection)."""
+  dtype, dims = output
+  length, head_dim = dims[-2], dims[-1] // (heads * (3 if backward else 1))
+  probabilities = math.prod(dims[:-1]) * heads * length
+  if backward:
+    return 10.0 * probabilities * head_dim, 0.0, dtype
+  return 4.0 * probabilities * head_dim, float(probabilities * ROUNDS_PER_HASH), dtype
+
+
+_PALLAS_WORK = {re.compile(r"micse_dropout_attention_h(\d+)"): _dropout_attention_work,
+                re.compile(r"micse_dropout_attention_backward_h(\d+)"):
+                    lambda heads, output: _dropout_attention_work(heads, output, backward=True)}
+
+
+def _pallas_work(ins: hlo.Instruction, output) -> tuple[float, float, str]:
+  """(FLOPs, rounds, dtype) of one of our named Pallas kernels; zeros for any other call."""
+  for pattern, work in _PALLAS_WORK.items():
+    found = pattern.search(ins.text)
+    if found and output:
+      return work(int(found.group(1)), output[0])
+  return 0.0, 0.0, ""
+
+
 def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
   """A library call: operands read whole, the first result written; a GEMM's FLOPs from its
-  `dot_dimension_numbers` (cuBLAS) and operand shapes."""
+  `dot_dimension_numbers` (cuBLAS) and operand shapes; a Pallas (Triton) call's distinct operands
+  read once, its work from its name (`_pallas_work`)."""
   ops = operands(ins)
-  read = sum(nbytes(program.shapes.get(o, "")) for o in ops)
+  pallas = "__gpu$xla.gpu.triton" in ins.text
+  read = sum(nbytes(program.shapes.get(o, "")) for o in (dict.fromkeys(ops) if pallas else ops))
   results = arrays(program.shapes[ins.name])
-  result = [a for a in results if a[0] != "s8"][:1] or results[:1]
+  result = results if pallas else [a for a in results if a[0] != "s8"][:1] or results[:1]
   written = sum(_BYTES.get(t, 4) * math.prod(d) for t, d in result)
   flops, dtype = 0.0, ""
   config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', ins.text)
@@ -306,7 +340,10 @@ def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel)
     flops = 2.0 * sum(math.prod(d) for _, d in result) * k
     if dtype == "f32":
       dtype = "f32" if "HIGHEST" in ins.text else "tf32"
-  return Cost(kernel.name, kernel.kind, kernel.phase, read, written, flops, 0.0, dtype)
+  rounds = 0.0
+  if pallas:
+    flops, rounds, dtype = _pallas_work(ins, result)
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, written, flops, rounds, dtype)
 
 
 def plain_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:

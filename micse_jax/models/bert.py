@@ -21,8 +21,9 @@ import jax.numpy as jnp
 
 from micse_jax.models.attention import fused_attention
 from micse_jax.models.bert_config import ACTIVATIONS, SUPPORTED_MODEL_TYPES, BertConfig  # noqa: F401 (re-export)
-from micse_jax.models.dense import Dense, DenseParams, fused_dense  # noqa: F401 (DenseParams, fused_dense: re-export)
+from micse_jax.models.dense import Dense, DenseParams, fused_dense, fused_projection  # noqa: F401 (re-exports)
 from micse_jax.models.dropout import Dropout
+from micse_jax.models.dropout_attention import dropout_attention, kernel_takes
 from micse_jax.models.embed import Embed
 from micse_jax.models.layer_norm import LayerNorm
 from micse_jax.models.remat import remat_layer
@@ -95,16 +96,18 @@ class BertSelfAttention(nn.Module):
   With `attention="fused"`, a layer whose probabilities nothing reads (not sown, and no
   attention-probability dropout in this call) uses `models/attention.fused_attention`: cuDNN's
   flash attention when compiled for an NVIDIA GPU in bfloat16/float16 with a head dim cuDNN
-  takes, XLA's `jax.nn.dot_product_attention` otherwise (float32, CPU, TPU). No fused kernel
-  here drops individual probabilities, so training with attention dropout > 0 keeps the
-  explicit path; "explicit" forces it everywhere. The query, key and value projections run as
-  one GEMM (`fused_dense`) over the three HF-named parameter sets `query`, `key`, `value`.
+  takes, XLA's `jax.nn.dot_product_attention` otherwise (float32, CPU, TPU). Neither drops
+  individual probabilities: a layer that trains with attention dropout takes the explicit path,
+  or with `dropout_kernel` `models/dropout_attention.py`'s kernels (on CUDA; the explicit path's
+  values, dropout bits and gradient). "explicit" forces the explicit path everywhere. The query,
+  key and value projections run as one GEMM (`fused_dense`) over the three HF-named parameter sets.
   """
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
   attention: str = "fused"
   query_rows: int | None = None
+  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
@@ -116,10 +119,15 @@ class BertSelfAttention(nn.Module):
     split = lambda t: t.reshape(t.shape[:2] + (heads, head_dim))  # [B,T,h,d]
     init = nn.initializers.normal(stddev=c.initializer_range)
     qkv = [DenseParams(c.hidden_size, init, name=n)(x.shape[-1]) for n in ("query", "key", "value")]
+    rate, rows = c.attention_probs_dropout_prob, slice(0, self.query_rows)  # every row when query_rows is None
+    drop = _dropout(c, rate)
+    if (self.dropout_kernel and self.attention == "fused" and not self.sow_probs and not deterministic and rate > 0
+        and kernel_takes(x.shape[1], head_dim, self.dtype, drop.random_bits, drop.rng_impl)):
+      ctx = dropout_attention(*fused_projection(x, qkv, self.dtype), key_mask[:, 0, 0, :], drop.site_rng(), rate,
+                              heads)
+      return ctx[:, rows]
     q, k, v = map(split, fused_dense(x, qkv, self.dtype))  # one GEMM for the three projections
-    needs_probs = (self.attention == "explicit" or self.sow_probs
-                   or (not deterministic and c.attention_probs_dropout_prob > 0))
-    rows = slice(0, self.query_rows)  # every row when query_rows is None
+    needs_probs = self.attention == "explicit" or self.sow_probs or (not deterministic and rate > 0)
     if not needs_probs:  # nothing needs the probabilities: a fused kernel (cuDNN on GPU where it applies)
       ctx = fused_attention(q[:, rows], k, v, key_mask)
       return ctx.reshape(ctx.shape[:2] + (c.hidden_size,))
@@ -130,7 +138,7 @@ class BertSelfAttention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1)
     if not self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
       probs = probs.astype(self.dtype)
-    probs = _dropout(c, c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+    probs = drop(probs, deterministic=deterministic)
     if self.sow_probs:
       self.sow("intermediates", "attention_probs", probs)
     ctx = jnp.einsum("bhqk,bhkd->bhqd", probs[:, :, rows].astype(self.dtype), v).transpose(0, 2, 1, 3)
@@ -159,11 +167,12 @@ class BertAttention(nn.Module):
   dtype: Any = jnp.float32
   attention: str = "fused"
   query_rows: int | None = None
+  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
     ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.attention, self.query_rows,
-                            name="self")(x, key_mask, deterministic)
+                            self.dropout_kernel, name="self")(x, key_mask, deterministic)
     return BertResidualOutput(self.config, self.dtype, name="output")(
         ctx, x[:, :ctx.shape[1]], deterministic, draw_shape=x.shape)
 
@@ -176,12 +185,13 @@ class BertLayer(nn.Module):
   dtype: Any = jnp.float32
   attention: str = "fused"
   cls_only: bool = False
+  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
     c = self.config
     attn = BertAttention(c, self.sow_probs, self.dtype, self.attention, 1 if self.cls_only else None,
-                         name="attention")(x, key_mask, deterministic)
+                         self.dropout_kernel, name="attention")(x, key_mask, deterministic)
     inner = BertIntermediate(c, self.dtype, name="intermediate")(attn)
     return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic, draw_shape=x.shape)
 
@@ -205,6 +215,7 @@ class BertEncoder(nn.Module):
   attention: str = "fused"
   remat: str = "none"
   cls_only: bool = False
+  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool, output_hidden_states: bool = False):
@@ -213,7 +224,7 @@ class BertEncoder(nn.Module):
     last = self.config.num_hidden_layers - 1
     for i in range(self.config.num_hidden_layers):
       x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.attention,
-                self.cls_only and i == last, name=f"layer_{i}")(x, key_mask, deterministic)
+                self.cls_only and i == last, self.dropout_kernel, name=f"layer_{i}")(x, key_mask, deterministic)
       hidden_states.append(x)
     return x, (tuple(hidden_states) if output_hidden_states else None)
 
@@ -270,6 +281,9 @@ class BertModel(nn.Module):
       bits (each site draws the full shape's mask and keeps its first row, `Dropout`), the same
       attention probabilities of every query (sown for AMI); the training step, which reads only
       [CLS], leaves out the rest of the last layer (~1/12 of the FFN and attention-output work).
+    dropout_kernel: attention layers that train with dropout on their probabilities, which nothing
+      reads (not sown), run as one kernel forward and one backward on CUDA
+      (`models/dropout_attention.py`): the explicit path's values, dropout bits and gradient.
   """
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
@@ -279,6 +293,7 @@ class BertModel(nn.Module):
   attention: str = "fused"
   remat: str = "none"
   cls_only: bool = False
+  dropout_kernel: bool = False
 
   def setup(self):
     for i in self.sow_attention_layers:
@@ -288,7 +303,7 @@ class BertModel(nn.Module):
       raise ValueError(f"unsupported attention {self.attention!r}; expected one of {ATTENTION_KERNELS}")
     self.embeddings = BertEmbeddings(self.config, self.dtype)
     self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.attention,
-                               self.remat, self.cls_only)
+                               self.remat, self.cls_only, self.dropout_kernel)
     if self.add_pooler:
       self.pooler = BertPooler(self.config, self.dtype)
     if self.add_mlm_head:

@@ -66,6 +66,18 @@ def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
   arrives in the attention's head layout, where XLA already sums it in two stages (tokens, then
   sentences); `column_sums`' row chunks would first transpose it back."""
   widths = [p["bias"].shape[0] for p in params]
-  both = {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}
-  y = dense(x, both, dtype, bias_add=jnp.add)
+  y = dense(x, _concatenated(params, dtype), dtype, bias_add=jnp.add)
   return tuple(jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1))
+
+
+def fused_projection(x: Array, params: Sequence[dict], dtype) -> tuple[Array, tuple[Array, ...]]:
+  """`fused_dense`'s GEMM whole and before its biases: (x · kernels in `dtype`, the layers side by
+  side on the last axis; each layer's bias as stored), for a kernel that casts and adds the biases
+  itself (`models/dropout_attention.py`)."""
+  kernel = _concatenated(params, dtype)["kernel"]
+  return (jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ()))),
+          tuple(p["bias"] for p in params))
+
+
+def _concatenated(params: Sequence[dict], dtype) -> dict:
+  return {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}

@@ -100,6 +100,11 @@ class Dropout(nn.Module):
   random_bits: int = 32
   rng_impl: str = "threefry"
 
+  def site_rng(self) -> jax.Array:
+    """The key `__call__` would draw this site's mask from (its first `make_rng`): for a kernel
+    that draws the same bits itself (`models/dropout_attention.py`)."""
+    return self.make_rng("dropout")
+
   @nn.compact
   def __call__(self, x: jax.Array, deterministic: bool, draw_shape: tuple[int, ...] | None = None) -> jax.Array:
     """x dropped; with `draw_shape`, x is the leading part (`x.shape` from index 0 on every axis)

@@ -81,12 +81,23 @@ def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None
   if config.infocse.enabled:
     extras["infocse"] = infocse_lib.build_networks(config, bert_config, options)
   # The step reads only the [CLS] row of both encoders' outputs (`step.project`, the momentum
-  # embedding): their last layer leaves out every other row (`BertModel.cls_only`).
+  # embedding): their last layer leaves out every other row (`BertModel.cls_only`). Their attention
+  # with dropout runs as the dropout-attention kernels on CUDA (`BertModel.dropout_kernel`).
   return Networks(
-      online=BertModel(bert_config, sow_attention_layers=ami_layers, cls_only=True, **options),
-      momentum=BertModel(momentum_config, cls_only=True, **options),
+      online=BertModel(bert_config, sow_attention_layers=ami_layers, cls_only=True, dropout_kernel=True, **options),
+      momentum=BertModel(momentum_config, cls_only=True, dropout_kernel=True, **options),
       head=MLPHead(bert_config.hidden_size, bert_config.initializer_range, dtype=dtype),
       ami_layers=ami_layers, tokens=tokens, **extras)
+
+
+def for_devices(nets: Networks, num_devices: int) -> Networks:
+  """`nets` for a program on `num_devices`: on more than one, the encoders without the
+  dropout-attention kernels, custom calls that XLA's SPMD partitioner does not split by rows (it
+  would gather every layer's activations onto each device); the values are the same."""
+  if num_devices <= 1:
+    return nets
+  plain = lambda model: model.clone(dropout_kernel=False)
+  return dataclasses.replace(nets, online=plain(nets.online), momentum=plain(nets.momentum))
 
 
 _copy = lambda tree: jax.tree.map(jnp.copy, tree)

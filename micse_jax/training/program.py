@@ -34,7 +34,7 @@ from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import checkpoint, compute_weights, optim, population, setup
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training import state as state_lib
-from micse_jax.training.networks import Networks, SpecialTokens, build_networks
+from micse_jax.training.networks import Networks, SpecialTokens, build_networks, for_devices
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
 
@@ -129,8 +129,8 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tu
   `params` are one run's (params, frozen params) shapes (`abstract_of`, `abstract_params`),
   `tokens` the checkpoint's special token ids (the views and masks that need them)."""
   k, shared = population_fields.size(config), step_config(config)
-  nets, tx = build_networks(shared, bert_config, tokens), make_optimizer(shared)
   devices = jax.devices() if devices is None else list(devices)
+  nets, tx = for_devices(build_networks(shared, bert_config, tokens), len(devices)), make_optimizer(shared)
   mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
   member = jax.eval_shape(lambda p: setup.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
   if k:

@@ -1,0 +1,258 @@
+"""Self-attention with dropout on its probabilities as one GPU kernel forward and one backward.
+
+    ctx = dropout(softmax(Q·Kᵀ/√d + mask))·V        (Vaswani et al. 2017, Eq. 1; HF BERT's dropout)
+
+`reference` is the arithmetic of `BertSelfAttention`'s explicit path, op for op: scores in the
+compute dtype, the mask and softmax in float32, the probabilities cast back, each dropped where
+`jax.random.bernoulli(key, 1 − rate, [B, heads, T, T])` says (flax's `Dropout`: the same key,
+hence the same bits) and the kept ones scaled by 1/(1 − rate), the context in the compute dtype.
+
+On CUDA `dropout_attention` runs that as one Pallas (Triton) kernel per (sentence, head): Q, K and
+V are read where the fused QKV projection wrote them (`[B, T, 3·heads·d]`, before its bias, which
+the kernel adds: no head transposes, no bias kernel), the dropout bits are threefry-2x32 of the
+key and each probability's index in the `[B, heads, T, T]` draw (JAX's partitionable threefry,
+bit for bit), and the context is written as `[B, T, heads·d]`. Its gradient is a second kernel
+that recomputes the probabilities from Q and K (the forward keeps only its keep mask, one byte
+per probability: threefry in the backward kernel makes Triton's compile blow up), differentiates
+as JAX differentiates `reference` (the same roundings, float32 accumulation) and writes the Q, K
+and V gradients where the projection's columns are, with float32 column sums for the biases.
+Written with XLA ops the same work is, per layer, two head transposes, two batched GEMMs and the
+softmax forward, a hoisted threefry kernel, and backward four batched GEMMs, the softmax's
+backward, a transpose and a concatenate-transpose of dQKV (BENCHMARKS.md). Elsewhere (CPU, TPU)
+it is `reference`, differentiated by JAX: the explicit path's program.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
+
+KERNEL_NAME = "micse_dropout_attention"  # `aot/kernel_cost.py` prices the kernels by these names
+BACKWARD_KERNEL_NAME = "micse_dropout_attention_backward"
+_THREEFRY_KEY_PARITY = np.uint32(0x1BD11BDA)
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def keep_below(rate: float) -> int:
+  """k such that `jax.random.bernoulli(key, 1 − rate)` keeps a unit exactly when its 32-bit word's
+  top 23 bits are < k: bernoulli compares u = (bits >> 9)·2⁻²³ (exact in float32) with p = 1 − rate
+  rounded to float32, and u < p ⟺ (bits >> 9) < ⌈p·2²³⌉."""
+  p = float(np.float32(1.0 - rate))
+  return int(math.ceil(p * 2 ** 23))
+
+
+def threefry_bits(key0, key1, counts):
+  """`jax.random.bits(key, shape, uint32)` at the flat indices `counts` (< 2³²): threefry-2x32
+  (Salmon et al. 2011; 20 rounds, key injection every 4) of the counter (0, index), the two output
+  words xor-ed, as JAX's partitionable threefry draws 32-bit words."""
+  ks = (key0, key1, key0 ^ key1 ^ _THREEFRY_KEY_PARITY)
+  x0 = jnp.zeros_like(counts) + ks[0]
+  x1 = counts + ks[1]
+  for group in range(5):
+    for r in _THREEFRY_ROTATIONS[group % 2]:
+      x0 = x0 + x1
+      x1 = (x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))
+      x1 = x0 ^ x1
+    x0 = x0 + ks[(group + 1) % 3]
+    x1 = x1 + ks[(group + 2) % 3] + np.uint32(group + 1)
+  return x0 ^ x1
+
+
+def reference(projection, biases, key_mask, key, rate: float, heads: int):
+  """The explicit path's context `[B, T, heads·d]` from the fused QKV projection before its biases
+  (`[B, T, 3·heads·d]`, `dense.fused_projection`) and the three biases (`[heads·d]` each, cast to
+  the projection's dtype as `nn.Dense` casts them), `key_mask` `[B, T]` (nonzero for real keys)
+  and the dropout site's threefry key words (`uint32[2]`)."""
+  qkv = projection + jnp.concatenate([b.astype(projection.dtype) for b in biases])
+  batch, length, width = qkv.shape
+  head_dim = width // (3 * heads)
+  q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(0, 2, 1, 3)
+             for t in jnp.split(qkv, 3, axis=-1))
+  scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(head_dim)
+  scores = jnp.where(key_mask[:, None, None, :] != 0, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(qkv.dtype)
+  keep = jax.random.bernoulli(jax.random.wrap_key_data(key, impl="threefry2x32"), 1.0 - rate, probs.shape)
+  probs = jax.lax.select(keep, probs / (1.0 - rate), jnp.zeros_like(probs))
+  ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
+  return ctx.reshape(batch, length, heads * head_dim)
+
+
+def _keep_from_key(key_ref, heads: int, length: int, rate: float):
+  """This (sentence, head)'s keep mask `[T, T]`: `jax.random.bernoulli`'s decisions at the
+  probabilities' indices in the `[B, heads, T, T]` draw."""
+  sentence, head = pl.program_id(0), pl.program_id(1)
+  rows = jax.lax.broadcasted_iota(jnp.uint32, (length, length), 0)
+  cols = jax.lax.broadcasted_iota(jnp.uint32, (length, length), 1)
+  base = (sentence * heads + head).astype(jnp.uint32) * np.uint32(length * length)
+  bits = threefry_bits(key_ref[0], key_ref[1], base + rows * np.uint32(length) + cols)
+  return (bits >> np.uint32(9)) < np.uint32(keep_below(rate))
+
+
+def _probabilities(mask_ref, blocks, biases, keep, *, rate: float, head_dim: int):
+  """One (sentence, head)'s `reference` arithmetic up to the dropped probabilities: (q, k, v with
+  their biases, the softmax P in float32, the dropped probabilities in q's dtype)."""
+  q, k, v = (_add(block[...], bias[...].astype(block.dtype)) for block, bias in zip(blocks, biases))
+  dtype, length = q.dtype, q.shape[0]
+  scores = _dot(q, k, transpose_b=True).astype(dtype)
+  scores = _divide(scores, math.sqrt(head_dim)).astype(jnp.float32)
+  scores = jnp.where(mask_ref[...][None, :] != 0, scores, jnp.finfo(jnp.float32).min)
+  shifted = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+  probs = shifted / jnp.sum(shifted, axis=-1, keepdims=True)
+  dropped = jnp.where(keep, _divide(probs.astype(dtype), 1.0 - rate), jnp.zeros((length, length), dtype))
+  return q, k, v, probs, dropped
+
+
+def _forward_kernel(key_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int, save_keep: bool):
+  """One (sentence, head)'s context block (the dropped probabilities times V), and its keep mask."""
+  inputs, (out_ref, *keep_ref) = refs[:6], refs[6:]
+  keep = _keep_from_key(key_ref, heads, out_ref.shape[0], rate)
+  _, _, v, _, dropped = _probabilities(mask_ref, inputs[:3], inputs[3:], keep, rate=rate, head_dim=head_dim)
+  out_ref[...] = _dot(dropped, v).astype(out_ref.dtype)
+  if save_keep:
+    keep_ref[0][...] = keep.astype(jnp.int8)
+
+
+def _backward_kernel(keep_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int):
+  """One (sentence, head)'s gradient, as JAX differentiates `reference` (jax.nn.softmax's VJP:
+  P·(dP − Σ P·dP)), written where the projection's Q, K and V columns are; with the block's bias
+  gradient (its column sums, float32)."""
+  inputs, (cotangent_ref, d_projection_ref, d_bias_ref) = refs[:6], refs[6:]
+  keep = keep_ref[...] != 0
+  q, k, v, probs, dropped = _probabilities(mask_ref, inputs[:3], inputs[3:], keep, rate=rate, head_dim=head_dim)
+  dtype, cotangent = q.dtype, cotangent_ref[...]
+  d_dropped = _dot(cotangent, v, transpose_b=True).astype(dtype)
+  d_v = _dot(dropped, cotangent, transpose_a=True).astype(dtype)
+  d_probs = jnp.where(keep, _divide(d_dropped, 1.0 - rate), jnp.zeros_like(d_dropped)).astype(jnp.float32)
+  weighted = probs * d_probs
+  d_scores = weighted - probs * jnp.sum(weighted, axis=-1, keepdims=True)
+  d_scores = jnp.where(mask_ref[...][None, :] != 0, d_scores, 0.0).astype(dtype)
+  d_scores = _divide(d_scores, math.sqrt(head_dim))
+  d_q = _dot(d_scores, k).astype(dtype)
+  d_k = _dot(d_scores, q, transpose_a=True).astype(dtype)
+  sentence, head, length = pl.program_id(0), pl.program_id(1), q.shape[0]
+  for part, grad in enumerate((d_q, d_k, d_v)):
+    columns = pl.ds((part * heads + head) * head_dim, head_dim)
+    d_projection_ref[sentence, pl.ds(0, length), columns] = grad
+    d_bias_ref[sentence, columns] = jnp.sum(grad.astype(jnp.float32), axis=0)
+
+
+def _dot(a, b, transpose_a: bool = False, transpose_b: bool = False):
+  """a·b of two blocks, accumulated in float32 (as XLA's GEMMs of half-precision operands)."""
+  dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _add(x, bias):
+  """x + bias in x's (half-precision) dtype, as XLA adds: in float32, rounded back once."""
+  return (x.astype(jnp.float32) + bias[None, :].astype(jnp.float32)).astype(x.dtype)
+
+
+def _divide(x, divisor: float):
+  """x / divisor as XLA computes it in x's (half-precision) dtype: the divisor rounded to that dtype,
+  the quotient taken in float32 and rounded back (Triton has no bfloat16 division)."""
+  rounded = np.float32(np.asarray(divisor, dtype=x.dtype))
+  return (x.astype(jnp.float32) / rounded).astype(x.dtype)
+
+
+def _call(kernel, first_spec, projection, *, heads: int, rate: float, interpret: bool, name: str,
+          out_shape, out_specs, extra_specs=(), **options):
+  """A pallas_call of `kernel` over the (sentence, head) grid: `first_spec` (the key or the keep
+  mask), the sentence's key mask, the head's Q, K and V blocks and their biases, `extra_specs`."""
+  batch, length, width = projection.shape
+  head_dim = width // (3 * heads)
+  block = lambda part: pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, part * heads + h))
+  bias_block = pl.BlockSpec((head_dim,), lambda b, h: (h,))
+  in_specs = [first_spec, pl.BlockSpec((None, length), lambda b, h: (b, 0)), block(0), block(1), block(2),
+              bias_block, bias_block, bias_block, *extra_specs]
+  return pl.pallas_call(
+      functools.partial(kernel, heads=heads, rate=rate, head_dim=head_dim, **options), out_shape=out_shape,
+      grid=(batch, heads), in_specs=in_specs, out_specs=out_specs,
+      compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret, name=f"{name}_h{heads}")
+
+
+def _keep_spec(length: int):
+  return pl.BlockSpec((None, None, length, length), lambda b, h: (b, h, 0, 0))
+
+
+def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_keep: bool = False,
+            interpret: bool = False):
+  """`reference` as one Pallas call (with `save_keep`, also its int8 keep mask)."""
+  batch, length, width = projection.shape
+  head_dim = width // (3 * heads)
+  out_shape = [jax.ShapeDtypeStruct((batch, length, heads * head_dim), projection.dtype)]
+  out_specs = [pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h))]
+  if save_keep:
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, length, length), jnp.int8))
+    out_specs.append(_keep_spec(length))
+  call = _call(_forward_kernel, pl.BlockSpec((2,), lambda b, h: (0,)), projection, heads=heads, rate=rate,
+               interpret=interpret, name=KERNEL_NAME, out_shape=tuple(out_shape), out_specs=tuple(out_specs),
+               save_keep=save_keep)
+  out = call(key, key_mask.astype(jnp.int32), projection, projection, projection, *biases)
+  return tuple(out) if save_keep else out[0]
+
+
+def _pallas_backward(projection, biases, key_mask, keep, cotangent, rate: float, heads: int,
+                     interpret: bool = False):
+  """(d projection, d biases) of `reference` at `cotangent` (d context) as one Pallas call: each
+  (sentence, head) writes its Q, K, V gradient blocks into `[B, T, 3·heads·d]` and their column
+  sums into `[B, 3·heads·d]` float32 partial bias sums, then added over sentences (and rounded to
+  the compute dtype, the gradient of the cast bias)."""
+  batch, length, width = projection.shape
+  head_dim = width // (3 * heads)
+  call = _call(_backward_kernel, _keep_spec(length), projection, heads=heads, rate=rate, interpret=interpret,
+               name=BACKWARD_KERNEL_NAME,
+               out_shape=(jax.ShapeDtypeStruct(projection.shape, projection.dtype),
+                          jax.ShapeDtypeStruct((batch, width), jnp.float32)),
+               out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)),
+               extra_specs=(pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h)),))
+  d_projection, d_bias = call(keep, key_mask.astype(jnp.int32), projection, projection, projection, *biases,
+                              cotangent)
+  d_biases = jnp.split(jnp.sum(d_bias, axis=0), len(biases))
+  return d_projection, tuple(d.astype(projection.dtype).astype(b.dtype) for d, b in zip(d_biases, biases))
+
+
+def kernel_takes(length: int, head_dim: int, dtype, random_bits: int, rng_impl: str) -> bool:
+  """Whether the kernels compute this layer: half precision (Triton's GEMMs), power-of-two
+  sequence length (one block, <= 128) and head dim (Pallas-Triton blocks), and flax's dropout draw
+  (32-bit words of the site's threefry key: the bits the kernel reproduces)."""
+  power_of_two = lambda n: n > 0 and n & (n - 1) == 0
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and power_of_two(length)
+          and length <= 128 and power_of_two(head_dim) and random_bits == 32 and rng_impl == "threefry")
+
+
+def _key_words(key):
+  """A dropout key's two uint32 words (a typed threefry key or its raw data)."""
+  return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
+def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int):
+  """`reference`'s context: the two kernels when lowered for CUDA (`jax.lax.platform_dependent`, so a
+  program compiled here for an absent GPU gets them too), `reference` differentiated by JAX elsewhere."""
+  kernels = lambda *args: _kernels(*args, rate, heads)
+  plain = lambda *args: reference(*args, rate, heads)
+  return jax.lax.platform_dependent(projection, biases, key_mask, _key_words(key), cuda=kernels, default=plain)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _kernels(projection, biases, key_mask, words, rate: float, heads: int):
+  return _pallas(projection, biases, key_mask, words, rate, heads)
+
+
+def _kernels_forward(projection, biases, key_mask, words, rate, heads):
+  ctx, keep = _pallas(projection, biases, key_mask, words, rate, heads, save_keep=True)
+  return ctx, (projection, biases, key_mask, keep)
+
+
+def _kernels_backward(rate, heads, residuals, cotangent):
+  projection, biases, key_mask, keep = residuals
+  d_projection, d_biases = _pallas_backward(projection, biases, key_mask, keep, cotangent, rate, heads)
+  return d_projection, d_biases, None, None
+
+
+_kernels.defvjp(_kernels_forward, _kernels_backward)
