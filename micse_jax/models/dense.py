@@ -74,10 +74,10 @@ def fused_projection(x: Array, params: Sequence[dict], dtype) -> tuple[Array, tu
   """`fused_dense`'s GEMM whole and before its biases: (x · kernels in `dtype`, the layers side by
   side on the last axis; each layer's bias as stored), for a kernel that casts and adds the biases
   itself (`models/dropout_attention.py`)."""
-  kernel = _concatenated(params, dtype)["kernel"]
+  kernel = _concatenated(params, dtype, ("kernel",))["kernel"]
   return (jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ()))),
           tuple(p["bias"] for p in params))
 
 
-def _concatenated(params: Sequence[dict], dtype) -> dict:
-  return {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in ("kernel", "bias")}
+def _concatenated(params: Sequence[dict], dtype, names=("kernel", "bias")) -> dict:
+  return {name: jnp.concatenate([p[name].astype(dtype) for p in params], axis=-1) for name in names}
