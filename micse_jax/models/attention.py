@@ -17,12 +17,29 @@ and a static seed), so layers that train with attention dropout keep the explici
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_CUDNN_HEAD_DIM = 128
+
+
+def probabilities(q, k, key_mask):
+  """The explicit path's softmax(QKᵀ/√d + mask), float32, `[B, heads, T, T]` from `[B, heads, T, d]`
+  q and k: the scores in their dtype (HF's matmul), padded keys (`key_mask` false or 0, broadcastable
+  to the scores) set to float32's minimum (HF's extended mask), so they get exactly zero probability."""
+  scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+  scores = jnp.where(key_mask != 0, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(scores, axis=-1)
+
+
+def context(probs, v):
+  """The explicit path's context `[B, T, heads·d]`: the probabilities `[B, heads, T', T]` times
+  `[B, heads, T, d]` v, heads folded back into the hidden axis."""
+  ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
+  return ctx.reshape(ctx.shape[:2] + (-1,))
 
 
 def _xla(q, k, v, key_mask):

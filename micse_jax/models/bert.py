@@ -11,7 +11,6 @@ HF's, unchanged). LayerNorm is `models/layer_norm.py`'s (flax's parameters, its 
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import flax
@@ -19,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from micse_jax.models import attention
 from micse_jax.models.attention import fused_attention
 from micse_jax.models.bert_config import ACTIVATIONS, SUPPORTED_MODEL_TYPES, BertConfig  # noqa: F401 (re-export)
 from micse_jax.models.dense import Dense, DenseParams, fused_dense, fused_projection  # noqa: F401 (re-exports)
@@ -132,17 +132,13 @@ class BertSelfAttention(nn.Module):
       ctx = fused_attention(q[:, rows], k, v, key_mask)
       return ctx.reshape(ctx.shape[:2] + (c.hidden_size,))
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B,h,T,d]
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(head_dim)
-    # HF extended mask: add float32-min to padded keys, so they get exactly zero probability.
-    scores = jnp.where(key_mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = attention.probabilities(q, k, key_mask)
     if not self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
       probs = probs.astype(self.dtype)
     probs = drop(probs, deterministic=deterministic)
     if self.sow_probs:
       self.sow("intermediates", "attention_probs", probs)
-    ctx = jnp.einsum("bhqk,bhkd->bhqd", probs[:, :, rows].astype(self.dtype), v).transpose(0, 2, 1, 3)
-    return ctx.reshape(ctx.shape[:2] + (c.hidden_size,))
+    return attention.context(probs[:, :, rows].astype(self.dtype), v)
 
 
 class BertResidualOutput(nn.Module):

@@ -32,6 +32,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
+from micse_jax.models import attention
+
 KERNEL_NAME = "micse_dropout_attention"  # `aot/kernel_cost.py` prices the kernels by these names
 BACKWARD_KERNEL_NAME = "micse_dropout_attention_backward"
 _THREEFRY_KEY_PARITY = np.uint32(0x1BD11BDA)
@@ -70,16 +72,11 @@ def reference(projection, biases, key_mask, key, rate: float, heads: int):
   and the dropout site's threefry key words (`uint32[2]`)."""
   qkv = projection + jnp.concatenate([b.astype(projection.dtype) for b in biases])
   batch, length, width = qkv.shape
-  head_dim = width // (3 * heads)
-  q, k, v = (t.reshape(batch, length, heads, head_dim).transpose(0, 2, 1, 3)
+  q, k, v = (t.reshape(batch, length, heads, width // (3 * heads)).transpose(0, 2, 1, 3)
              for t in jnp.split(qkv, 3, axis=-1))
-  scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(head_dim)
-  scores = jnp.where(key_mask[:, None, None, :] != 0, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(qkv.dtype)
+  probs = attention.probabilities(q, k, key_mask[:, None, None, :]).astype(qkv.dtype)
   keep = jax.random.bernoulli(jax.random.wrap_key_data(key, impl="threefry2x32"), 1.0 - rate, probs.shape)
-  probs = jax.lax.select(keep, probs / (1.0 - rate), jnp.zeros_like(probs))
-  ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
-  return ctx.reshape(batch, length, heads * head_dim)
+  return attention.context(jax.lax.select(keep, probs / (1.0 - rate), jnp.zeros_like(probs)), v)
 
 
 def _keep_from_key(key_ref, heads: int, length: int, rate: float):
