@@ -1,5 +1,7 @@
-"""Fused attention for layers whose probabilities nothing reads: cuDNN's flash attention on an
-NVIDIA GPU where cuDNN takes the shape, XLA's `jax.nn.dot_product_attention` everywhere else.
+"""Attention's pieces: the explicit path's softmax(QKᵀ/√d + mask) and context (`probabilities`,
+`context`, for layers whose probabilities are sown or dropped), and fused attention for layers whose
+probabilities nothing reads: cuDNN's flash attention on an NVIDIA GPU where cuDNN takes the shape,
+XLA's `jax.nn.dot_product_attention` everywhere else.
 
 `jax.nn.dot_product_attention` with `implementation=None` (jax 0.10) lowers to XLA's own
 softmax(QKᵀ)V on every platform, GPUs included; cuDNN runs only when asked for by name
