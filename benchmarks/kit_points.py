@@ -129,14 +129,24 @@ def top_kernels(trace_path: str, hlo_text: str, phases: dict[str, str], steps: i
 
 # ---------------------------------------------------------------- points
 
+def attention_facts(prog, text: str, attention: str) -> dict:
+  """What attention the point's program ran: the mode asked for, whether our kernels were allowed
+  (False after a failed compile: `program.compiled`'s fallback) and the kernel launches in its HLO."""
+  from micse_jax.kernels import dropout_attention as da
+  return {"attention": attention, "own_kernels": prog.target.pallas,
+          "dropout_kernel_calls": len(re.findall(rf'"{da.KERNEL_NAME}(?:_backward)?_h\d+"', text))}
+
+
 def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype: str, raw: str,
-              timing_args: dict) -> dict:
-  """A solo point: compile, HLO, blocked and pipelined times, profile (see the module docstring)."""
+              timing_args: dict, attention: str = "fused") -> dict:
+  """A solo point: compile, HLO, blocked and pipelined times, profile (see the module docstring);
+  `attention` is `model.attention` ("explicit": without the dropout-attention kernels)."""
   import transformers
 
   from micse_jax.bench import hardware, jax_step, timing
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype)
+  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype,
+                          lambda c: setattr(c.model, "attention", attention))
   compile_s, _ = step.compile()
   text = step.compiled.as_text()
   save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
@@ -146,13 +156,14 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
   trace_dir = profile(dispatch, wait, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   mfu = lambda ms: hardware.mfu(step.model_flops, ms / 1e3, dtype)
   return {"kind": "solo", "members": 1, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-          "timing": timing_args, "compile_s": compile_s, **t, "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
+          **attention_facts(step.program, text, attention), "timing": timing_args, "compile_s": compile_s, **t,
+          "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
           "profile": profile_summary(trace_dir, text, steps)}
 
 
 def population_point(name: str, model_dir: str, members: int, batch_size: int, max_length: int, dtype: str,
-                     raw: str, timing_args: dict) -> dict:
+                     raw: str, timing_args: dict, attention: str = "fused") -> dict:
   """A population of `members` at `batch_size`, measured as `jax_point` measures a solo step; its
   set-up is the trainer's (`training/program.py`: states stacked, the step vmapped)."""
   from micse_jax.bench import hardware, timing
@@ -161,13 +172,14 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   from micse_jax.training import program, setup
   corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
   config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)
+  config.model.attention = attention
   runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
   prog = program.of_runs(config, runs)
   state = prog.place_state([setup.initial_state(r, prog.tx) for r in runs])
   batch = prog.place_batch([r.batches.batch(0) for r in runs])
   start = time.perf_counter()
-  compiled = prog.step.lower(*prog.inputs(state, batch)).compile()
-  compile_s = time.perf_counter() - start
+  prog = program.compiled(prog)  # the trainer's compile: kernels, else the explicit path
+  compiled, compile_s = prog.executable, time.perf_counter() - start
   text = compiled.as_text()
   save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
   box = {"state": state}
@@ -180,7 +192,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   steps = timing_args["profile_steps"]
   trace_dir = profile(dispatch, jax.block_until_ready, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   return {"kind": "population", "members": members, "batch_size": batch_size, "max_length": max_length,
-          "dtype": dtype, "timing": timing_args, "compile_s": compile_s, **t,
+          "dtype": dtype, **attention_facts(prog, text, attention), "timing": timing_args, "compile_s": compile_s, **t,
           "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
           "profile": profile_summary(trace_dir, text, steps)}

@@ -35,7 +35,7 @@ from micse_jax import jsonio
 from micse_jax.bench import timing
 
 ROWS_FILE = "kit.jsonl"
-POINT_NAMES = ("b50", "b512", "k5")  # the kit's JAX points, in order
+POINT_NAMES = ("b50", "b50_explicit", "b512", "k5")  # the kit's JAX points, in order
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
 PREDICTED_KEYS = ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
                   "predicted_ms_by_kind", "predicted_ms_per_member_step")
@@ -88,8 +88,9 @@ def label(p: dict) -> str:
   if "batch_size" not in p:
     return p["name"]
   dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(p["dtype"], p["dtype"])
-  return (f"{dtype} population K={p['members']}, batch {p['batch_size']}" if p["kind"] == "population"
-          else f"{dtype} batch {p['batch_size']}")
+  path = "" if p.get("own_kernels", True) and p.get("dropout_kernel_calls", 1) else ", explicit attention"
+  return (f"{dtype} population K={p['members']}, batch {p['batch_size']}{path}" if p["kind"] == "population"
+          else f"{dtype} batch {p['batch_size']}{path}")
 
 
 def timing_text(points: list[dict]) -> str:
@@ -128,9 +129,10 @@ def summary(rows: list[dict]) -> dict:
         point[f"ratio_torch_{mode}_blocked"] = t["blocked_step_ms"] / point["blocked_step_ms"]
     points.append(point)
   ceilings = last.get("ceilings")
-  return {"device": setup.get("device_kind"), "date": setup.get("date"), "commit": setup.get("commit"),
-          "dry": any(r.get("dry") for r in rows), "software": setup, "timing": timing_text(points),
-          "ceilings": ceilings["result"] if ceilings and ceilings["ok"] else None, "points": points}
+  s = {"device": setup.get("device_kind"), "date": setup.get("date"), "commit": setup.get("commit"),
+       "dry": any(r.get("dry") for r in rows), "software": setup, "timing": timing_text(points),
+       "ceilings": ceilings["result"] if ceilings and ceilings["ok"] else None, "points": points}
+  return dict(s, kernels=kernels_line(s, last))
 
 
 def _f(x, fmt: str) -> str:
@@ -210,7 +212,7 @@ def summary_markdown(s: dict) -> str:
            f"Software: Python {sw.get('python')}, jax {sw.get('jax')}, flax {sw.get('flax')}, torch {sw.get('torch')}, "
            f"transformers {sw.get('transformers')}. Model: BERT-base shapes with random weights (tiny in a dry run), "
            "the bench's miCSE step (benchmarks/kit.py, `micse_jax/bench/jax_step.py`). Step times: "
-           f"{s['timing']}.", ""]
+           f"{s['timing']}.", "", s.get("kernels", ""), ""]
   if sw.get("nvidia_smi"):
     lines += ["    " + line for line in sw["nvidia_smi"].splitlines()] + [""]
   lines += points_table(s) + ["", "## The PyTorch peers (pipelined ms; blocked in brackets)", ""] + peers_table(s)
@@ -225,12 +227,35 @@ def summary_markdown(s: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def kernels_line(s: dict, last: dict) -> str:
+  """What the report's points ran: our dropout-attention kernels (proven by `gpu_tests`), or the
+  explicit path for every point (and why); and the kernels' measured gain at batch 50."""
+  tests = last.get("gpu_tests")
+  if s["dry"]:
+    head = "dropout-attention kernels: not on CPU (a dry run: every point on the explicit path)"
+  elif not tests:
+    head = "**dropout-attention kernels OFF: `gpu_tests` did not run, so every point trained on the explicit path**"
+  elif not tests["ok"]:
+    head = "**dropout-attention kernels OFF: `gpu_tests` failed, so every point trained on the explicit path**"
+  else:
+    ran = [p for p in s["points"] if p["ok"] and p.get("attention") == "fused"]
+    fell = [p["name"] for p in ran if not p.get("own_kernels") or not p.get("dropout_kernel_calls")]
+    head = ("dropout-attention kernels ON (`gpu_tests` passed)" + (
+        f"; **not in {', '.join(fell)}: its compile fell back to the explicit path**" if fell else ""))
+  ab = {p["name"]: p for p in s["points"] if p["ok"]}
+  if "b50" in ab and "b50_explicit" in ab and ab["b50"].get("dropout_kernel_calls"):
+    with_k, without = ab["b50"]["pipelined_step_ms"], ab["b50_explicit"]["pipelined_step_ms"]
+    head += (f". Batch 50, the same machine: {with_k:.2f} ms with the kernels, {without:.2f} ms without "
+             f"(explicit path): {without / with_k:.3f}x")
+  return head
+
+
 def kit_markdown(rows: list[dict], steps) -> str:
   """kit.md: each of `steps`' ((name, planned s), ...) state and time, the caches, `pytest -m gpu`,
   failures; then the calibration point."""
   last, s = latest(rows), summary(rows)
-  lines = ["# micse_jax GPU kit" + (" (CPU dry run)" if s["dry"] else ""), "", status_line(rows, steps), "",
-           "| step | state | seconds |", "|---|---|---|"]
+  lines = ["# micse_jax GPU kit" + (" (CPU dry run)" if s["dry"] else ""), "", s["kernels"], "",
+           status_line(rows, steps), "", "| step | state | seconds |", "|---|---|---|"]
   for name, planned in steps:
     r = last.get(name)
     state = "not run yet" if r is None else "ok" if r["ok"] else f"FAILED: {r.get('error') or 'see below'}"
@@ -246,6 +271,9 @@ def kit_markdown(rows: list[dict], steps) -> str:
   if tests:
     lines.append(f"- `pytest -m gpu` ({', '.join(tests['files'])}): {tests['tests']} run, {tests['failures']} failed, "
                  f"{tests['errors']} errors, {tests['skipped']} skipped, exit {tests['returncode']}")
+    failed = [name for name, outcome in tests.get("outcomes", {}).items() if outcome in ("failed", "error")]
+    if failed:
+      lines.append(f"- failed: {', '.join(failed)}")
     if not tests["passed"]:
       lines += ["", "```", tests["tail"][-1500:], "```"]
   for r in (r for r in last.values() if not r["ok"] and r.get("tail")):

@@ -32,9 +32,9 @@ from micse_jax.data.pipeline import SHUFFLE_SCHEMES
 from micse_jax.errors import ConfigError
 from micse_jax.evaluation import senteval_data
 from micse_jax.losses.ami import AMI_VARIANTS
-from micse_jax.models.bert import ATTENTION_KERNELS
 from micse_jax.models.dropout import RNG_IMPLS
 from micse_jax.models.dtypes import DTYPES
+from micse_jax.models.policy import ATTENTION_MODES
 from micse_jax.models.remat import REMAT_POLICIES
 from micse_jax.optional import require
 
@@ -108,7 +108,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "model.dtype": _choice(*DTYPES),
     "model.loss_scale_init": _real(0, lo_open=True),  # float16 dynamic loss scaling (precision.py)
     "model.loss_scale_period": _int(1),
-    "model.attention": _choice(*ATTENTION_KERNELS),
+    "model.attention": _choice(*ATTENTION_MODES),
     "model.remat": _choice(*REMAT_POLICIES),
     "mesh.shard_state": _bool,
     "mesh.shard_min_elements": _int(1),

@@ -69,8 +69,8 @@ def test_h100_step_kernels_memory_and_encode_attention(h100):
   assert h100["device_kind"].startswith("NVIDIA H100")
   assert sum(v["count"] for v in h100["collectives"].values()) == 0  # one device
   assert h100["by_kind"].get("sort", 0) >= 1  # AMI's top-k
-  from micse_jax.models.attention import cudnn_takes
-  with_cudnn = cudnn_takes((8, 16, 4, 16), (8, 16, 4, 16), (8, 1, 1, 16), "bfloat16")
+  from micse_jax.kernels.choice import cudnn_takes
+  with_cudnn = cudnn_takes((8, 16, 4, 16), (8, 16, 4, 16), (8, 1, 16, 16), "bfloat16")
   assert h100["encode_cudnn_attention_calls"] == (LAYERS if with_cudnn else 0)  # one per layer in eval mode
 
 

@@ -1,48 +1,69 @@
-"""models/attention.py: the fused attention equals softmax(QKᵀ/√d + mask)V computed by hand; cuDNN is
-never asked for float32 or a head dim it does not take; on a GPU in bfloat16 it is cuDNN's kernel."""
+"""models/attention.attend on its "xla" and "cudnn" paths equals softmax(QKᵀ/√d + mask)V computed by hand;
+cuDNN is never chosen for float32, a head dim it does not take, or a GPU older than Ampere; on a GPU in
+bfloat16 the chosen path is cuDNN's kernel."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from micse_jax.kernels import choice
 from micse_jax.models import attention
+from micse_jax.models.dropout import Dropout
 
 
-def reference(q, k, v, lengths):
+def reference(x, qkv, lengths, heads):
   """Attention in float64 NumPy: scores over the first `lengths[b]` keys only."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  x = np.asarray(x, np.float64)
+  q, k, v = (x @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64) for p in qkv)
+  split = lambda t: t.reshape(t.shape[0], t.shape[1], heads, -1)
+  q, k, v = split(q), split(k), split(v)
   scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
   keys = np.arange(k.shape[1])[None, None, None, :] < np.asarray(lengths)[:, None, None, None]
   scores = np.where(keys, scores, -np.inf)
   probs = np.exp(scores - scores.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
-  return np.einsum("bhqk,bkhd->bqhd", probs, v)
+  out = np.einsum("bhqk,bkhd->bqhd", probs, v)
+  return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def inputs(dtype, b=3, t=12, heads=2, d=16):
-  q, k, v = (jax.random.normal(key, (b, t, heads, d), dtype) for key in jax.random.split(jax.random.PRNGKey(0), 3))
-  lengths = np.array([12, 7, 3])
+def inputs(b=3, t=12, heads=2, d=16):
+  keys = jax.random.split(jax.random.PRNGKey(0), 7)
+  x = jax.random.normal(keys[0], (b, t, heads * d))
+  qkv = [{"kernel": jax.random.normal(keys[1 + i], (heads * d, heads * d)) / 8,
+          "bias": jax.random.normal(keys[4 + i], (heads * d,)) / 8} for i in range(3)]
+  lengths = np.array([t, 7, 3])
   key_mask = (np.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
-  return q, k, v, jnp.asarray(key_mask), lengths
+  return x, qkv, jnp.asarray(key_mask), lengths
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_fused_attention_is_masked_softmax_attention(dtype, tol):
-  q, k, v, key_mask, lengths = inputs(dtype)
-  out = jax.jit(attention.fused_attention)(q, k, v, key_mask)
-  np.testing.assert_allclose(np.asarray(out, np.float64), reference(q, k, v, lengths), atol=tol, rtol=tol)
+def _attend(path, dtype, heads=2, d=16):
+  x, qkv, key_mask, lengths = inputs(heads=heads, d=d)
+  fn = lambda x, qkv, mask: attention.attend(path, x, qkv, mask, Dropout(0.0), True, heads=heads, dtype=dtype)[0]
+  return jax.jit(fn), (x, qkv, key_mask), reference(x, qkv, lengths, heads)
 
 
-def test_cudnn_is_never_asked_for_float32_or_odd_head_dims():
-  assert not attention.cudnn_takes((2, 8, 2, 64), (2, 8, 2, 64), (2, 1, 1, 8), "float32")
-  assert not attention.cudnn_takes((2, 8, 2, 12), (2, 8, 2, 12), (2, 1, 1, 8), "bfloat16")  # 12 % 8
-  assert not attention.cudnn_takes((2, 8, 1, 256), (2, 8, 1, 256), (2, 1, 1, 8), "bfloat16")  # > 128
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
+def test_xla_path_is_masked_softmax_attention(dtype, tol):
+  fn, args, want = _attend("xla", dtype)
+  np.testing.assert_allclose(np.asarray(fn(*args), np.float64), want, atol=tol, rtol=tol)
+
+
+def test_cudnn_is_never_asked_for_float32_odd_head_dims_or_pre_ampere_gpus():
+  assert not choice.cudnn_takes((2, 8, 2, 64), (2, 8, 2, 64), (2, 1, 8, 8), "float32")
+  assert not choice.cudnn_takes((2, 8, 2, 12), (2, 8, 2, 12), (2, 1, 8, 8), "bfloat16")  # 12 % 8
+  assert not choice.cudnn_takes((2, 8, 1, 256), (2, 8, 1, 256), (2, 1, 8, 8), "bfloat16")  # > 128
+  layer = dict(explicit=False, reads_probabilities=False, dropout=False, q_shape=(2, 8, 2, 64),
+               k_shape=(2, 8, 2, 64), dtype=jnp.float16)
+  v100 = choice.Target("cuda", (7, 0))
+  assert choice.attention_path(v100, **layer) == "xla"
+  assert choice.attention_path(choice.Target("tpu"), **layer) == "xla"
 
 
 @pytest.mark.gpu
 def test_on_gpu_bfloat16_attention_is_cudnn_and_correct():
-  q, k, v, key_mask, lengths = inputs(jnp.bfloat16, d=64)
-  fn = jax.jit(attention.fused_attention)
-  assert "__cudnn$fmha" in fn.lower(q, k, v, key_mask).compile().as_text()
-  np.testing.assert_allclose(np.asarray(fn(q, k, v, key_mask), np.float64), reference(q, k, v, lengths),
-                             atol=3e-2, rtol=3e-2)
+  path = choice.attention_path(None, explicit=False, reads_probabilities=False, dropout=False,
+                               q_shape=(3, 12, 2, 64), k_shape=(3, 12, 2, 64), dtype=jnp.bfloat16)
+  assert path == "cudnn"  # an Ampere-or-newer GPU with cuDNN
+  fn, args, want = _attend(path, jnp.bfloat16, d=64)
+  assert "__cudnn$fmha" in fn.lower(*args).compile().as_text()
+  np.testing.assert_allclose(np.asarray(fn(*args), np.float64), want, atol=5e-2, rtol=5e-2)

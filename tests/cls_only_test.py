@@ -11,6 +11,7 @@ import pytest
 
 from micse_jax.models.bert import BertConfig, BertModel, collect_attentions
 from micse_jax.models.dropout import RANDOM_BITS, RNG_IMPLS, Dropout
+from micse_jax.models.policy import Policy
 
 
 @pytest.mark.parametrize("bits", RANDOM_BITS)
@@ -47,8 +48,8 @@ def _batch():
 def test_cls_row_sown_attention_and_gradients_equal_the_full_models(attention_dropout, sown, attention, remat):
   config = _config(attention_dropout)
   ids, mask = _batch()
-  full = BertModel(config, sow_attention_layers=sown, attention=attention)
-  cls_only = BertModel(config, sow_attention_layers=sown, attention=attention, remat=remat, cls_only=True)
+  full = BertModel(config, sow_attention_layers=sown, policy=Policy(attention))
+  cls_only = BertModel(config, sow_attention_layers=sown, policy=Policy(attention, remat), cls_only=True)
   params = full.init(jax.random.PRNGKey(0), ids, mask)["params"]
   weights = jax.random.normal(jax.random.PRNGKey(3), (5, 32))
   rngs = {"dropout": jax.random.PRNGKey(4)}

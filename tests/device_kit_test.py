@@ -122,8 +122,9 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert "| `loop_add_fusion_3` | 0.600 | 12 | loop_add_fusion.3, loop_add_fusion.9 (+10) | optimizer |" in md
   assert "copy 2.17 TB/s" in md and "3.00 us each" in md
   text = (out / "kit.md").read_text()
-  assert "kit: 8 of 10 steps done, 6 ok, failed: gpu_tests, b512; not run yet: b512_torch_eager, " \
+  assert "kit: 8 of 11 steps done, 6 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b512_torch_eager, " \
          "b512_torch_compiled" in text
+  assert text.index("dropout-attention kernels OFF: `gpu_tests` failed") < text.index("| step | state |")
   assert "| b512_torch_compiled | not run yet | — (planned 80) |" in text
   assert "`pytest -m gpu` (tests/x_test.py): 3 run, 1 failed" in text and "FAILED tests/x_test.py::test_y" in text
   assert "/root/.cache/huggingface 3 MiB (hub)" in text and md in text
@@ -187,13 +188,14 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
     ran.append(name)
     if name == "b512":
       raise RuntimeError("simulated failure")
-    return results.get(name) or results["b50"] if name in ("b50", "k5") else results.get(name) or {}
+    return results.get(name) or results["b50"] if name in ("b50", "b50_explicit", "k5") else results.get(name) or {}
   monkeypatch.setattr(kit, "measure", fake_measure)
   monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "NVIDIA H100 80GB HBM3", "date": "d"})
   state, out = tmp_path / "state", tmp_path / "out"
   kit_report_rows = lambda: kit_report.read_rows([str(state / kit_report.ROWS_FILE)])
-  kit.main([str(out), "--state", str(state), "--budget_s", "79"])  # 80 s and 140 s steps do not fit
-  assert ran == ["caches", "b50", "b512", "ceilings", "b50_torch_eager", "b50_torch_compiled", "b512_torch_eager"]
+  kit.main([str(out), "--state", str(state), "--budget_s", "79"])  # 80 s and longer steps do not fit
+  assert ran == ["caches", "b50", "b50_explicit", "b512", "ceilings", "b50_torch_eager", "b50_torch_compiled",
+                 "b512_torch_eager"]
   failed = kit_report.latest(kit_report_rows())["b512"]
   assert not failed["ok"] and "simulated failure" in failed["error"] and "Traceback" in failed["tail"]
   with open(state / kit_report.ROWS_FILE, "a") as f:  # a process that died inside a step
@@ -205,7 +207,44 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
   ran.clear()
   kit.main([str(out), "--state", str(state), "--retry", "--steps", "b512,gpu_tests,b50"])
   assert ran == ["b512", "gpu_tests"]
-  assert "kit: 10 of 10 steps done, 9 ok, failed: b512\n" in (out / "kit.md").read_text()
+  assert "kit: 11 of 11 steps done, 10 ok, failed: b512\n" in (out / "kit.md").read_text()
+
+
+@pytest.mark.parametrize("tests_ok", [True, False, None])
+def test_the_points_train_with_the_kernels_only_once_gpu_tests_passed(tmp_path, monkeypatch, tests_ok):
+  """`gpu_tests` first: passed, b50 / b512 / k5 take the kernels the device can run and b50_explicit
+  is the A/B without them; failed or not run, every point trains on the explicit path."""
+  asked = {}
+  monkeypatch.setattr(kit_points, "jax_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
+  monkeypatch.setattr(kit_points, "population_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
+  monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "NVIDIA H100 80GB HBM3", "date": "d"})
+  the_kit = kit.Kit(kit.parse_args([str(tmp_path / "out"), "--state", str(tmp_path / "state")]))
+  monkeypatch.setattr(kit.Kit, "model_dir", lambda self: "model")
+  if tests_ok is not None:
+    the_kit.add({"step": "gpu_tests", "ok": tests_ok, "result": {
+        "returncode": 1 - tests_ok, "tests": 1, "failures": 1 - tests_ok, "errors": 0, "skipped": 0, "files": [],
+        "passed": tests_ok, "tail": ""}})
+  for name in ("b50", "b50_explicit", "b512", "k5"):
+    kit.measure(the_kit, name)
+  fused = "fused" if tests_ok else "explicit"
+  assert asked == {"b50": fused, "b50_explicit": "explicit", "b512": fused, "k5": fused}
+
+
+def test_the_report_says_which_path_ran_and_the_kernels_gain(tmp_path):
+  rows = _rows()
+  rows[2] = {"step": "gpu_tests", "ok": True, "seconds": 90.0, "result": {
+      "returncode": 0, "tests": 12, "failures": 0, "errors": 0, "skipped": 0, "files": ["tests/x_test.py"],
+      "passed": True, "tail": "", "outcomes": {"test_mask": "passed"}}}
+  b50 = rows[3]["result"]
+  rows[3]["result"] = dict(b50, attention="fused", own_kernels=True, dropout_kernel_calls=40)
+  rows.append({"step": "b50_explicit", "ok": True, "seconds": 50.0, "result": dict(
+      b50, pipelined_step_ms=12.5, attention="explicit", own_kernels=True, dropout_kernel_calls=0)})
+  s = kit_report.summary(rows)
+  assert s["kernels"] == ("dropout-attention kernels ON (`gpu_tests` passed). Batch 50, the same machine: "
+                          "10.00 ms with the kernels, 12.50 ms without (explicit path): 1.250x")
+  assert [kit_report.label(p) for p in s["points"]][:2] == ["bf16 batch 50", "bf16 batch 50, explicit attention"]
+  rows[3]["result"] = dict(rows[3]["result"], own_kernels=False, dropout_kernel_calls=0)  # its compile fell back
+  assert "**not in b50: its compile fell back to the explicit path**" in kit_report.summary(rows)["kernels"]
 
 
 def test_bad_step_names_are_a_usage_error(capsys):

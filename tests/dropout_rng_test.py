@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from micse_jax import config_checks
+from micse_jax.augmentation.dropout_views import interleave_views
 from micse_jax.errors import ConfigError
-from micse_jax.models.bert import BertConfig, BertModel, collect_attentions, interleave_views
+from micse_jax.models.bert import BertConfig, BertModel, collect_attentions
 from micse_jax.models.dropout import RNG_IMPLS, Dropout, drop_threshold, keep_mask
 from micse_jax.training.step import step_keys
 from tests.helpers import run_device_worker

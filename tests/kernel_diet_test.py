@@ -1,4 +1,4 @@
-"""The kernel diet (issue 26) changes no result: the fused query/key/value GEMM (`bert.fused_dense`)
+"""The kernel diet (issue 26) changes no result: the fused query/key/value GEMM (`dense.fused_dense`)
 equals three `nn.Dense` and its parameters initialise as theirs, and 20 train steps (params, EMA,
 Adam moments, queue) equal those of the model and step as they were before the diet: one GEMM per
 projection, flax's `nn.LayerNorm`, `jax.nn.gelu`, the kernels cast inside the step (no
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from micse_jax.models import bert, bert_config
+from micse_jax.models import attention, bert, bert_config, dense
 from micse_jax.training import compute_weights
 from tests.helpers import run_device_worker
 from tests.update_step_test import KEY_BIAS_ATOL, check, differences, step_config, train
@@ -51,7 +51,7 @@ def jax_gelu(x):
 def unfused_model():
   """The model and step as they were: separate query/key/value GEMMs, flax's LayerNorm, jax's GELU,
   no half-precision weight copies in the train state."""
-  with mock.patch.object(bert, "fused_dense", separate_dense), mock.patch.object(bert, "_layer_norm", flax_layer_norm), \
+  with mock.patch.object(attention, "fused_dense", separate_dense), mock.patch.object(bert, "_layer_norm", flax_layer_norm), \
        mock.patch.dict(bert_config.ACTIVATIONS, {"gelu": jax_gelu}), \
        mock.patch.object(compute_weights, "of", lambda *args: {}):
     yield
@@ -75,13 +75,13 @@ def test_dense_params_initialise_as_nn_dense():
 def test_fused_dense_equals_separate_dense_and_its_gradient(dtype):
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 12))
   params = _param_sets(jax.random.PRNGKey(1))
-  fused, ref = bert.fused_dense(x, params, dtype), separate_dense(x, params, dtype)
+  fused, ref = dense.fused_dense(x, params, dtype), separate_dense(x, params, dtype)
   assert [y.shape for y in fused] == [(3, 5, w) for w in WIDTHS] and all(y.dtype == dtype for y in fused)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2  # float32: the dW GEMM sums the rows in another order
   for a, b in zip(fused, ref):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
   loss = lambda f: lambda p: sum(jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in f(x, p, dtype))
-  grads, ref_grads = jax.grad(loss(bert.fused_dense))(params), jax.grad(loss(separate_dense))(params)
+  grads, ref_grads = jax.grad(loss(dense.fused_dense))(params), jax.grad(loss(separate_dense))(params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=tol, atol=tol), grads, ref_grads)
 
 

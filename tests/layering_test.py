@@ -122,7 +122,7 @@ MAX_FUNCTION_LINES = 60
 LAYERS = (
     ("micse_jax.errors", "micse_jax.paths", "micse_jax.jsonio", "micse_jax.optional", "micse_jax.cli",
      "micse_jax.configs", "micse_jax.caches", "micse_jax.cache_healing", "micse_jax.timeline"),
-    ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.models", "micse_jax.losses",
+    ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.kernels", "micse_jax.models", "micse_jax.losses",
      "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
     ("micse_jax.workdir", "micse_jax.encoder"),
     # config_checks reads the choice lists of their owners below it (configs/methods, configs/population, ...)

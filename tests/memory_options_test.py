@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from micse_jax.models.bert import BertConfig, BertModel, collect_attentions
+from micse_jax.models.policy import Policy
 
 GRAD_ATOL = 1e-6
 
@@ -52,11 +53,11 @@ def test_remat_layers_give_the_plain_gradients_and_ami_still_reads_the_maps(tiny
   assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) > 1e3 * GRAD_ATOL
 
 
-def test_unknown_remat_is_rejected():
-  model = BertModel(BertConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                               intermediate_size=8, max_position_embeddings=8), remat="everything")
+def test_unknown_remat_or_attention_is_rejected():
   with pytest.raises(ValueError, match="remat"):
-    model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
+    Policy(remat="everything")
+  with pytest.raises(ValueError, match="attention"):
+    Policy(attention="flash")
 
 
 # ---------------------------------------------------------------- fused attention
@@ -87,7 +88,7 @@ def _count_fused_calls(monkeypatch):
 def _forward_and_grads(config, attention, deterministic, params=None):
   """Hidden states, sown maps of layer 1 and parameter gradients of a fixed scalar function."""
   ids, mask = _inputs()
-  model = BertModel(config, sow_attention_layers=(1,), attention=attention)
+  model = BertModel(config, sow_attention_layers=(1,), policy=Policy(attention))
   params = params or model.init(jax.random.PRNGKey(1), ids, mask)["params"]
 
   def f(p):

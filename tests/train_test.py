@@ -10,7 +10,7 @@ import pytest
 
 from micse_jax import workdir as workdir_lib
 from micse_jax.errors import CheckpointError
-from micse_jax.models.bert import resolve_layers
+from micse_jax.losses.ami import resolve_layers
 from micse_jax.training import checkpoint, setup, trainer
 from micse_jax.training.momentum import Queue, ema_update
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer

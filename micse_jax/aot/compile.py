@@ -32,21 +32,28 @@ def resolved(config: ml_collections.ConfigDict, device) -> ml_collections.Config
   return config
 
 
-def lower_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
-  """The trainer's step of `config` (`training/program.py`) lowered for `devices`, from shapes alone;
+def build_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
+  """The trainer's program of `config` (`training/program.py`) for `devices`, from shapes alone;
   `tokens`: the checkpoint's special token ids (`networks.SpecialTokens`), where the method reads them."""
   from micse_jax.training import program
   config = resolved(config, devices[0])
   params = program.abstract_params(program.step_config(config), bert_config)
-  return program.build(config, bert_config, params, devices, tokens).lower()
+  return program.build(config, bert_config, params, devices, tokens)
+
+
+def lower_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
+  """`build_program`'s step lowered for `devices`."""
+  return build_program(config, bert_config, devices, tokens).lower()
 
 
 def compile_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
-  """(compiled step, compile seconds) of `lower_program`."""
-  lowered = lower_program(config, bert_config, devices, tokens)
+  """(compiled step, lowering + compile seconds) of `build_program`, compiled as the trainer compiles
+  it (`program.compiled`: our kernels, else the explicit path)."""
+  from micse_jax.training import program
+  prog = build_program(config, bert_config, devices, tokens)
   start = time.perf_counter()
-  compiled = lowered.compile()
-  return compiled, time.perf_counter() - start
+  prog = program.compiled(prog)
+  return prog.executable, time.perf_counter() - start
 
 
 def compile_encode(device, bert_config: BertConfig, batch_size: int, max_length: int, dtype: str):
@@ -54,8 +61,10 @@ def compile_encode(device, bert_config: BertConfig, batch_size: int, max_length:
   from jax.sharding import SingleDeviceSharding
 
   from micse_jax.encoder import SentenceEncoder
+  from micse_jax.kernels.choice import target_of
   from micse_jax.models.bert import BertModel
-  bert = BertModel(bert_config, dtype=jnp.dtype(dtype))
+  from micse_jax.models.policy import Policy
+  bert = BertModel(bert_config, dtype=jnp.dtype(dtype), policy=Policy(target=target_of([device])))
   ids = jnp.zeros((1, max_length), jnp.int32)
   params = jax.eval_shape(lambda: bert.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"])
   sharding = SingleDeviceSharding(device)

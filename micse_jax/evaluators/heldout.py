@@ -23,10 +23,11 @@ import os
 import jax
 import jax.numpy as jnp
 
+from micse_jax.augmentation.dropout_views import two_dropout_views
 from micse_jax.losses.alignment import alignment, uniformity
-from micse_jax.losses.ami import ami_loss
+from micse_jax.losses.ami import ami_loss, resolve_layers
 from micse_jax.losses.infonce import l2_normalize
-from micse_jax.models.bert import BertModel, resolve_layers, two_dropout_views
+from micse_jax.models.bert import BertModel
 from micse_jax.tokenization import TOKEN_KEYS
 
 

@@ -48,7 +48,7 @@ mask and the Gumbel noise); the samples are `[B, S, m]`.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -365,3 +365,16 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
       'ami_samples': _weighted_mean(res.num_valid, res.weight),
   }
   return loss, metrics
+
+
+def resolve_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+  """`ami.layers` as 0-based layer indices; negative ones count from the top (-1 = last layer).
+
+  Raises ValueError for an empty list, an index outside the encoder, or a layer named twice.
+  """
+  if not layers or any(not -num_layers <= i < num_layers for i in layers):
+    raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
+  resolved = sorted({i % num_layers for i in layers})
+  if len(resolved) != len(layers):
+    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
+  return tuple(resolved)

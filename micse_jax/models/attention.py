@@ -1,78 +1,55 @@
-"""Attention's pieces: the explicit path's softmax(QKᵀ/√d + mask) and context (`probabilities`,
-`context`, for layers whose probabilities are sown or dropped), and fused attention for layers whose
-probabilities nothing reads: cuDNN's flash attention on an NVIDIA GPU where cuDNN takes the shape,
-XLA's `jax.nn.dot_product_attention` everywhere else.
+"""BERT self-attention as one op over every path: `attend` computes a layer's context from its input
+and its query, key and value parameters by the path `kernels/choice.attention_path` picks for it.
 
-`jax.nn.dot_product_attention` with `implementation=None` (jax 0.10) lowers to XLA's own
-softmax(QKᵀ)V on every platform, GPUs included; cuDNN runs only when asked for by name
-(`implementation="cudnn"`), and then refuses what it cannot do: float32, head dims that are no
-multiple of 8 or above 128, a machine without cuDNN. `fused_attention` asks for it only where
-all of that holds and the program is lowered for CUDA (`jax.lax.platform_dependent`: on CPU and
-TPU the XLA branch is the program, unchanged), so the choice holds for a program compiled on
-this CPU for a GPU that is not here (`bench/aot.py`) as for one run on a GPU.
+    ctx = dropout(softmax(Q·Kᵀ/√d + mask))·V        (Vaswani et al. 2017, Eq. 1; HF BERT)
 
-No dropout: jax 0.10.2 offers no public cuDNN attention with dropout on the probabilities
-(`jax.nn.dot_product_attention` has no dropout argument; only the private
-`jax._src.cudnn.fused_attention_stablehlo` takes a `dropout_rate`, with cuDNN's own generator
-and a static seed), so layers that train with attention dropout keep the explicit softmax.
+"explicit": the probabilities as XLA ops (`kernels/explicit_attention.py`), returned for sowing
+(float32 for a sown layer, the compute dtype otherwise), then dropped by the layer's `Dropout`;
+"dropout_kernel": the Pallas kernels (`kernels/dropout_attention.py`), which draw the same dropout
+bits from the same site key; "cudnn" and "xla": `jax.nn.dot_product_attention` by name (cuDNN's
+flash attention, or XLA's own softmax), for layers without dropout whose probabilities nothing
+reads. `jax.nn.dot_product_attention` has no dropout argument, and jax offers no public cuDNN
+attention with dropout on the probabilities: a layer that trains with attention dropout takes
+the explicit path or the kernels. The query, key and value projections run as one GEMM
+(`dense.fused_dense`) over their three HF-named parameter sets.
 """
 from __future__ import annotations
 
-import functools
-import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-MAX_CUDNN_HEAD_DIM = 128
+from micse_jax.kernels import explicit_attention
+from micse_jax.kernels.dropout_attention import dropout_attention
+from micse_jax.models.dense import fused_dense, fused_projection
 
 
-def probabilities(q, k, key_mask):
-  """The explicit path's softmax(QKᵀ/√d + mask), float32, `[B, heads, T, T]` from `[B, heads, T, d]`
-  q and k: the scores in their dtype (HF's matmul), padded keys (`key_mask` false or 0, broadcastable
-  to the scores) set to float32's minimum (HF's extended mask), so they get exactly zero probability."""
-  scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
-  scores = jnp.where(key_mask != 0, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(scores, axis=-1)
+def _split_heads(t, heads: int):
+  return t.reshape(t.shape[:2] + (heads, t.shape[-1] // heads))  # [B, T, heads, d]
 
 
-def context(probs, v):
-  """The explicit path's context `[B, T, heads·d]`: the probabilities `[B, heads, T', T]` times
-  `[B, heads, T, d]` v, heads folded back into the hidden axis."""
-  ctx = jnp.einsum("bhqk,bhkd->bhqd", probs, v).transpose(0, 2, 1, 3)
-  return ctx.reshape(ctx.shape[:2] + (-1,))
-
-
-def _xla(q, k, v, key_mask):
-  return jax.nn.dot_product_attention(q, k, v, mask=key_mask, implementation="xla")
-
-
-def _cudnn(q, k, v, key_mask):
-  """cuDNN takes a mask only as a full `[B, 1 or heads, T, S]` bias: the key mask is broadcast to it."""
-  full = jnp.broadcast_to(key_mask, key_mask.shape[:2] + (q.shape[1], k.shape[1]))
-  return jax.nn.dot_product_attention(q, k, v, mask=full, implementation="cudnn")
-
-
-@functools.lru_cache(maxsize=None)
-def cudnn_takes(q_shape: tuple, k_shape: tuple, mask_shape: tuple, dtype: str) -> bool:
-  """Whether cuDNN attention is installed here and accepts these shapes (`[B, T, heads, d]` q/k/v)."""
-  head_dim = q_shape[-1]
-  if jnp.dtype(dtype) not in CUDNN_DTYPES or head_dim % 8 or head_dim > MAX_CUDNN_HEAD_DIM:
-    return False
-  spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
-  try:  # tracing checks the installed cuDNN and its shape rules; nothing runs
-    jax.eval_shape(_cudnn, spec(q_shape, dtype), spec(k_shape, dtype), spec(k_shape, dtype),
-                   spec(mask_shape, jnp.bool_))
-  except (RuntimeError, NotImplementedError, ValueError, TypeError):
-    return False
-  return True
-
-
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array) -> jax.Array:
-  """softmax(QKᵀ/√d + mask)V of `[B, T, heads, d]` arrays; `key_mask` bool, broadcastable to `[B, heads, T, T]`.
-
-  cuDNN (flash attention) when lowering for CUDA and `cudnn_takes` the shapes, XLA otherwise."""
-  if not cudnn_takes(q.shape, k.shape, key_mask.shape, jnp.dtype(q.dtype).name):
-    return _xla(q, k, v, key_mask)
-  return jax.lax.platform_dependent(q, k, v, key_mask, cuda=_cudnn, default=_xla)
+def attend(path: str, x, qkv: Sequence[dict], key_mask, drop, deterministic: bool, *, heads: int, dtype,
+           rows: int | None = None, float32_probs: bool = False, interpret: bool = False):
+  """(context `[B, T', H]` of the first `rows` queries (every one when None), the dropped probabilities
+  `[B, heads, T, T]` of the explicit path or None). x: `[B, T, H]`; qkv: the query, key and value
+  `{"kernel", "bias"}`; key_mask: bool `[B, 1, 1, T]`, True for real keys; drop: the layer's
+  `models/dropout.Dropout` (its site key feeds the kernels)."""
+  queries = slice(0, rows)
+  if path == "dropout_kernel":
+    projection, biases = fused_projection(x, qkv, dtype)
+    ctx = dropout_attention(projection, biases, key_mask[:, 0, 0, :], drop.site_rng(), drop.rate, heads,
+                            interpret=interpret)
+    return ctx[:, queries], None
+  q, k, v = (_split_heads(t, heads) for t in fused_dense(x, qkv, dtype))  # one GEMM for the three
+  if path in ("cudnn", "xla"):
+    mask = key_mask if path == "xla" else jnp.broadcast_to(key_mask, key_mask.shape[:2] + (q[:, queries].shape[1],
+                                                                                          k.shape[1]))
+    ctx = jax.nn.dot_product_attention(q[:, queries], k, v, mask=mask, implementation=path)
+    return ctx.reshape(ctx.shape[:2] + (-1,)), None
+  q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, heads, T, d]
+  probs = explicit_attention.probabilities(q, k, key_mask)
+  if not float32_probs:
+    probs = probs.astype(dtype)
+  probs = drop(probs, deterministic=deterministic)
+  return explicit_attention.context(probs[:, :, queries].astype(dtype), v), probs

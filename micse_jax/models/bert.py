@@ -3,11 +3,13 @@
 Parameter names follow the Hugging Face module tree (`embeddings/word_embeddings`,
 `encoder/layer_3/attention/self/query`, ...), so `weights.py` can map checkpoints with one
 table. Attention probabilities of the layers listed in `sow_attention_layers` are sown into
-the `intermediates` collection (miCSE's AMI regulariser reads them); all other layers are free
-to use a fused attention kernel (`attention="fused"`, see `BertSelfAttention`, `models/attention.py`). Layers may be
-rematerialised (`remat`, see `models/remat.py`). Each layer's query, key and value projections
-run as one GEMM over their three HF-named parameter sets (`dense.fused_dense`; the parameter tree is
-HF's, unchanged). LayerNorm is `models/layer_norm.py`'s (flax's parameters, its own VJP on CUDA).
+the `intermediates` collection (miCSE's AMI regulariser reads them). How the model computes is
+one field, `policy` (`models/policy.py`: the attention mode, rematerialisation and the compile
+target); each attention layer takes the path `kernels/choice.py` picks for it through one op,
+`models/attention.attend`. The modules it is built from are drop-ins with flax's parameters and
+values, shaped for fewer kernels: `Dense` / `fused_dense` (`models/dense.py`: query, key and value
+as one GEMM), `LayerNorm` (`models/layer_norm.py`), `Embed` (`models/embed.py`), `Dropout`
+(`models/dropout.py`); their docstrings say why each exists and what it equals.
 """
 from __future__ import annotations
 
@@ -19,19 +21,15 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.models import attention
-from micse_jax.models.attention import fused_attention
 from micse_jax.models.bert_config import ACTIVATIONS, SUPPORTED_MODEL_TYPES, BertConfig  # noqa: F401 (re-export)
-from micse_jax.models.dense import Dense, DenseParams, fused_dense, fused_projection  # noqa: F401 (re-exports)
+from micse_jax.models.dense import Dense, DenseParams
 from micse_jax.models.dropout import Dropout
-from micse_jax.models.dropout_attention import dropout_attention, kernel_takes
 from micse_jax.models.embed import Embed
 from micse_jax.models.layer_norm import LayerNorm
+from micse_jax.models.policy import Policy
 from micse_jax.models.remat import remat_layer
-from micse_jax.tokenization import TOKEN_KEYS
 
 Array = jax.Array
-ATTENTION_KERNELS = ("explicit", "fused")
-
 
 @flax.struct.dataclass
 class BertOutput:
@@ -91,54 +89,36 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-  """Scaled dot-product self-attention softmax(QKᵀ/√d)V; per-element dropout on the probabilities (HF).
-
-  With `attention="fused"`, a layer whose probabilities nothing reads (not sown, and no
-  attention-probability dropout in this call) uses `models/attention.fused_attention`: cuDNN's
-  flash attention when compiled for an NVIDIA GPU in bfloat16/float16 with a head dim cuDNN
-  takes, XLA's `jax.nn.dot_product_attention` otherwise (float32, CPU, TPU). Neither drops
-  individual probabilities: a layer that trains with attention dropout takes the explicit path,
-  or with `dropout_kernel` `models/dropout_attention.py`'s kernels (on CUDA; the explicit path's
-  values, dropout bits and gradient). "explicit" forces the explicit path everywhere. The query,
-  key and value projections run as one GEMM (`fused_dense`) over the three HF-named parameter sets.
-  """
+  """Scaled dot-product self-attention softmax(QKᵀ/√d)V with per-element dropout on the probabilities
+  (HF `BertSelfAttention`), of every query or, with `query_rows`, of the first `query_rows` queries
+  (every query's probabilities are still computed, dropped and sown: AMI reads them). The path is
+  `policy`'s choice for this layer (`kernels/choice.py`); every path computes these values."""
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
-  attention: str = "fused"
+  policy: Policy = Policy()
   query_rows: int | None = None
-  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
     """x: [B,T,H]; key_mask: bool [B,1,1,T], True for real (non-padding) keys. Returns the context
-    [B,T,H], or [B,query_rows,H] of the first `query_rows` queries (every query's probabilities are
-    still computed, dropped and sown: AMI reads them)."""
+    [B,T,H] ([B,query_rows,H])."""
     c = self.config
-    heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-    split = lambda t: t.reshape(t.shape[:2] + (heads, head_dim))  # [B,T,h,d]
+    heads = c.num_attention_heads
     init = nn.initializers.normal(stddev=c.initializer_range)
     qkv = [DenseParams(c.hidden_size, init, name=n)(x.shape[-1]) for n in ("query", "key", "value")]
-    rate, rows = c.attention_probs_dropout_prob, slice(0, self.query_rows)  # every row when query_rows is None
-    drop = _dropout(c, rate)
-    if (self.dropout_kernel and self.attention == "fused" and not self.sow_probs and not deterministic and rate > 0
-        and kernel_takes(x.shape[1], head_dim, self.dtype, drop.random_bits, drop.rng_impl)):
-      ctx = dropout_attention(*fused_projection(x, qkv, self.dtype), key_mask[:, 0, 0, :], drop.site_rng(), rate,
-                              heads)
-      return ctx[:, rows]
-    q, k, v = map(split, fused_dense(x, qkv, self.dtype))  # one GEMM for the three projections
-    needs_probs = self.attention == "explicit" or self.sow_probs or (not deterministic and rate > 0)
-    if not needs_probs:  # nothing needs the probabilities: a fused kernel (cuDNN on GPU where it applies)
-      ctx = fused_attention(q[:, rows], k, v, key_mask)
-      return ctx.reshape(ctx.shape[:2] + (c.hidden_size,))
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B,h,T,d]
-    probs = attention.probabilities(q, k, key_mask)
-    if not self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
-      probs = probs.astype(self.dtype)
-    probs = drop(probs, deterministic=deterministic)
-    if self.sow_probs:
+    drop = _dropout(c, c.attention_probs_dropout_prob)
+    shape = lambda rows: (x.shape[0], rows, heads, c.hidden_size // heads)
+    path = self.policy.attention_path(
+        reads_probabilities=self.sow_probs, dropout=not deterministic and drop.rate > 0,
+        q_shape=shape(self.query_rows or x.shape[1]), k_shape=shape(x.shape[1]), dtype=self.dtype,
+        random_bits=drop.random_bits, rng_impl=drop.rng_impl)
+    ctx, probs = attention.attend(path, x, qkv, key_mask, drop, deterministic, heads=heads, dtype=self.dtype,
+                                  rows=self.query_rows, float32_probs=self.sow_probs,
+                                  interpret=self.policy.interpret)
+    if self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
       self.sow("intermediates", "attention_probs", probs)
-    return attention.context(probs[:, :, rows].astype(self.dtype), v)
+    return ctx
 
 
 class BertResidualOutput(nn.Module):
@@ -161,14 +141,13 @@ class BertAttention(nn.Module):
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
-  attention: str = "fused"
+  policy: Policy = Policy()
   query_rows: int | None = None
-  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
-    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.attention, self.query_rows,
-                            self.dropout_kernel, name="self")(x, key_mask, deterministic)
+    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.policy, self.query_rows,
+                            name="self")(x, key_mask, deterministic)
     return BertResidualOutput(self.config, self.dtype, name="output")(
         ctx, x[:, :ctx.shape[1]], deterministic, draw_shape=x.shape)
 
@@ -179,15 +158,14 @@ class BertLayer(nn.Module):
   config: BertConfig
   sow_probs: bool = False
   dtype: Any = jnp.float32
-  attention: str = "fused"
+  policy: Policy = Policy()
   cls_only: bool = False
-  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
     c = self.config
-    attn = BertAttention(c, self.sow_probs, self.dtype, self.attention, 1 if self.cls_only else None,
-                         self.dropout_kernel, name="attention")(x, key_mask, deterministic)
+    attn = BertAttention(c, self.sow_probs, self.dtype, self.policy, 1 if self.cls_only else None,
+                         name="attention")(x, key_mask, deterministic)
     inner = BertIntermediate(c, self.dtype, name="intermediate")(attn)
     return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic, draw_shape=x.shape)
 
@@ -204,23 +182,21 @@ class BertIntermediate(nn.Module):
 
 
 class BertEncoder(nn.Module):
-  """The stack of layers; sows the attention of `sow_attention_layers`, rematerialises per `remat`."""
+  """The stack of layers; sows the attention of `sow_attention_layers`, rematerialises per `policy.remat`."""
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
   dtype: Any = jnp.float32
-  attention: str = "fused"
-  remat: str = "none"
+  policy: Policy = Policy()
   cls_only: bool = False
-  dropout_kernel: bool = False
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool, output_hidden_states: bool = False):
     hidden_states = [x]
-    layer = remat_layer(BertLayer, self.remat)
+    layer = remat_layer(BertLayer, self.policy.remat)
     last = self.config.num_hidden_layers - 1
     for i in range(self.config.num_hidden_layers):
-      x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.attention,
-                self.cls_only and i == last, self.dropout_kernel, name=f"layer_{i}")(x, key_mask, deterministic)
+      x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.policy, self.cls_only and i == last,
+                name=f"layer_{i}")(x, key_mask, deterministic)
       hidden_states.append(x)
     return x, (tuple(hidden_states) if output_hidden_states else None)
 
@@ -269,37 +245,30 @@ class BertModel(nn.Module):
       are sown into `intermediates` (see `collect_attentions`).
     add_pooler / add_mlm_head: which heads exist in the parameter tree.
     dtype: computation dtype (parameters stay float32).
-    attention: "fused" | "explicit" (`BertSelfAttention`); remat: "none" | "layer" | "full"
-      (module docstring). Neither changes the parameter tree or the function computed.
+    policy: how it computes (`models/policy.py`: attention mode, remat, compile target); never
+      changes the parameter tree or the function computed.
     cls_only: the last layer computes only the [CLS] token (position 0) past its attention, so
       `last_hidden_state` is `[B, 1, H]` (the pooler, the MLM head and `hidden_states` see that
       row only). Its [CLS] values are the full model's: the same parameters, the same dropout
       bits (each site draws the full shape's mask and keeps its first row, `Dropout`), the same
       attention probabilities of every query (sown for AMI); the training step, which reads only
       [CLS], leaves out the rest of the last layer (~1/12 of the FFN and attention-output work).
-    dropout_kernel: attention layers that train with dropout on their probabilities, which nothing
-      reads (not sown), run as one kernel forward and one backward on CUDA
-      (`models/dropout_attention.py`): the explicit path's values, dropout bits and gradient.
   """
   config: BertConfig
   sow_attention_layers: tuple[int, ...] = ()
   add_pooler: bool = True
   add_mlm_head: bool = False
   dtype: Any = jnp.float32
-  attention: str = "fused"
-  remat: str = "none"
+  policy: Policy = Policy()
   cls_only: bool = False
-  dropout_kernel: bool = False
 
   def setup(self):
     for i in self.sow_attention_layers:
       if not 0 <= i < self.config.num_hidden_layers:
         raise ValueError(f"attention layer {i} out of range for {self.config.num_hidden_layers} layers")
-    if self.attention not in ATTENTION_KERNELS:
-      raise ValueError(f"unsupported attention {self.attention!r}; expected one of {ATTENTION_KERNELS}")
     self.embeddings = BertEmbeddings(self.config, self.dtype)
-    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.attention,
-                               self.remat, self.cls_only, self.dropout_kernel)
+    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.policy,
+                               self.cls_only)
     if self.add_pooler:
       self.pooler = BertPooler(self.config, self.dtype)
     if self.add_mlm_head:
@@ -334,48 +303,3 @@ def collect_attentions(intermediates: dict, layers: Sequence[int]) -> Array:
   """Stacks sown attention probabilities into `[len(layers), B, heads, T, T]`."""
   encoder = intermediates["encoder"]
   return jnp.stack([encoder[f"layer_{i}"]["attention"]["self"]["attention_probs"][0] for i in layers])
-
-
-def resolve_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
-  """0-based layer indices; negative ones count from the top (-1 = last layer).
-
-  Raises ValueError for an empty list, an index outside the encoder, or a layer named twice.
-  """
-  if not layers or any(not -num_layers <= i < num_layers for i in layers):
-    raise ValueError(f"ami.layers {tuple(layers)} invalid for a {num_layers}-layer encoder")
-  resolved = sorted({i % num_layers for i in layers})
-  if len(resolved) != len(layers):
-    raise ValueError(f"ami.layers {tuple(layers)} name a layer twice")
-  return tuple(resolved)
-
-
-def two_dropout_views(model: BertModel, params, view1: dict, view2: dict, key: Array):
-  """One train-mode forward of both views (token batches, `TOKEN_KEYS`), interleaved per
-  sentence (`interleave_views`): each row gets its own dropout mask. Returns (hidden1, hidden2
-  `[B, T, H]`, att1, att2 `[L, B, heads, T, T]`), the attention of `model.sow_attention_layers`
-  (None, None when it sows none)."""
-  both = interleave_views({k: view1[k] for k in TOKEN_KEYS}, {k: view2[k] for k in TOKEN_KEYS})
-  out, state = model.apply({"params": params}, *(both[k] for k in TOKEN_KEYS), deterministic=False,
-                           rngs={"dropout": key}, mutable=["intermediates"])
-  hidden1, hidden2 = split_views(out.last_hidden_state)
-  if not model.sow_attention_layers:
-    return hidden1, hidden2, None, None
-  att1, att2 = split_views(collect_attentions(state["intermediates"], model.sow_attention_layers), axis=1)
-  return hidden1, hidden2, att1, att2
-
-
-def interleave_views(view1: dict, view2: dict) -> dict:
-  """Rows `[v1_0, v2_0, v1_1, v2_1, ...]` of every array of two token batches
-  (`stack(..., 1).reshape(2B, ...)`), not `[view1; view2]`.
-
-  A device that holds sentences i..j of the batch-sharded input holds both views of exactly
-  those sentences, so stacking and splitting the views moves no activation between devices;
-  and row 2i+v is the same whatever the batch's padded size (per-row random draws too).
-  """
-  return {k: jnp.stack([view1[k], view2[k]], axis=1).reshape(-1, *view1[k].shape[1:]) for k in view1}
-
-
-def split_views(x: jax.Array, axis: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Inverse of `interleave_views` along `axis` (size 2B): the two `[..., B, ...]` views."""
-  pairs = x.reshape(*x.shape[:axis], x.shape[axis] // 2, 2, *x.shape[axis + 1:])
-  return jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
+from micse_jax.augmentation.dropout_views import two_dropout_views
 from micse_jax.losses.alignment import alignment, uniformity
 from micse_jax.losses.ami import attention_mutual_information
-from micse_jax.models.bert import BertModel, collect_attentions, two_dropout_views
+from micse_jax.models.bert import BertModel, collect_attentions
 from micse_jax.optional import require
 from micse_jax.studies.plots import pyplot, save_figure
 

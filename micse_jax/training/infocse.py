@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.models.bert import BertConfig, BertLayer, BertModel, BertPredictionHeadTransform
+from micse_jax.models.policy import Policy
 from micse_jax.training.terms import masked_copy
 
 FROZEN_KEY = "infocse_lower"   # the frozen lower half in `TrainState.frozen_params`
@@ -52,6 +53,7 @@ class InfoCSEAuxiliary(nn.Module):
   config: BertConfig
   num_layers: int = 2
   dtype: Any = jnp.float32
+  policy: Policy = Policy()
 
   @nn.compact
   def __call__(self, hidden: jax.Array, attention_mask: jax.Array, word_embeddings: jax.Array,
@@ -59,7 +61,8 @@ class InfoCSEAuxiliary(nn.Module):
     key_mask = attention_mask[:, None, None, :] > 0
     x = hidden.astype(self.dtype)
     for i in range(self.num_layers):
-      x = BertLayer(self.config, dtype=self.dtype, name=f"layer_{i}")(x, key_mask, deterministic)
+      x = BertLayer(self.config, dtype=self.dtype, policy=self.policy, name=f"layer_{i}")(x, key_mask,
+                                                                                         deterministic)
     return InfoCSEPredictions(self.config, self.dtype, name="predictions")(x, word_embeddings)
 
 
@@ -83,10 +86,10 @@ class InfoCSENetworks:
 
 
 def build_networks(config, bert_config: BertConfig, options: dict) -> InfoCSENetworks:
-  """The two modules for `bert_config` (`options`: the `BertModel` dtype/attention/remat keywords)."""
+  """The two modules for `bert_config` (`options`: the `BertModel` dtype and policy keywords)."""
   lower = bert_config.replace(num_hidden_layers=lower_half_layers(bert_config.num_hidden_layers))
   return InfoCSENetworks(lower=BertModel(lower, add_pooler=False, **options),
-                         auxiliary=InfoCSEAuxiliary(bert_config, config.infocse.num_layers, dtype=options["dtype"]))
+                         auxiliary=InfoCSEAuxiliary(bert_config, config.infocse.num_layers, **options))
 
 
 def initial_params(nets: InfoCSENetworks, encoder_params: dict, mlm_head: dict, seed: int) -> tuple[dict, dict]:

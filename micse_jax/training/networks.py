@@ -18,8 +18,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from micse_jax.models.bert import BertConfig, BertModel, resolve_layers
+from micse_jax.kernels.choice import Target
+from micse_jax.losses.ami import resolve_layers
+from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.models.heads import MLPHead
+from micse_jax.models.policy import Policy
 from micse_jax.training import infocse as infocse_lib
 
 
@@ -57,16 +60,19 @@ def compute_dtype(config):
   return precision.compute_dtype(config.model.dtype)
 
 
-def model_options(config) -> dict:
-  """BertModel keyword arguments from `config.model`: compute dtype, attention kernel, remat."""
-  return {"dtype": compute_dtype(config), "attention": config.model.attention,
-          "remat": config.model.remat}
+def model_options(config, target: Target | None = None) -> dict:
+  """BertModel keyword arguments from `config.model`: the compute dtype and the policy (attention
+  mode, remat) for programs compiled for `target` (`kernels/choice.py`; None: this process's device)."""
+  return {"dtype": compute_dtype(config),
+          "policy": Policy(config.model.attention, config.model.remat, target)}
 
 
-def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None = None) -> Networks:
-  """The modules the config's method needs (see the module docstring), in the compute dtype."""
+def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None = None,
+                   target: Target | None = None) -> Networks:
+  """The modules the config's method needs (see the module docstring), in the compute dtype, for a
+  program compiled for `target` (the devices' kernels: `kernels/choice.py`)."""
   dtype = compute_dtype(config)
-  options = model_options(config)
+  options = model_options(config, target)
   ami_layers = resolve_layers(config.ami.layers, bert_config.num_hidden_layers) if config.ami.enabled else ()
   bert_config = bert_config.replace(dropout_random_bits=config.model.dropout_random_bits,
                                    dropout_rng_impl=config.model.rng_impl)
@@ -81,23 +87,12 @@ def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None
   if config.infocse.enabled:
     extras["infocse"] = infocse_lib.build_networks(config, bert_config, options)
   # The step reads only the [CLS] row of both encoders' outputs (`step.project`, the momentum
-  # embedding): their last layer leaves out every other row (`BertModel.cls_only`). Their attention
-  # with dropout runs as the dropout-attention kernels on CUDA (`BertModel.dropout_kernel`).
+  # embedding): their last layer leaves out every other row (`BertModel.cls_only`).
   return Networks(
-      online=BertModel(bert_config, sow_attention_layers=ami_layers, cls_only=True, dropout_kernel=True, **options),
-      momentum=BertModel(momentum_config, cls_only=True, dropout_kernel=True, **options),
+      online=BertModel(bert_config, sow_attention_layers=ami_layers, cls_only=True, **options),
+      momentum=BertModel(momentum_config, cls_only=True, **options),
       head=MLPHead(bert_config.hidden_size, bert_config.initializer_range, dtype=dtype),
       ami_layers=ami_layers, tokens=tokens, **extras)
-
-
-def for_devices(nets: Networks, num_devices: int) -> Networks:
-  """`nets` for a program on `num_devices`: on more than one, the encoders without the
-  dropout-attention kernels, custom calls that XLA's SPMD partitioner does not split by rows (it
-  would gather every layer's activations onto each device); the values are the same."""
-  if num_devices <= 1:
-    return nets
-  plain = lambda model: model.clone(dropout_kernel=False)
-  return dataclasses.replace(nets, online=plain(nets.online), momentum=plain(nets.momentum))
 
 
 _copy = lambda tree: jax.tree.map(jnp.copy, tree)

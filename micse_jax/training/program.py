@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, Callable
 
 import jax
@@ -30,11 +31,12 @@ from jax.sharding import Mesh
 from micse_jax.configs import population as population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
+from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import checkpoint, compute_weights, optim, population, setup
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training import state as state_lib
-from micse_jax.training.networks import Networks, SpecialTokens, build_networks, for_devices
+from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
 
@@ -53,7 +55,15 @@ class Program:
   layout: BatchLayout
   rows: int                          # global rows of a run's batch (padded to the devices)
   hyper: dict                        # the members' step inputs, float32 [K] each ({} for a solo run)
-  step: Callable                     # jitted, donated: `step(*program.inputs(state, packed))`
+  jitted: Callable                   # the jitted, donated step: `step(*program.inputs(state, packed))`
+  target: choice.Target              # what it is compiled for: the kernels its layers may take
+  executable: Any = None             # the compiled step, once `compiled` has run
+  rebuild: Callable | None = None    # (target) -> this program for another target (`compiled`'s fallback)
+
+  @property
+  def step(self) -> Callable:
+    """The step to call: the compiled executable (`compiled`), else the jitted function."""
+    return self.jitted if self.executable is None else self.executable
 
   @property
   def batch_sharding(self):
@@ -80,7 +90,7 @@ class Program:
     hyper = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
         self.mesh)), self.hyper)
     args = (self.abstract_state, self.abstract_batch()) + ((hyper,) if self.members else ())
-    return self.step.lower(*args)
+    return self.jitted.lower(*args)
 
   def place_batch(self, host_batches: list[dict]):
     """The members' host batches of one step (one for a solo run), packed and placed."""
@@ -124,13 +134,15 @@ def abstract_params(config: ml_collections.ConfigDict, bert_config: BertConfig) 
 
 
 def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tuple, devices=None,
-          tokens: SpecialTokens | None = None) -> Program:
+          tokens: SpecialTokens | None = None, target: choice.Target | None = None) -> Program:
   """The program of `config` on `devices` (default: all here; a deviceless target's also work):
   `params` are one run's (params, frozen params) shapes (`abstract_of`, `abstract_params`),
-  `tokens` the checkpoint's special token ids (the views and masks that need them)."""
+  `tokens` the checkpoint's special token ids (the views and masks that need them), `target` what
+  the kernels are chosen for (default: the devices' own, `kernels/choice.target_of`)."""
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
-  nets, tx = for_devices(build_networks(shared, bert_config, tokens), len(devices)), make_optimizer(shared)
+  target = choice.target_of(devices) if target is None else target
+  nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
   mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
   member = jax.eval_shape(lambda p: setup.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
   if k:
@@ -143,7 +155,27 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tu
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
   return Program(shared, nets, tx, mesh, k, params, _placed(abstract, sharding), sharding, layout,
                  mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
-                 _jitted_step(shared, nets, mesh, sharding, layout, k))
+                 _jitted_step(shared, nets, mesh, sharding, layout, k), target,
+                 rebuild=functools.partial(build, config, bert_config, params, devices, tokens))
+
+
+def compiled(prog: Program) -> Program:
+  """`prog` with its step compiled once (`Program.executable`, the step the trainer calls). If the
+  program holds our own kernels and lowering or compiling it raises (a GPU, jax or shape the kernels
+  were not tested on), it is built again without them, on the explicit path (the same values),
+  after one warning line naming the kernels and the reason: a run never dies on our kernels."""
+  try:
+    return dataclasses.replace(prog, executable=prog.lower().compile())
+  except Exception as error:  # noqa: BLE001  (any failure of the kernels' program: the plain one follows)
+    if not prog.target.pallas or prog.rebuild is None:
+      raise
+    plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False))
+    reason = (str(error).strip().splitlines() or [""])[0][:300]
+    logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) failed to compile "
+                    "for %s (%s: %s); training on the explicit attention path, the same values "
+                    "(--config.model.attention=explicit skips this attempt)", prog.target.describe(),
+                    type(error).__name__, reason)
+    return dataclasses.replace(plain, executable=plain.lower().compile())
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:

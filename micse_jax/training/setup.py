@@ -87,7 +87,7 @@ def check_mlm_head(config, model_dir: str, has_head: bool) -> None:
 
 def check_against_model(config: ml_collections.ConfigDict, bert_config) -> None:
   """Checks that need the checkpoint's config: the AMI layers exist and are distinct."""
-  from micse_jax.models.bert import resolve_layers  # imports JAX: only when needed
+  from micse_jax.losses.ami import resolve_layers  # imports JAX: only when needed
   if config.ami.enabled:
     try:
       resolve_layers(config.ami.layers, bert_config.num_hidden_layers)

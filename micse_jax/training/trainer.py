@@ -66,7 +66,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
     raise ConfigError("population training runs on one host (several devices are fine)")
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
   runs = [prepare(c) for c in members.run_configs(config)]  # all input validation before the workdir is touched
-  prog, first = program.of_runs(config, runs), runs[0]
+  prog, first = program.compiled(program.of_runs(config, runs)), runs[0]
   os.makedirs(workdir, exist_ok=True)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   with session.phase("load"):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from micse_jax import augmentation
 from micse_jax.augmentation.add import ADD_IMPORTANCE
-from micse_jax.models.bert import collect_attentions, two_dropout_views
+from micse_jax.augmentation.dropout_views import two_dropout_views
+from micse_jax.models.bert import collect_attentions
 from micse_jax.tokenization import TOKEN_KEYS
 
 

@@ -7,8 +7,8 @@ compute dtype, the mask and softmax in float32, the probabilities cast back, eac
 `jax.random.bernoulli(key, 1 − rate, [B, heads, T, T])` says (flax's `Dropout`: the same key,
 hence the same bits) and the kept ones scaled by 1/(1 − rate), the context in the compute dtype.
 
-On CUDA `dropout_attention` runs that as one Pallas (Triton) kernel per (sentence, head): Q, K and
-V are read where the fused QKV projection wrote them (`[B, T, 3·heads·d]`, before its bias, which
+`dropout_attention` runs that as one Pallas (Triton) kernel per (sentence, head): Q, K and V
+are read where the fused QKV projection wrote them (`[B, T, 3·heads·d]`, before its bias, which
 the kernel adds: no head transposes, no bias kernel), the dropout bits are threefry-2x32 of the
 key and each probability's index in the `[B, heads, T, T]` draw (JAX's partitionable threefry,
 bit for bit), and the context is written as `[B, T, heads·d]`. Its gradient is a second kernel
@@ -16,10 +16,14 @@ that recomputes the probabilities from Q and K (the forward keeps only its keep 
 per probability: threefry in the backward kernel makes Triton's compile blow up), differentiates
 as JAX differentiates `reference` (the same roundings, float32 accumulation) and writes the Q, K
 and V gradients where the projection's columns are, with float32 column sums for the biases.
-Written with XLA ops the same work is, per layer, two head transposes, two batched GEMMs and the
-softmax forward, a hoisted threefry kernel, and backward four batched GEMMs, the softmax's
-backward, a transpose and a concatenate-transpose of dQKV (BENCHMARKS.md). Elsewhere (CPU, TPU)
-it is `reference`, differentiated by JAX: the explicit path's program.
+
+Why a kernel: written with XLA ops the same work is, per layer, two head transposes, two batched
+GEMMs and the softmax forward, a hoisted threefry kernel, and backward four batched GEMMs, the
+softmax's backward, a transpose and a concatenate-transpose of dQKV, each a round trip of the
+`[B, heads, T, T]` probabilities or the activations through memory; the kernels keep a (sentence,
+head)'s probabilities on chip. Where they run (`kernels/choice.py`): Triton on one CUDA GPU of
+compute capability >= 8.0, at the tested shapes; the interpreter in tests; `reference` (the
+explicit path, differentiated by JAX) everywhere else.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from micse_jax.models import attention
+from micse_jax.kernels import explicit_attention as attention
 
 KERNEL_NAME = "micse_dropout_attention"  # `aot/kernel_cost.py` prices the kernels by these names
 BACKWARD_KERNEL_NAME = "micse_dropout_attention_backward"
@@ -214,41 +218,31 @@ def _pallas_backward(projection, biases, key_mask, keep, cotangent, rate: float,
   return d_projection, tuple(d.astype(projection.dtype).astype(b.dtype) for d, b in zip(d_biases, biases))
 
 
-def kernel_takes(length: int, head_dim: int, dtype, random_bits: int, rng_impl: str) -> bool:
-  """Whether the kernels compute this layer: half precision (Triton's GEMMs), power-of-two
-  sequence length (one block, <= 128) and head dim (Pallas-Triton blocks), and flax's dropout draw
-  (32-bit words of the site's threefry key: the bits the kernel reproduces)."""
-  power_of_two = lambda n: n > 0 and n & (n - 1) == 0
-  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and power_of_two(length)
-          and length <= 128 and power_of_two(head_dim) and random_bits == 32 and rng_impl == "threefry")
-
-
 def _key_words(key):
   """A dropout key's two uint32 words (a typed threefry key or its raw data)."""
   return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
 
 
-def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int):
-  """`reference`'s context: the two kernels when lowered for CUDA (`jax.lax.platform_dependent`, so a
-  program compiled here for an absent GPU gets them too), `reference` differentiated by JAX elsewhere."""
-  kernels = lambda *args: _kernels(*args, rate, heads)
-  plain = lambda *args: reference(*args, rate, heads)
-  return jax.lax.platform_dependent(projection, biases, key_mask, _key_words(key), cuda=kernels, default=plain)
+def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int, interpret: bool = False):
+  """`reference`'s context, computed by the two kernels (with `interpret`, in Pallas' interpreter).
+  Where they run is `kernels/choice.py`'s to say; `reference` is the explicit path elsewhere."""
+  return _kernels(projection, biases, key_mask, _key_words(key), rate, heads, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _kernels(projection, biases, key_mask, words, rate: float, heads: int):
-  return _pallas(projection, biases, key_mask, words, rate, heads)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _kernels(projection, biases, key_mask, words, rate: float, heads: int, interpret: bool):
+  return _pallas(projection, biases, key_mask, words, rate, heads, interpret=interpret)
 
 
-def _kernels_forward(projection, biases, key_mask, words, rate, heads):
-  ctx, keep = _pallas(projection, biases, key_mask, words, rate, heads, save_keep=True)
+def _kernels_forward(projection, biases, key_mask, words, rate, heads, interpret):
+  ctx, keep = _pallas(projection, biases, key_mask, words, rate, heads, save_keep=True, interpret=interpret)
   return ctx, (projection, biases, key_mask, keep)
 
 
-def _kernels_backward(rate, heads, residuals, cotangent):
+def _kernels_backward(rate, heads, interpret, residuals, cotangent):
   projection, biases, key_mask, keep = residuals
-  d_projection, d_biases = _pallas_backward(projection, biases, key_mask, keep, cotangent, rate, heads)
+  d_projection, d_biases = _pallas_backward(projection, biases, key_mask, keep, cotangent, rate, heads,
+                                            interpret=interpret)
   return d_projection, d_biases, None, None
 
 

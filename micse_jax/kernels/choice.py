@@ -1,0 +1,141 @@
+"""Which path each attention layer takes, from what its program is compiled for: the rules in one place.
+
+A layer's path is one of
+  "explicit"        softmax(QKᵀ/√d + mask) as XLA ops, the probabilities materialised: whenever
+                    something reads them (AMI's sown layers) or `model.attention=explicit`;
+  "dropout_kernel"  `kernels/dropout_attention.py`'s Pallas kernels, for a layer that trains with
+                    dropout on its probabilities and nothing else reads them;
+  "cudnn"           cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`)
+                    for a layer without dropout whose probabilities nothing reads;
+  "xla"             XLA's own `jax.nn.dot_product_attention` for such a layer elsewhere.
+Every path computes the explicit path's values (the kernels: the same roundings and dropout bits;
+cuDNN and XLA's attention: the same function, without dropout).
+
+The kernels run only where they can and were tested: Pallas' Triton backend needs a CUDA GPU of
+compute capability 8.0 or more (XLA refuses Triton for Volta; the capability is read from the
+target's devices, so a deviceless `--aot v100` compile chooses as a real V100 would), the shapes
+and dtypes the kernels' tests cover (`KERNEL_LENGTHS`, `KERNEL_HEAD_DIMS`, `KERNEL_DTYPES`),
+flax's dropout draw (32-bit threefry words, the bits the kernel reproduces), and one device (a
+Pallas call is a custom call XLA's SPMD partitioner does not split by rows). cuDNN's flash
+attention also needs compute capability 8.0 and a shape cuDNN takes (`cudnn_takes`). The
+interpreter (`Target.interpret`) runs the kernels on any device for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+PATHS = ("explicit", "dropout_kernel", "cudnn", "xla")
+KERNEL_LENGTHS = (16, 32, 64, 128)    # sequence lengths the dropout-attention kernels are tested at
+KERNEL_HEAD_DIMS = (32, 64, 128)      # head dims likewise (Triton's dot needs >= 16)
+KERNEL_DTYPES = ("bfloat16", "float16")  # Triton's GEMMs take half precision
+MIN_COMPUTE_CAPABILITY = (8, 0)       # Pallas-Triton and cuDNN flash attention: Ampere and newer
+MAX_CUDNN_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What a program is compiled for, as far as the choice of kernels goes.
+
+  platform: "cuda", "rocm", "tpu" or "cpu"; compute_capability: CUDA's (major, minor), None
+  elsewhere; devices: how many devices the program spans; interpret: run the Pallas kernels in
+  Pallas' interpreter (any platform: the kernels' tests on CPU); own_kernels: False keeps our
+  Pallas kernels out whatever the device (the program built again after they failed to compile,
+  `training/program.compiled`).
+  """
+  platform: str = "cpu"
+  compute_capability: tuple[int, int] | None = None
+  devices: int = 1
+  interpret: bool = False
+  own_kernels: bool = True
+
+  @property
+  def ampere_or_newer(self) -> bool:
+    """A CUDA GPU of compute capability >= 8.0: where Triton and cuDNN's flash attention run."""
+    return self.platform == "cuda" and (self.compute_capability or (0, 0)) >= MIN_COMPUTE_CAPABILITY
+
+  @property
+  def pallas(self) -> bool:
+    """Whether the Pallas kernels may run: the interpreter, or Triton on one Ampere-or-newer GPU."""
+    return self.own_kernels and (self.interpret or (self.ampere_or_newer and self.devices == 1))
+
+  def describe(self) -> str:
+    """The target in a few words, for messages: "cuda sm 9.0", "cpu", "cuda sm 7.0 x8"."""
+    cc = ".".join(map(str, self.compute_capability)) if self.compute_capability else None
+    return self.platform + (f" sm {cc}" if cc else "") + (f" x{self.devices}" if self.devices > 1 else "")
+
+
+def _capability(device) -> tuple[int, int] | None:
+  text = getattr(device, "compute_capability", None)
+  if not text:
+    return None
+  major, _, minor = str(text).partition(".")
+  return int(major), int(minor or 0)
+
+
+def _platform(device) -> str:
+  """"cuda" for an NVIDIA GPU (real or a deviceless target's: both carry a compute capability)."""
+  platform = device.platform.lower()
+  if platform in ("gpu", "cuda"):
+    return "cuda" if _capability(device) else "rocm"
+  return platform
+
+
+def target_of(devices, interpret: bool = False) -> Target:
+  """The `Target` of a program placed on `devices` (this machine's, or a deviceless target's)."""
+  devices = list(devices)
+  first = devices[0]
+  return Target(_platform(first), _capability(first), len(devices), interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def local_target() -> Target:
+  """This process's default device, one of it: what a model built without a target runs on."""
+  return target_of(jax.devices()[:1])
+
+
+def kernel_takes(length: int, head_dim: int, dtype, random_bits: int, rng_impl: str) -> bool:
+  """Whether the dropout-attention kernels compute a layer of these shapes and dropout draw."""
+  return (length in KERNEL_LENGTHS and head_dim in KERNEL_HEAD_DIMS and jnp.dtype(dtype).name in KERNEL_DTYPES
+          and random_bits == 32 and rng_impl == "threefry")
+
+
+def _cudnn_attention(q, k, v, mask):
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_takes(q_shape: tuple, k_shape: tuple, mask_shape: tuple, dtype: str) -> bool:
+  """Whether cuDNN attention is installed here and accepts these `[B, T, heads, d]` shapes, the
+  mask broadcast to `[B, 1, T, S]`."""
+  head_dim = q_shape[-1]
+  if dtype not in KERNEL_DTYPES or head_dim % 8 or head_dim > MAX_CUDNN_HEAD_DIM:
+    return False
+  spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+  try:  # tracing checks the installed cuDNN and its shape rules; nothing runs
+    jax.eval_shape(_cudnn_attention, spec(q_shape, dtype), spec(k_shape, dtype), spec(k_shape, dtype),
+                   spec(mask_shape, jnp.bool_))
+  except (RuntimeError, NotImplementedError, ValueError, TypeError):
+    return False
+  return True
+
+
+def attention_path(target: Target | None, *, explicit: bool, reads_probabilities: bool, dropout: bool,
+                   q_shape: tuple, k_shape: tuple, dtype, random_bits: int = 32, rng_impl: str = "threefry") -> str:
+  """The path (`PATHS`) of one attention layer with `[B, T, heads, d]` queries and keys.
+
+  explicit: `model.attention=explicit`; reads_probabilities: the layer's probabilities are sown
+  (AMI); dropout: the layer drops probabilities in this call (train mode, rate > 0)."""
+  target = target or local_target()
+  if explicit or reads_probabilities:
+    return "explicit"
+  if dropout:
+    takes = kernel_takes(k_shape[1], k_shape[-1], dtype, random_bits, rng_impl)
+    return "dropout_kernel" if target.pallas and takes else "explicit"
+  mask_shape = (q_shape[0], 1, q_shape[1], k_shape[1])
+  if target.ampere_or_newer and cudnn_takes(tuple(q_shape), tuple(k_shape), mask_shape, jnp.dtype(dtype).name):
+    return "cudnn"
+  return "xla"

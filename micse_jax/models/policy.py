@@ -1,0 +1,40 @@
+"""How a `BertModel` computes, never what: one field (`BertModel.policy`) read by every layer.
+
+`attention` is `model.attention`: "fused" lets each attention layer take the fastest path that
+computes its values on the program's target (`kernels/choice.py`), "explicit" keeps every layer
+on the explicit softmax (the A/B of the kernels). `remat` is `model.remat` (`models/remat.py`).
+`target` is what the program is compiled for (`kernels/choice.Target`: the trainer's program
+takes it from its devices); None means this process's default device. No choice changes the
+parameter tree or the function computed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from micse_jax.kernels import choice
+from micse_jax.models.remat import REMAT_POLICIES
+
+ATTENTION_MODES = ("explicit", "fused")  # `model.attention`'s choices (config_checks reads this)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The attention mode, the rematerialisation and the compile target of a model (module docstring)."""
+  attention: str = "fused"
+  remat: str = "none"
+  target: choice.Target | None = None
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION_MODES:
+      raise ValueError(f"unsupported attention {self.attention!r}; expected one of {ATTENTION_MODES}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"unsupported remat {self.remat!r}; expected one of {sorted(REMAT_POLICIES)}")
+
+  def attention_path(self, **layer) -> str:
+    """`kernels/choice.attention_path` of one layer (its keywords but `explicit`) under this policy."""
+    return choice.attention_path(self.target, explicit=self.attention == "explicit", **layer)
+
+  @property
+  def interpret(self) -> bool:
+    """Whether the Pallas kernels run in the interpreter (tests)."""
+    return bool(self.target and self.target.interpret)
