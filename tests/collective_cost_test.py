@@ -138,3 +138,31 @@ def test_gpu_topology_makes_nodes_of_eight():
   assert targets.gpu_topology(16) == "2x1x8"
   with pytest.raises(ConfigError, match="multiple of 8"):
     targets.gpu_topology(12)
+
+
+def _tpu_fused_gather(between: int) -> str:
+  """XLA:TPU's form: an all-gather inside a fusion that starts it and one that waits for it (one
+  channel), `between` matmul fusions scheduled between them, on 8 v5e chips."""
+  group = "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
+  fused = "".join(
+      f"%gather_{part} (p.{part}: bf16[8,4096]) -> bf16[64,4096] {{\n  %p.{part} = bf16[8,4096]{{1,0}} parameter(0)\n"
+      f"  ROOT %all-gather.{part} = bf16[64,4096]{{1,0}} all-gather(%p.{part}), channel_id=7, {group}\n}}\n"
+      for part in ("start", "done"))
+  fused += ("%matmul (a: bf16[4096,4096]) -> bf16[4096,4096] {\n  %a = bf16[4096,4096]{1,0} parameter(0)\n"
+            "  ROOT %c = bf16[4096,4096]{1,0} convolution(%a, %a), dim_labels=bf_io->bf\n}\n")
+  lines = ["  %x = bf16[8,4096]{1,0} parameter(0)", "  %w = bf16[4096,4096]{1,0} parameter(1)",
+           "  %async-collective-start = bf16[64,4096]{1,0} fusion(%x), kind=kCustom, calls=%gather_start"]
+  lines += [f"  %mm.{i} = bf16[4096,4096]{{1,0}} fusion(%w), kind=kOutput, calls=%matmul" for i in range(between)]
+  lines += ["  ROOT %async-collective-done = bf16[64,4096]{1,0} fusion(%x), kind=kCustom, calls=%gather_done"]
+  return (f"HloModule jit_step, is_scheduled=true, num_partitions=8\n\n{fused}\n"
+          "ENTRY %main (x: bf16[8,4096], w: bf16[4096,4096]) -> bf16[64,4096] {\n" + "\n".join(lines) + "\n}\n")
+
+
+def test_a_tpu_collective_carried_through_fusions_is_hidden_by_the_matmuls_between():
+  price = 10e-6 + 7 / 8 * (8 * 4096 * 2 * 8) / (2 * 50e9)  # v5e 2x4: 2 links of 50 GB/s
+  hidden = time_model.predict(_tpu_fused_gather(between=2), "tpu-v5e")
+  assert hidden["predicted_collective_ms"] == pytest.approx(1e3 * price)
+  assert [c["name"] for c in hidden["collectives_priced"]] == ["async-collective-start"]  # one channel, once
+  assert hidden["predicted_exposed_collective_ms"] == pytest.approx(0.0, abs=1e-9)
+  bare = time_model.predict(_tpu_fused_gather(between=0), "tpu-v5e")
+  assert bare["predicted_exposed_collective_ms"] == pytest.approx(1e3 * price)

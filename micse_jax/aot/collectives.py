@@ -168,7 +168,8 @@ def device_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
 
 def num_devices(hlo_text: str) -> int:
   """Devices a compiled module runs on: its header's `num_partitions` x `replica_count` (1 if absent)."""
-  header = hlo_text.split("\n", 1)[0]
+  found = re.search(r"^HloModule[^\n]*", hlo_text, re.MULTILINE)
+  header = found.group(0) if found else ""
   count = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}=(\d+)", header)) else 1
   return count("num_partitions") * count("replica_count")
 
