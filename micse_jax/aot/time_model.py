@@ -166,32 +166,17 @@ def _ms_by(timed, attr: str) -> dict:
   return dict(total.most_common())
 
 
-_CONTAINERS = ("while", "call", "conditional")
-
-
 def _schedule(hlo_text: str, kernel_names: set, waits_at: dict) -> list[tuple[str, str]]:
   """[("kernel", name) | ("done", its start's name)] in the scheduled order of the entry
-  computation, the computations it runs walked in place (as `aot/hlo.kernels` walks them);
-  `waits_at`: {kernel: collective it waits for first} (a collective without a `-done`)."""
-  computations, entry = hlo.parse(hlo_text)
-  order, seen = [], set()
-
-  def walk(name: str):
-    if name in seen:
-      return
-    seen.add(name)
-    for ins in computations.get(name, ()):
-      if ins.opcode in _CONTAINERS:
-        for called in ins.called():
-          walk(called)
-      elif ins.name in kernel_names:
-        order.extend([("done", waits_at[ins.name])] if ins.name in waits_at else [])
-        order.append(("kernel", ins.name))
-      elif ins.opcode.endswith("-done") and kernel_cost.operands(ins):
-        order.append(("done", kernel_cost.operands(ins)[0]))
-
-  if entry is not None:
-    walk(entry)
+  computation (`aot/hlo.scheduled`); `waits_at`: {kernel: collective it waits for first} (a
+  collective without a `-done`)."""
+  order = []
+  for ins in hlo.scheduled(*hlo.parse(hlo_text)):
+    if ins.name in kernel_names:
+      order.extend([("done", waits_at[ins.name])] if ins.name in waits_at else [])
+      order.append(("kernel", ins.name))
+    elif ins.opcode.endswith("-done") and kernel_cost.operands(ins):
+      order.append(("done", kernel_cost.operands(ins)[0]))
   return order
 
 
