@@ -38,7 +38,8 @@ ROWS_FILE = "kit.jsonl"
 POINT_NAMES = ("b50", "b50_explicit", "b512", "k5")  # the kit's JAX points, in order
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
 PREDICTED_KEYS = ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
-                  "predicted_ms_by_kind", "predicted_ms_per_member_step")
+                  "predicted_ms_by_kind", "predicted_ms_per_member_step", "predicted_collective_ms",
+                  "predicted_exposed_collective_ms")
 
 
 def read_rows(paths: list[str]) -> list[dict]:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+from micse_jax.aot import collectives
 from micse_jax.aot.collectives import COLLECTIVE_KINDS, collective_table, shape_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,3 +76,29 @@ def test_compiled_function_on_four_fake_devices_gathers_the_known_size():
   assert table["all-gather"]["count"] == 1
   assert table["all-gather"]["max_bytes"] == 8 * 24 * 4
   assert sum(row["count"] for kind, row in table.items() if kind != "all-gather") == 0
+
+
+def test_replica_groups_in_every_form_xla_prints():
+  groups = collectives.device_groups
+  assert groups("all-reduce(%x), replica_groups={}, to_apply=%a", 4) == ((0, 1, 2, 3),)
+  assert groups("all-reduce(%x), to_apply=%a", 2) == ((0, 1),)
+  assert groups("replica_groups={{0,2},{1,3}}, to_apply=%a", 4) == ((0, 2), (1, 3))
+  # iota: arange(8) as [4,2], transposed, cut into 2 groups of 4
+  assert groups("replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%a", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert groups("replica_groups=[4,2]<=[8], to_apply=%a", 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+  # mesh axes: devices that share the other axes form a group
+  assert groups("replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, use_global_device_ids=true", 8) == \
+      (tuple(range(8)),)
+  assert groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, to_apply=%a", 8) == ((0, 4), (1, 5), (2, 6), (3, 7))
+  assert groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, to_apply=%a", 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
+  assert groups("replica_groups=mesh['a'=8] {'a':(2)2}, to_apply=%a", 8) == ((0, 2), (1, 3), (4, 6), (5, 7))
+
+
+def test_program_collectives_reads_sizes_groups_and_sync():
+  found = collectives.program_collectives(_HLO)
+  assert collectives.num_devices(_HLO) == 4
+  assert found["all-gather"].size == 2 * 16 * 4 * 4 and found["all-gather"].sync  # operand x 4 devices
+  assert found["all-gather-start"].size == 2 * 16 * 4 * 4 and not found["all-gather-start"].sync
+  assert found["all-reduce"].size == 2 * 16 * 4 + 4 * 3 * 2 and found["all-reduce"].groups == ((0, 1, 2, 3),)
+  assert found["rs"].kind == "reduce-scatter" and found["rs"].size == 8 * 16 * 4  # its input
+  assert set(found) == {"all-gather", "all-gather-start", "all-reduce", "all-to-all.1", "cp-start", "rs"}

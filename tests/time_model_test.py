@@ -172,9 +172,11 @@ def test_aot_hlo_predicts_a_saved_program(tmp_path, capsys):
   result = bench.main(["--aot_hlo", str(path), "--aot", "h100"])
   last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   for key in ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
-              "predicted_ms_by_kind", "bytes_per_step", "rng_hashes_per_step", "largest_kernels", "kernels_per_step"):
+              "predicted_ms_by_kind", "bytes_per_step", "rng_hashes_per_step", "largest_kernels", "kernels_per_step",
+              "predicted_collective_ms", "predicted_exposed_collective_ms", "collectives_priced"):
     assert key in last and key in result, key
   assert last["kernels_per_step"] == 1 and last["bytes_per_step"] == 16384
+  assert last["predicted_collective_ms"] == 0 and last["collectives_priced"] == []  # one device: no collective
 
 
 def test_aot_hlo_bad_file_is_one_error_line(tmp_path, capsys):

@@ -159,10 +159,11 @@ def _fused_phase(ins: Instruction, computations: dict[str, list[Instruction]]) -
   return votes.most_common(1)[0][0] if votes else NO_PHASE
 
 
-def kernels(hlo_text: str) -> list[Kernel]:
-  """The kernels of an optimised HLO module (see the module docstring), in program order."""
-  computations, entry = parse(hlo_text)
-  found, seen = [], set()
+def scheduled(computations: dict[str, list[Instruction]], entry: str | None):
+  """The instructions the entry computation executes, in program order (a scheduled module's
+  order): the computations it runs (`while` bodies and conditions, branches, `call`s such as a
+  command buffer) walked in place, each once; the containers themselves left out."""
+  seen = set()
 
   def walk(name: str):
     if name in seen:
@@ -171,18 +172,24 @@ def kernels(hlo_text: str) -> list[Kernel]:
     for ins in computations.get(name, ()):
       if ins.opcode in _CONTAINERS:
         for called in ins.called():
-          walk(called)
-      elif ins.opcode == "async-start":
-        wrapped = [i for c in ins.called() for i in computations.get(c, ()) if i.opcode not in _NO_WORK]
-        if wrapped:
-          found.append(Kernel(ins.name, kind_of(wrapped[-1], computations), _fused_phase(wrapped[-1], computations)))
-      elif ins.opcode in _NO_WORK or ins.opcode.endswith(("-done", "-update")):
-        continue
+          yield from walk(called)
       else:
-        found.append(Kernel(ins.name, kind_of(ins, computations), _fused_phase(ins, computations)))
+        yield ins
 
-  if entry is not None:
-    walk(entry)
+  return walk(entry) if entry is not None else iter(())
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+  """The kernels of an optimised HLO module (see the module docstring), in program order."""
+  computations, entry = parse(hlo_text)
+  found = []
+  for ins in scheduled(computations, entry):
+    if ins.opcode == "async-start":
+      wrapped = [i for c in ins.called() for i in computations.get(c, ()) if i.opcode not in _NO_WORK]
+      if wrapped:
+        found.append(Kernel(ins.name, kind_of(wrapped[-1], computations), _fused_phase(wrapped[-1], computations)))
+    elif ins.opcode not in _NO_WORK and not ins.opcode.endswith(("-done", "-update")):
+      found.append(Kernel(ins.name, kind_of(ins, computations), _fused_phase(ins, computations)))
   return found
 
 

@@ -1,8 +1,9 @@
 """The devices of a GPU or TPU that is not here, for a deviceless compile, and their memory.
 
 `jax.experimental.topologies.get_topology_desc` gives the devices of a GPU topology (from a
-`GpuTargetConfigProto`, the shipped `aot/targets/*.txtpb`, sources in `aot/targets/README.md`)
-or of a TPU slice (libtpu). They place shapes for `jax.jit(...).lower(...).compile()`, which then
+`GpuTargetConfigProto`, the shipped `aot/targets/*.txtpb`, sources in `aot/targets/README.md`;
+up to `GPUS_PER_NODE` GPUs are one NVLink node, more are whole nodes of it joined by the
+network) or of a TPU slice (libtpu; `tpu_slice` names the slice). They place shapes for `jax.jit(...).lower(...).compile()`, which then
 runs the target's whole compiler on this CPU (no autotuning: XLA's default tiles); nothing runs
 on them. Needs the optional extra `aot` (GPU: the jax-cuda13 plugin and PJRT wheels of the
 installed jax) or `tpu` (libtpu).
@@ -11,17 +12,21 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import math
 import re
 
 from micse_jax import optional
 from micse_jax.errors import ConfigError
 
 GPU_TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100": "a100.txtpb", "v100": "v100.txtpb"}
+GPUS_PER_NODE = 8  # an HGX / DGX board: 8 GPUs on NVLink (NVSwitch; a V100 board's hybrid cube mesh)
 TPU_TARGETS = {  # target -> (libtpu's chip name, slice shapes to pick the smallest that holds the devices)
     "tpu-v4": ("v4", ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")),
     "tpu-v5e": ("v5e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
+    "tpu-v5p": ("v5p", ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")),
     "tpu-v6e": ("v6e", ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
 }
+TPU_CORES_PER_CHIP = {"tpu-v4": 2}  # libtpu's v4 devices are its two TensorCores; the others one device a chip
 TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
 
 
@@ -52,21 +57,39 @@ def _require_cuda_plugin(target: str) -> None:
     optional.require_jax_match(f"jax-cuda{cuda}-{part}", f"--aot {target}")
 
 
+def gpu_topology(num_devices: int) -> str:
+  """The GPU topology of `num_devices` (XLA's "slices x hosts per slice x devices per host", a
+  slice being one NVLink domain): one node of up to `GPUS_PER_NODE`, else whole nodes."""
+  if num_devices <= GPUS_PER_NODE:
+    return f"1x1x{num_devices}"
+  if num_devices % GPUS_PER_NODE:
+    raise ConfigError(f"--devices {num_devices} on a GPU target: up to {GPUS_PER_NODE} GPUs (one node) or a "
+                      f"multiple of {GPUS_PER_NODE} (nodes of {GPUS_PER_NODE} joined by the network)")
+  return f"{num_devices // GPUS_PER_NODE}x1x{GPUS_PER_NODE}"
+
+
+def tpu_slice(target: str, num_devices: int) -> tuple[int, ...]:
+  """The chip grid of the smallest slice of `target` in `TPU_TARGETS` that holds `num_devices`
+  devices (a `ConfigError` when none does): what `target_devices` asks libtpu for."""
+  chip, shapes = TPU_TARGETS[target]
+  for shape in shapes:
+    dims = tuple(int(d) for d in shape.split("x"))
+    if math.prod(dims) * TPU_CORES_PER_CHIP.get(target, 1) >= num_devices:
+      return dims
+  raise ConfigError(f"--devices {num_devices} is more than the largest {target} slice here ({chip}:{shapes[-1]})")
+
+
 def target_devices(target: str, num_devices: int = 1) -> list:
   """`num_devices` devices of a topology of `target`, for placing shapes (never for running)."""
   from jax.experimental import topologies
   if target in GPU_TARGETS:
     _require_cuda_plugin(target)
     topo = topologies.get_topology_desc("aot", "cuda", target_config=gpu_target_config(target),
-                                        topology=f"1x1x{num_devices}")
+                                        topology=gpu_topology(num_devices))
     return list(topo.devices)[:num_devices]
   if target not in TPU_TARGETS:
     raise ConfigError(f"unknown --aot target {target!r}; expected one of {', '.join(TARGETS)}")
   optional.require("libtpu", f"--aot {target}")
   optional.require_jax_match("libtpu", f"--aot {target}")
-  chip, shapes = TPU_TARGETS[target]
-  for shape in shapes:
-    devices = list(topologies.get_topology_desc(f"{chip}:{shape}", "tpu").devices)
-    if len(devices) >= num_devices:
-      return devices[:num_devices]
-  raise ConfigError(f"--devices {num_devices} is more than the largest {target} slice here ({chip}:{shapes[-1]})")
+  shape = "x".join(str(d) for d in tpu_slice(target, num_devices))
+  return list(topologies.get_topology_desc(f"{TPU_TARGETS[target][0]}:{shape}", "tpu").devices)[:num_devices]

@@ -24,6 +24,15 @@ bandwidth or FLOPs at peak rate, the larger, summed, with no launch cost. Consta
 sources: docs/AOT.md, "The time model". A TPU program is read the same way (its fusions are its
 kernels; XLA:TPU runs the whole step as one program, so the per-kernel and host costs are small
 constants); TPU figures are not calibrated against a measurement.
+
+A collective is priced on the target's links, not as a kernel (`aot/interconnect.py`: NCCL's
+algorithms over NVLink and InfiniBand, a TPU slice's ICI; `predicted_collective_ms`, before any
+overlap). The step's device time follows the scheduled program (`_timeline`): kernels run one
+after another on the compute stream; an asynchronous collective starts where its `-start` is
+scheduled (once the previous collective is done: one communication stream) and the compute
+stream waits at its `-done` only for what the kernels scheduled between them did not cover; a
+synchronous one is waited for at once. What the compute stream waits is the exposed collective
+time (`predicted_exposed_collective_ms`), part of the device time; the rest is hidden.
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ import json
 import sys
 
 from micse_jax import jsonio
-from micse_jax.aot import kernel_cost
+from micse_jax.aot import collectives, hlo, interconnect, kernel_cost
 from micse_jax.errors import ConfigError
 
 # One set of constants for every GPU target and point. The efficiencies and per-kernel costs are
@@ -89,6 +98,7 @@ DEVICES = {
     # Google Cloud TPU system architecture pages: bf16 peak and HBM bandwidth per chip.
     "tpu-v4": Device("TPU v4", 1.2e12, {"bf16": 275e12, "f32": 275e12 / 6, "tf32": 275e12 / 3}, 0, "tpu", 32e9),
     "tpu-v5e": Device("TPU v5e", 0.819e12, {"bf16": 197e12, "f32": 197e12 / 6, "tf32": 197e12 / 3}, 0, "tpu", 16e9),
+    "tpu-v5p": Device("TPU v5p", 2.765e12, {"bf16": 459e12, "f32": 459e12 / 6, "tf32": 459e12 / 3}, 0, "tpu", 95e9),
     "tpu-v6e": Device("TPU v6e", 1.64e12, {"bf16": 918e12, "f32": 918e12 / 6, "tf32": 918e12 / 3}, 0, "tpu", 32e9),
 }
 
@@ -156,17 +166,71 @@ def _ms_by(timed, attr: str) -> dict:
   return dict(total.most_common())
 
 
+def _schedule(hlo_text: str, kernel_names: set, waits_at: dict) -> list[tuple[str, str]]:
+  """[("kernel", name) | ("done", its start's name)] in the scheduled order of the entry
+  computation (`aot/hlo.scheduled`); `waits_at`: {kernel: collective it waits for first} (a
+  collective without a `-done`)."""
+  order = []
+  for ins in hlo.scheduled(*hlo.parse(hlo_text)):
+    if ins.name in kernel_names:
+      order.extend([("done", waits_at[ins.name])] if ins.name in waits_at else [])
+      order.append(("kernel", ins.name))
+    elif ins.opcode.endswith("-done") and kernel_cost.operands(ins):
+      order.append(("done", kernel_cost.operands(ins)[0]))
+  return order
+
+
+def _timeline(order, compute: dict, priced: dict, sync: set) -> dict:
+  """{collective: seconds the compute stream waits for it}: kernels back to back on the compute
+  stream, collectives one at a time on a communication stream from their `-start`, waited for at
+  their `-done` (a synchronous one at once; one never waited for, at the step's end)."""
+  now, link_free, ends, waited = 0.0, 0.0, {}, dict.fromkeys(priced, 0.0)
+
+  def wait(name):
+    nonlocal now
+    end = ends.pop(name, now)
+    waited[name] += max(0.0, end - now)
+    now = max(now, end)
+
+  for event, name in order:
+    if event == "done":
+      if name in priced:  # an async copy's `-done` is no collective
+        wait(name)
+    elif name in priced:
+      link_free = ends[name] = max(now, link_free) + priced[name]
+      if name in sync:
+        wait(name)
+    else:
+      now += compute[name]
+  for name in list(ends):
+    wait(name)
+  return waited
+
+
+def _priced_collectives(hlo_text: str, target: str) -> tuple[dict, dict]:
+  """({kernel name: `collectives.Collective`}, {kernel name: (seconds, algorithm)}) on `target`'s links."""
+  found = collectives.program_collectives(hlo_text)
+  devices = collectives.num_devices(hlo_text)
+  return found, {name: interconnect.seconds(c, target, devices) for name, c in found.items()}
+
+
 def predict(hlo_text: str, target: str, top: int = 20, members: int = 1) -> dict:
   """The predicted step of an optimised HLO module on `target` (a key of `DEVICES`), JSON-able:
   `predicted_step_ms` (pipelined, as the trainer runs), `predicted_blocked_step_ms`, `floor_ms`,
-  by phase and kind, bytes, FLOPs and threefry hashes per step, the `top` largest kernels;
+  by phase and kind, bytes, FLOPs and threefry hashes per step, the `top` largest kernels,
+  collectives priced (`predicted_collective_ms`) and exposed (`predicted_exposed_collective_ms`);
   `members` > 1 (a population step) adds `predicted_ms_per_member_step`."""
   device = DEVICES[target]
-  timed = [(c, kernel_seconds(c, device)) for c in kernel_cost.costs(hlo_text)]
+  costs = kernel_cost.costs(hlo_text)
+  found, priced = _priced_collectives(hlo_text, target)
+  compute = {c.name: kernel_seconds(c, device) for c in costs if c.name not in priced}
+  order = _schedule(hlo_text, {c.name for c in costs}, {c.done: k for k, c in found.items() if c.done})
+  waited = _timeline(order, compute, {k: s for k, (s, _) in priced.items()}, {k for k, c in found.items() if c.sync})
+  timed = [(c, waited[c.name] if c.name in priced else compute[c.name]) for c in costs]
   device_s = sum(s for _, s in timed)
   host_s = host_seconds(len(timed), device)
   largest = sorted(timed, key=lambda x: -x[1])[:top]
-  floor_s = sum(floor_seconds(c, device) for c, _ in timed)
+  floor_s = sum(floor_seconds(c, device) for c in costs if c.name not in priced)
   extra = {"predicted_ms_per_member_step": 1e3 * max(device_s, host_s) / members} if members > 1 else {}
   return {
       "time_model_target": target, "time_model_device": device.name, **extra,
@@ -174,6 +238,12 @@ def predict(hlo_text: str, target: str, top: int = 20, members: int = 1) -> dict
       "predicted_blocked_step_ms": 1e3 * (device_s + host_s),
       "predicted_device_ms": 1e3 * device_s, "predicted_host_ms": 1e3 * host_s,
       "floor_ms": 1e3 * floor_s,
+      "predicted_collective_ms": 1e3 * sum(s for s, _ in priced.values()),
+      "predicted_exposed_collective_ms": 1e3 * sum(waited.values()),
+      "interconnect": interconnect.links(target),
+      "collectives_priced": [{"name": k, "kind": c.kind, "bytes": c.size, "devices": max(map(len, c.groups)),
+                              "algorithm": priced[k][1], "ms": 1e3 * priced[k][0], "exposed_ms": 1e3 * waited[k]}
+                             for k, c in found.items()],
       "predicted_ms_by_phase": _ms_by(timed, "phase"), "predicted_ms_by_kind": _ms_by(timed, "kind"),
       "bytes_per_step": sum(c.bytes for c, _ in timed), "flops_per_step": sum(c.flops for c, _ in timed),
       "rng_hashes_per_step": sum(c.rounds for c, _ in timed) / kernel_cost.ROUNDS_PER_HASH,
@@ -229,6 +299,8 @@ def report_lines(p: dict) -> list[str]:
            f"(predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
            + (f"; {p['predicted_ms_per_member_step']:.2f} ms per member-step"
               if "predicted_ms_per_member_step" in p else ""),
+           f"    collectives {p['predicted_collective_ms']:.2f} ms priced, "
+           f"{p['predicted_exposed_collective_ms']:.2f} ms exposed ({p['interconnect']})",
            f"    {p['bytes_per_step'] / 1e9:.2f} GB moved, {p['flops_per_step'] / 1e12:.2f} TFLOP, "
            f"{p['rng_hashes_per_step'] / 1e6:.0f} M threefry hashes, {p['kernels_per_step']} kernels per step",
            "    predicted ms by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in p["predicted_ms_by_phase"].items()),
