@@ -275,8 +275,17 @@ def kit_markdown(rows: list[dict], steps) -> str:
     failed = [name for name, outcome in tests.get("outcomes", {}).items() if outcome in ("failed", "error")]
     if failed:
       lines.append(f"- failed: {', '.join(failed)}")
+    if tests.get("timed_out"):
+      lines.append(f"- cut at its time-out after: {', '.join(tests.get('outcomes', {})) or 'no test'}")
     if not tests["passed"]:
       lines += ["", "```", tests["tail"][-1500:], "```"]
+    trial = tests.get("trial")
+    if trial:
+      outcomes = ", ".join(f"{name} {outcome}" for name, outcome in trial.get("outcomes", {}).items())
+      lines.append(f"- trial GPU tests (kernel uses not taken yet; they decide nothing): {outcomes or 'none ran'}"
+                   + (" (cut at the time-out)" if trial.get("timed_out") else ""))
+      if not trial["passed"]:
+        lines += ["", "```", trial["tail"][-1500:], "```"]
   for r in (r for r in last.values() if not r["ok"] and r.get("tail")):
     lines += ["", f"## {r['step']} failed", "", "```", r["tail"][-1500:], "```"]
   return "\n".join(lines) + "\n\n" + summary_markdown(s)

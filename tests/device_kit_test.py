@@ -194,15 +194,14 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
   state, out = tmp_path / "state", tmp_path / "out"
   kit_report_rows = lambda: kit_report.read_rows([str(state / kit_report.ROWS_FILE)])
   kit.main([str(out), "--state", str(state), "--budget_s", "79"])  # 80 s and longer steps do not fit
-  assert ran == ["caches", "b50", "b50_explicit", "b512", "ceilings", "b50_torch_eager", "b50_torch_compiled",
-                 "b512_torch_eager"]
-  failed = kit_report.latest(kit_report_rows())["b512"]
-  assert not failed["ok"] and "simulated failure" in failed["error"] and "Traceback" in failed["tail"]
+  assert ran == ["caches", "b50_explicit", "ceilings", "b50_torch_eager", "b50_torch_compiled", "b512_torch_eager"]
   with open(state / kit_report.ROWS_FILE, "a") as f:  # a process that died inside a step
     f.write(json.dumps({"step": "gpu_tests", "started": True}) + "\n")
   ran.clear()
   kit.main([str(out), "--state", str(state), "--budget_s", "600"])
-  assert ran == ["k5", "b512_torch_compiled"]  # gpu_tests: died, recorded, not retried
+  assert ran == ["b50", "b512", "k5", "b512_torch_compiled"]  # gpu_tests: died, recorded, not retried
+  failed = kit_report.latest(kit_report_rows())["b512"]
+  assert not failed["ok"] and "simulated failure" in failed["error"] and "Traceback" in failed["tail"]
   assert "the process died during this step" in kit_report.latest(kit_report_rows())["gpu_tests"]["error"]
   ran.clear()
   kit.main([str(out), "--state", str(state), "--retry", "--steps", "b512,gpu_tests,b50"])
@@ -343,3 +342,22 @@ def test_kit_runs_in_an_image_like_venv_with_only_the_kits_wheels_added(tmp_path
                         capture_output=True, text=True, timeout=3600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   _check_dry_run(out)
+
+
+def test_gpu_tests_cut_at_their_time_out_say_what_ran_and_leave_no_process_behind(tmp_path):
+  """At the time-out the child gets SIGINT (pytest then reports what ran so far), and its whole
+  process group, a grandchild that ignores SIGINT included, is killed before the timed points."""
+  pid_file = tmp_path / "grandchild.pid"
+  child = ("import signal, subprocess, sys, time\n"
+           "g = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+           "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)'])\n"
+           f"open({str(pid_file)!r}, 'w').write(str(g.pid))\n"
+           "print('tests/a_test.py::test_one PASSED', flush=True)\n"
+           "try:\n  time.sleep(60)\nexcept KeyboardInterrupt:\n  print('interrupted: 1 passed', flush=True)\n")
+  returncode, output = kit._interruptible([sys.executable, "-c", child], timeout_s=3, grace_s=5)
+  assert returncode is None and "interrupted: 1 passed" in output
+  assert kit._LIVE_OUTCOME.findall(output) == [("tests/a_test.py::test_one", "PASSED")]
+  grandchild = int(pid_file.read_text())
+  state = open(f"/proc/{grandchild}/stat").read().split()[2] if os.path.exists(f"/proc/{grandchild}") else "gone"
+  assert state in ("gone", "Z", "X")
+  assert kit._interruptible([sys.executable, "-c", "print('quick')"], timeout_s=30) == (0, "quick\n")

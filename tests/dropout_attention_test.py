@@ -188,10 +188,10 @@ H100, A100, V100 = choice.Target("cuda", (9, 0)), choice.Target("cuda", (8, 0)),
 
 
 def _path(target, explicit=False, sown=False, dropout=True, length=32, head_dim=64, dtype=jnp.bfloat16, bits=32,
-          impl="threefry"):
+          impl="threefry", remat="none"):
   shape = (4, length, 12, head_dim)
   return choice.attention_path(target, explicit=explicit, reads_probabilities=sown, dropout=dropout, q_shape=shape,
-                               k_shape=shape, dtype=dtype, random_bits=bits, rng_impl=impl)
+                               k_shape=shape, dtype=dtype, random_bits=bits, rng_impl=impl, remat=remat)
 
 
 @pytest.mark.parametrize("target,kwargs,path", [
@@ -206,6 +206,8 @@ def _path(target, explicit=False, sown=False, dropout=True, length=32, head_dim=
     (H100, {"bits": 16}, "explicit"), (H100, {"length": 48}, "explicit"), (H100, {"length": 256}, "explicit"),
     (H100, {"length": 8}, "explicit"), (H100, {"head_dim": 16}, "explicit"), (H100, {"head_dim": 96}, "explicit"),
     (H100, {"sown": True}, "explicit"), (H100, {"explicit": True}, "explicit"),
+    (H100, {"remat": "layer"}, "explicit"), (H100, {"remat": "full"}, "explicit"),  # not proven on a GPU yet
+    (INTERPRET, {"remat": "full"}, "dropout_kernel"),
     (V100, {"dtype": jnp.float16, "dropout": False}, "xla"),           # no cuDNN flash attention either
     (choice.Target("tpu"), {"dropout": False}, "xla"),
     (H100, {"dropout": False, "dtype": jnp.float32}, "xla"),
@@ -404,20 +406,19 @@ def test_on_gpu_the_kernels_run_and_match_reference(length, head_dim, dtype):
 
   args = (projection, biases, key_mask, words, cotangent)  # arguments, not constants XLA would fold
 
-  def run(fn, projection, biases, key_mask, words, cotangent):
+  def run(fn, keep_mask, projection, biases, key_mask, words, cotangent):
     value, pullback = jax.vjp(lambda p, b: fn(p, b, key_mask, words, rate, heads), projection, biases)
-    return value, pullback(cotangent)
+    return value, pullback(cotangent), keep_mask(projection, biases, key_mask, words)
 
-  kernels = jax.jit(functools.partial(run, da.dropout_attention))
+  kernels = jax.jit(functools.partial(run, da.dropout_attention,
+                                      lambda *a: da._pallas(*a, rate, heads, save_keep=True)[1]))
   text = kernels.lower(*args).compile().as_text()
   assert f"{da.KERNEL_NAME}_h{heads}" in text and f"{da.BACKWARD_KERNEL_NAME}_h{heads}" in text
-  forward = jax.jit(lambda p, b, m, w: da._pallas(p, b, m, w, rate, heads, save_keep=True))
-  _, keep = forward(*args[:4])
-  want_keep = jax.jit(lambda w: _bernoulli(w, rate, (batch, heads, length, length)))(words)
+  (ctx, (d_projection, d_biases), keep), (want, (want_projection, want_biases), want_keep) = kernels(*args), jax.jit(
+      functools.partial(run, da.reference, lambda p, b, m, w: _bernoulli(w, rate, (batch, heads, length, length))))(
+          *args)
   np.testing.assert_array_equal(np.asarray(keep), np.asarray(want_keep).astype(np.int8))
   assert abs(float(np.mean(keep)) - (1 - rate)) < 4 / math.sqrt(keep.size)
-  (ctx, (d_projection, d_biases)), (want, (want_projection, want_biases)) = kernels(*args), jax.jit(
-      functools.partial(run, da.reference))(*args)
   _assert_close_in_norm(ctx, want, 4 * ULP[jnp.dtype(dtype).name])
   _assert_gradients_match(d_projection, d_biases, want_projection, want_biases, dtype, op_by_op=False)
 
@@ -429,9 +430,16 @@ def test_on_gpu_population_members_keep_their_own_masks_and_gradients():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("remat,cls_only", [("none", True), ("layer", False), ("full", True)])
-def test_on_gpu_a_model_with_the_kernels_is_the_explicit_model(remat, cls_only):
-  _check_model(remat, cls_only, _gpu(), exact=False)
+def test_on_gpu_a_model_with_the_kernels_is_the_explicit_model():
+  _check_model("none", True, _gpu(), exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.trial
+@pytest.mark.parametrize("remat,cls_only", [("layer", False), ("full", True)])
+def test_on_gpu_trial_a_rematerialised_model_with_the_kernels_is_the_explicit_model(remat, cls_only):
+  """What `choice.KERNEL_REMAT` waits for: the kernels inside rematerialised layers on a GPU."""
+  _check_model(remat, cls_only, dataclasses.replace(_gpu(), trial=True), exact=False)
 
 
 @pytest.mark.gpu

@@ -15,8 +15,9 @@ The kernels run only where they can and were tested: Pallas' Triton backend need
 compute capability 8.0 or more (XLA refuses Triton for Volta; the capability is read from the
 target's devices, so a deviceless `--aot v100` compile chooses as a real V100 would), the shapes
 and dtypes the kernels' tests cover (`KERNEL_LENGTHS`, `KERNEL_HEAD_DIMS`, `KERNEL_DTYPES`),
-flax's dropout draw (32-bit threefry words, the bits the kernel reproduces), and one device (a
-Pallas call is a custom call XLA's SPMD partitioner does not split by rows). cuDNN's flash
+flax's dropout draw (32-bit threefry words, the bits the kernel reproduces), layers that are not
+rematerialised (`KERNEL_REMAT`), and one device (a Pallas call is a custom call XLA's SPMD
+partitioner does not split by rows). cuDNN's flash
 attention also needs compute capability 8.0 and a shape cuDNN takes (`cudnn_takes`). The
 interpreter (`Target.interpret`) runs the kernels on any device for tests.
 """
@@ -32,6 +33,10 @@ PATHS = ("explicit", "dropout_kernel", "cudnn", "xla")
 KERNEL_LENGTHS = (16, 32, 64, 128)    # sequence lengths the dropout-attention kernels are tested at
 KERNEL_HEAD_DIMS = (32, 64, 128)      # head dims likewise (Triton's dot needs >= 16)
 KERNEL_DTYPES = ("bfloat16", "float16")  # Triton's GEMMs take half precision
+# `model.remat` policies the kernels passed their GPU test under: rematerialised layers (`layer`,
+# `full`) failed it on an H200 (jax 0.11.2) while the interpreter agrees with the explicit path, so
+# they keep the explicit path on a GPU until a lent GPU shows why (the interpreter still runs them)
+KERNEL_REMAT = ("none",)
 MIN_COMPUTE_CAPABILITY = (8, 0)       # Pallas-Triton and cuDNN flash attention: Ampere and newer
 MAX_CUDNN_HEAD_DIM = 128
 
@@ -44,13 +49,15 @@ class Target:
   elsewhere; devices: how many devices the program spans; interpret: run the Pallas kernels in
   Pallas' interpreter (any platform: the kernels' tests on CPU); own_kernels: False keeps our
   Pallas kernels out whatever the device (the program built again after they failed to compile,
-  `training/program.compiled`).
+  `training/program.compiled`); trial: also where they are not proven yet (`KERNEL_REMAT`): the GPU
+  tests that would prove them.
   """
   platform: str = "cpu"
   compute_capability: tuple[int, int] | None = None
   devices: int = 1
   interpret: bool = False
   own_kernels: bool = True
+  trial: bool = False
 
   @property
   def ampere_or_newer(self) -> bool:
@@ -124,17 +131,20 @@ def cudnn_takes(q_shape: tuple, k_shape: tuple, mask_shape: tuple, dtype: str) -
 
 
 def attention_path(target: Target | None, *, explicit: bool, reads_probabilities: bool, dropout: bool,
-                   q_shape: tuple, k_shape: tuple, dtype, random_bits: int = 32, rng_impl: str = "threefry") -> str:
+                   q_shape: tuple, k_shape: tuple, dtype, random_bits: int = 32, rng_impl: str = "threefry",
+                   remat: str = "none") -> str:
   """The path (`PATHS`) of one attention layer with `[B, T, heads, d]` queries and keys.
 
   explicit: `model.attention=explicit`; reads_probabilities: the layer's probabilities are sown
-  (AMI); dropout: the layer drops probabilities in this call (train mode, rate > 0)."""
+  (AMI); dropout: the layer drops probabilities in this call (train mode, rate > 0); remat: the
+  layer's `model.remat` policy."""
   target = target or local_target()
   if explicit or reads_probabilities:
     return "explicit"
   if dropout:
     takes = kernel_takes(k_shape[1], k_shape[-1], dtype, random_bits, rng_impl)
-    return "dropout_kernel" if target.pallas and takes else "explicit"
+    proven = target.interpret or target.trial or remat in KERNEL_REMAT
+    return "dropout_kernel" if target.pallas and takes and proven else "explicit"
   mask_shape = (q_shape[0], 1, q_shape[1], k_shape[1])
   if target.ampere_or_newer and cudnn_takes(tuple(q_shape), tuple(k_shape), mask_shape, jnp.dtype(dtype).name):
     return "cudnn"

@@ -32,7 +32,7 @@ class Policy:
 
   def attention_path(self, **layer) -> str:
     """`kernels/choice.attention_path` of one layer (its keywords but `explicit`) under this policy."""
-    return choice.attention_path(self.target, explicit=self.attention == "explicit", **layer)
+    return choice.attention_path(self.target, explicit=self.attention == "explicit", remat=self.remat, **layer)
 
   @property
   def interpret(self) -> bool:
