@@ -66,6 +66,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
     raise ConfigError("population training runs on one host (several devices are fine)")
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
   runs = [prepare(c) for c in members.run_configs(config)]  # all input validation before the workdir is touched
+  caches.announce_unusable()  # a cache folder that cannot be written: one line, the run goes on without it
   prog, first = program.compiled(program.of_runs(config, runs)), runs[0]
   os.makedirs(workdir, exist_ok=True)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
