@@ -18,6 +18,8 @@ flags.DEFINE_string("checkpoint", "best", "For a workdir: best | latest | a step
 flags.DEFINE_string("output", None, "Directory for the PNGs and analysis.json.")
 flags.DEFINE_string("senteval_dir", None, "SentEval data (default: $MICSE_DATA_DIR/senteval, "
                     "else shared/data/senteval in or above the working directory).")
+flags.DEFINE_boolean("allow_stopped", False, "Analyze a population member that stopped (a non-finite update) "
+                     "anyway, in its state from before it stopped.")
 flags.DEFINE_integer("num_sentences", 64, "STS-B test sentences whose attention is histogrammed.")
 flags.DEFINE_integer("seed", 0, "Dropout / sampling seed.")
 flags.DEFINE_string("pooler", "cls_before_pooler", "Embedding pooler.")
@@ -40,7 +42,7 @@ def main(argv):
   with cli.input_errors_as_one_line():  # bad input only (MicseError); anything else keeps its traceback
     stsb = senteval_data.load_stsb(senteval_dir)["test"]
     checkpoint = int(FLAGS.checkpoint) if FLAGS.checkpoint.isdigit() else FLAGS.checkpoint
-    encoder = load_encoder(FLAGS.model, checkpoint)
+    encoder = load_encoder(FLAGS.model, checkpoint, allow_stopped=FLAGS.allow_stopped)
   os.makedirs(FLAGS.output, exist_ok=True)
   encode = lambda s: encoder.encode(s, FLAGS.pooler)
   sentences = list(dict.fromkeys(stsb.sentences1 + stsb.sentences2))

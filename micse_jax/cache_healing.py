@@ -17,6 +17,10 @@ entry costs a full compile in every later run. `install()` wraps two functions o
 A damaged entry is removed (with its LRU access-time file) unless another process replaced it
 since it was read, with one warning line naming it; JAX then compiles the program and stores
 it again, so the next run is warm. `jax_raise_persistent_cache_errors` still raises.
+
+A cache folder that stops working mid-run (made read-only, a lock file not ours to write, a folder
+that cannot be created: an `OSError` from the file cache) is one warning line for the run, which
+goes on without the cache, instead of JAX's warning per program read and per program written.
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ class VerifiedCache:
   def __init__(self, base):
     self._base = base
     self._read_stats: dict[str, tuple] = {}  # key -> the entry file's (inode, size, mtime) when read
+    self.failed = False  # the folder failed once: the rest of the run goes on without it
 
   @property
   def _path(self):
@@ -85,11 +90,19 @@ class VerifiedCache:
     return None if "://" in folder else os.path.join(folder, key + _suffix("_CACHE_SUFFIX", "-cache"))
 
   def get(self, key: str) -> bytes | None:
-    """The verified value of `key`; None when absent or damaged (then healed)."""
+    """The verified value of `key`; None when absent or damaged (then healed), or when the folder
+    cannot be used (`give_up`)."""
+    if self.failed:
+      return None
     stat = _stat_key(self.entry_file(key))
     if stat is not None:
       self._read_stats[key] = stat
-    blob = self._base.get(key)
+    try:
+      blob = self._base.get(key)
+    except FileNotFoundError:  # removed since (eviction, another run's healing): a miss
+      return None
+    except OSError as e:
+      return self.give_up(e)
     if blob is None:
       return None
     value = unseal(blob)
@@ -99,12 +112,24 @@ class VerifiedCache:
 
   def put(self, key: str, value: bytes) -> None:
     """Stores `value` sealed; atomically where JAX would write in place without its lock."""
+    if self.failed:
+      return
     blob = seal(value)
     path = self.entry_file(key)
-    if path is None or getattr(self._base, "eviction_enabled", True) is not False:
-      self._base.put(key, blob)
-    elif not os.path.exists(path):  # as JAX: an existing entry is kept
-      _write_atomically(path, blob)
+    try:
+      if path is None or getattr(self._base, "eviction_enabled", True) is not False:
+        self._base.put(key, blob)
+      elif not os.path.exists(path):  # as JAX: an existing entry is kept
+        _write_atomically(path, blob)
+    except OSError as e:
+      self.give_up(e)
+
+  def give_up(self, error: OSError) -> None:
+    """The rest of the run goes on without this cache folder, said in one line (not JAX's warning
+    per program)."""
+    self.failed = True
+    folder = str(getattr(self._base, "path", None) or self._base._path)
+    logging.warning(failed_line(folder, error))
 
   def clear(self):
     """The base cache's `clear`, where it has one."""
@@ -132,6 +157,14 @@ class VerifiedCache:
     return True
 
 
+def failed_line(folder: str, error: OSError) -> str:
+  """The one line for a compilation-cache folder that cannot be used from some point of a run on."""
+  reason = f"{error.strerror or type(error).__name__}: {error.filename or folder}"
+  return (f"the compilation cache {folder} cannot be used ({reason}): this run goes on without it (nothing "
+          "cached, nothing read); make it a writable folder, or point --config.cache.dir at one "
+          "(--config.cache.compilation=False turns it off)")
+
+
 def _write_atomically(path: str, blob: bytes) -> None:
   """`blob` into `path` through a temporary file beside it (mode 0666 less the umask), then rename."""
   tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
@@ -155,7 +188,11 @@ def _verified(cache) -> VerifiedCache | None:
 def _wrap_file_cache(original):
   @functools.wraps(original)
   def get_file_cache(path, *args, **kwargs):
-    made = original(path, *args, **kwargs)
+    try:
+      made = original(path, *args, **kwargs)
+    except OSError as e:  # the folder cannot be created: no cache this run, one line (JAX would warn per program)
+      logging.warning(failed_line(str(path), e))
+      return None
     if made is None:
       return None
     cache, rest = (made[0], made[1:]) if isinstance(made, tuple) else (made, None)

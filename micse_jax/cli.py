@@ -5,6 +5,11 @@ Every program (`micse-train`, `micse-evaluate`, `micse-convert`, `micse-sweep`,
 `micse-prepare-data`, `micse-analyze`) is a module with absl flags, a `main(argv)` and
 `run() = cli.run_program(main, ...)`, the console-script entry point and `__main__`.
 
+`--help` (`-?`, `--helpshort`, `--helpfull`, `--helpxml`) prints the flags and exits 0. A
+`--config.FIELD=VALUE` override is one whole value, for every field: given twice, the last one
+replaces the first (ml_collections would concatenate a repeated tuple field's values, so adding an
+override to a command that has one would train another run than the one asked for).
+
 The rule: bad input (a `MicseError`, or a flag/override that does not parse) is reported as
 one `error: ...` line on stderr with a non-zero exit; anything else is a bug and keeps its
 traceback. Errors are caught only while flags are parsed and around the `MicseError`-raising
@@ -55,29 +60,42 @@ def _jax_plugins() -> list[str]:
   return sorted(names)
 
 
-def cpu_when_no_gpu() -> bool:
-  """Chooses JAX's CPU platform before JAX initialises when the only accelerator plugins are
-  CUDA ones and JAX itself sees no NVIDIA GPU (`hardware_utils.has_visible_nvidia_gpu`, the
-  test JAX applies before it would start the CUDA backend): JAX would use the CPU anyway, and the
-  CUDA plugin's version check, which fails without a GPU driver, prints a long traceback. The
-  JAX docs' way (`JAX_PLATFORMS=cpu`), set in-process only; an explicit `JAX_PLATFORMS`, a TPU or
-  another plugin, or a visible GPU leave JAX's own choice alone. True when CPU was chosen."""
+def _tpu_library_installed() -> bool:
+  """Whether libtpu (the `tpu` extra: TPU VMs, deviceless TPU compiles) is importable."""
   import importlib.util
-  if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is not None:
+  return importlib.util.find_spec("libtpu") is not None
+
+
+def cpu_when_no_gpu() -> bool:
+  """Chooses JAX's CPU platform before JAX initialises when no accelerator is here, whatever of the
+  plugins we know is installed: the CUDA plugins without an NVIDIA GPU that JAX itself sees
+  (`hardware_utils.has_visible_nvidia_gpu`, the test JAX applies before it would start the CUDA
+  backend), libtpu without a TPU chip (JAX's own test, `num_available_tpu_chips_and_device_id`, as
+  `cloud_tpu_init`; `JAX_FORCE_TPU_INIT` counts as a TPU). JAX would use the CPU anyway, but the
+  CUDA plugin's version check, which fails without a GPU driver, prints a long traceback and
+  libtpu warns about the TPU environment it does not find. The JAX docs' way (`JAX_PLATFORMS=cpu`),
+  set in-process only; an explicit `JAX_PLATFORMS`, another plugin or an accelerator that is here
+  leave JAX's own choice alone. A deviceless compile (`bench --aot`) loads its plugin by itself.
+  True when CPU was chosen."""
+  if "JAX_PLATFORMS" in os.environ:
     return False
-  plugins = _jax_plugins()
-  if not plugins or any(not name.startswith("xla_cuda") for name in plugins):
+  plugins, tpu_library = _jax_plugins(), _tpu_library_installed()
+  if not (plugins or tpu_library) or any(not name.startswith("xla_cuda") for name in plugins):
     return False
   import jax
   try:
     from jax._src import hardware_utils, xla_bridge
-    if jax.config.jax_platforms or xla_bridge.backends_are_initialized() \
-        or hardware_utils.has_visible_nvidia_gpu():
+    if jax.config.jax_platforms or xla_bridge.backends_are_initialized():
+      return False
+    if plugins and hardware_utils.has_visible_nvidia_gpu():
+      return False
+    if tpu_library and ("JAX_FORCE_TPU_INIT" in os.environ
+                        or hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0):
       return False
   except (ImportError, AttributeError):  # another jax: keep its own choice (and its output)
     return False
   jax.config.update("jax_platforms", "cpu")
-  logging.debug("the CUDA plugin finds no NVIDIA GPU here: JAX uses the CPU")
+  logging.debug("no GPU or TPU here for the installed plugins: JAX uses the CPU")
   return True
 
 
@@ -125,6 +143,47 @@ def resolve_config_argument(argv: Sequence[str]) -> list[str]:
   return argv
 
 
+HELP_FLAGS = ("help", "?", "helpshort", "helpfull", "helpxml")  # absl's: print the flags, then exit
+
+
+def _asks_for_help(argv: Sequence[str]) -> bool:
+  """Whether the command line holds one of absl's help flags (which exit 1 after printing)."""
+  for arg in argv[1:]:
+    if arg == "--":
+      return False
+    if arg.startswith("-") and arg.lstrip("-").split("=", 1)[0] in HELP_FLAGS:
+      return True
+  return False
+
+
+def _tuple_overrides_replace(argv: Sequence[str]) -> None:
+  """A tuple field's `--config.FIELD` given more than once keeps its last value, as a scalar's does.
+
+  ml_collections defines a tuple field's override as an absl multi-flag whose occurrences are
+  concatenated (`--config.population.seeds='(1,2)' --config.population.seeds='(3,)'` would train
+  seeds 1, 2 and 3); here every occurrence is one whole value and the last one is parsed again
+  on its own (the flag's documented `unparse` and `parse`, which set the config field)."""
+  from absl import flags
+  from ml_collections.config_flags import tuple_parser
+  given: dict[str, list[str]] = {}
+  args = iter(flags.FLAGS.read_flags_from_files(list(argv[1:]), force_gnu=False))
+  for arg in args:
+    if arg == "--":
+      break
+    name, has_value, value = arg.lstrip("-").partition("=")
+    if not arg.startswith("-") or name not in flags.FLAGS:
+      continue
+    flag = flags.FLAGS[name]
+    if not (has_value or flag.boolean):
+      value = next(args, "")  # `--flag VALUE`
+    if isinstance(flag.parser, tuple_parser.TupleParser):
+      given.setdefault(name, []).append(value)
+  for name, values in given.items():
+    if len(values) > 1:
+      flags.FLAGS[name].unparse()
+      flags.FLAGS[name].parse(values[-1])
+
+
 def _list_configs_and_exit() -> NoReturn:
   from micse_jax import configs
   print(configs.listing())
@@ -143,7 +202,14 @@ def flags_parser(materialize: Callable[[], object] | None = None):
     if takes_config and "--list_configs" in argv:
       _list_configs_and_exit()
     try:
-      rest = flags.FLAGS(resolve_config_argument(argv) if takes_config else list(argv))
+      argv = resolve_config_argument(argv) if takes_config else list(argv)
+      try:
+        rest = flags.FLAGS(argv)
+      except SystemExit as e:  # absl's help flags print the flags and exit 1: asked for, that is success
+        if e.code == 1 and _asks_for_help(argv):
+          sys.exit(0)
+        raise
+      _tuple_overrides_replace(argv)
       if materialize is not None:
         materialize()
     except flags.Error as e:

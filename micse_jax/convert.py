@@ -7,7 +7,9 @@ Add `--overwrite` to replace an existing non-empty output directory.
 
 `--workdir` reads a training run's Orbax checkpoint (the latest one unless `--step`/`--best`);
 `--member I` exports member I of a population run (`population.seeds`, numbered from 0; its folder
-`DIR/members/I`); a member that stopped (a non-finite update) is refused unless `--allow_stopped`.
+`DIR/members/I`, which `--workdir DIR/members/I` names as well); a member that stopped (a non-finite
+update) is refused however it is named, unless `--allow_stopped`; a population workdir without
+`--member` is one line naming its members.
 `--model` re-exports a plain Hugging Face checkpoint. See `micse_jax.export` for what the
 output holds. Bad input (a `MicseError`) gives one `error:` line on stderr, exit status 1
 (a flag that does not parse: exit 2), and writes nothing; anything else is a bug and keeps its
@@ -33,7 +35,7 @@ def define_flags() -> None:
   flags.DEFINE_string("model", None,
                       "Hugging Face directory or hub name to export from (instead of --workdir).")
   flags.DEFINE_integer("member", None, "Population workdir: export this member (0-based, order of population.seeds).")
-  flags.DEFINE_boolean("allow_stopped", False, "With --member: export a member that stopped (a non-finite update) "
+  flags.DEFINE_boolean("allow_stopped", False, "Export a population member that stopped (a non-finite update) "
                        "anyway, in its state from before it stopped.")
   flags.DEFINE_integer("step", None, "Export the checkpoint of this step (default: the latest).")
   flags.DEFINE_boolean("best", False, "Export the best (STS-B dev) checkpoint.")
@@ -73,21 +75,31 @@ def check_args(*, output: str | None, workdir: str | None, model: str | None, st
 
 
 def restore_workdir(workdir: str, which: str | int, member: int | None = None, allow_stopped: bool = False) -> dict:
-  """`micse_jax.workdir.restore_trained_weights` (of population member `member`; a stopped one
-  only with `allow_stopped`, saying from which step); its input errors (`MicseError`) as one line."""
+  """`micse_jax.workdir.restore_trained_weights` of one run: the workdir, or member `member` of a
+  population workdir. A population workdir without `--member`, and a stopped member however it is
+  named (`--member i` or its folder) unless `allow_stopped` (then saying from which step), are
+  refused in one line (`workdir.one_run`); its input errors (`MicseError`) as one line."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
   workdir_lib = importlib.import_module("micse_jax.workdir")
   try:
-    if member is not None:
-      workdir = workdir_lib.member_workdir(workdir, member, allow_stopped)
-      stopped = workdir_lib.member_stopped(workdir)
-      if stopped is not None:
-        print(f"member {member} stopped at step {stopped} (a non-finite update): exporting its state from "
-              f"before that step, not a finished run")
-    return workdir_lib.restore_trained_weights(workdir, which)
+    workdir = workdir_lib.member_workdir(workdir, member, allow_stopped) if member is not None \
+        else workdir_lib.one_run(workdir, allow_stopped)
+  except MicseError as e:
+    raise ConvertError(one_line(e)) from e
+  stopped = workdir_lib.member_stopped(workdir)
+  if stopped is not None:
+    print(f"{_member_name(workdir_lib, workdir)} stopped at step {stopped} (a non-finite update; "
+          f"{workdir_lib.STOPPED_STATE}): exporting that state, not a finished run")
+  try:
+    return workdir_lib.restore_trained_weights(workdir, which, allow_stopped=allow_stopped)
   except MicseError as e:  # anything else is a bug and keeps its traceback
     raise ConvertError(f"cannot restore checkpoint {which!r} from {workdir}: {one_line(e)}") from e
+
+
+def _member_name(workdir_lib, folder: str) -> str:
+  population = workdir_lib.member_of(folder)
+  return f"member {population[1]}" if population else f"the member in {folder}"
 
 
 def load_model_dir(path_or_name: str) -> dict:

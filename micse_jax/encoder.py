@@ -47,7 +47,10 @@ class SentenceEncoder:
 
   @classmethod
   def from_pretrained(cls, path_or_name: str, dtype=jnp.float32) -> "SentenceEncoder":
-    """An encoder from a HF directory or hub name (no trained MLP head)."""
+    """An encoder from a HF directory or hub name (no trained MLP head); a training workdir is
+    `load_encoder(path)`'s (its best checkpoint, else its latest, with its trained head)."""
+    if workdir.is_workdir(path_or_name):
+      return load_encoder(path_or_name, dtype=dtype)
     model, params, _, model_dir = load_pretrained(path_or_name, dtype=dtype)
     return cls(model, params, Tokenizer.from_pretrained(model_dir), model_dir=model_dir)
 
@@ -125,13 +128,17 @@ class SentenceEncoder:
     return self is other
 
 
-def load_encoder(path_or_name: str, checkpoint: str | int = "best", dtype=jnp.float32) -> SentenceEncoder:
-  """A HF directory, a hub name, or a training workdir (its 'best', 'latest' or a step)."""
+def load_encoder(path_or_name: str, checkpoint: str | int = "best", dtype=jnp.float32,
+                 allow_stopped: bool = False) -> SentenceEncoder:
+  """A HF directory, a hub name, or a training workdir (its 'best', 'latest' or a step). A
+  population workdir is no one encoder, and a population member that stopped (a non-finite update)
+  is no trained one unless `allow_stopped`: each is a one-line `CheckpointError` (`workdir.one_run`)."""
   if not workdir.is_workdir(path_or_name):
     return SentenceEncoder.from_pretrained(path_or_name, dtype=dtype)
+  workdir.one_run(path_or_name, allow_stopped)
   if checkpoint == "best" and not workdir.best_manager(path_or_name, read_only=True).all_steps():
     checkpoint = "latest"  # a run without dev evaluation has no best checkpoint
-  restored = workdir.restore_trained_weights(path_or_name, checkpoint)
+  restored = workdir.restore_trained_weights(path_or_name, checkpoint, allow_stopped)
   config: BertConfig = restored["bert_config"]
   as_jax = lambda tree: jax.tree.map(jnp.asarray, tree)
   return SentenceEncoder(BertModel(config, dtype=dtype), as_jax(restored["encoder_params"]),

@@ -6,7 +6,9 @@
 `--transfer_protocol`: `senteval` (default; SentEval's own classifier, the protocol of the SimCSE /
 miCSE papers; `--fast` is SimCSE's `fasttest`) or `logreg` (exact logistic regression).
 `--model` is a Hugging Face directory, a hub name or a training workdir (`--checkpoint`); with
-`--member I`, member I of a population workdir (numbered from 0 in the order of `population.seeds`).
+`--member I`, member I of a population workdir (numbered from 0 in the order of `population.seeds`;
+`--model DIR/members/I` is the same); a stopped member is refused however it is named, unless
+`--allow_stopped`.
 `--tasks`: `sts`, `transfer`, `all` or a comma list (STS12 ... STS16, STSBenchmark/STS-B,
 SICKRelatedness/SICK-R, MR, CR, SUBJ, MPQA, SST2, TREC, MRPC). Bad input (a `MicseError`) is
 reported as one line on stderr with exit code 1 (a flag that does not parse: exit 2), and no
@@ -77,14 +79,20 @@ def _check_inputs(flags_values) -> tuple[list[str], str]:
 
 
 def _model_path(flags_values) -> str:
-  """`--model`, or with `--member I` the folder of member I of that population workdir."""
+  """`--model`, or with `--member I` the folder of member I of that population workdir; a population
+  workdir without `--member`, or a stopped member however named (unless `--allow_stopped`), is
+  one line (`workdir.one_run`)."""
   model, member = os.path.expanduser(flags_values.model), getattr(flags_values, "member", None)
-  if member is None:
-    return model
   from micse_jax import workdir
+  if member is None:
+    return workdir.one_run(model, _allow_stopped(flags_values))
   if member < 0:
     raise ConfigError(f"--member must be >= 0, got {member}")
-  return workdir.member_workdir(model, member, allow_stopped=getattr(flags_values, "allow_stopped", False))
+  return workdir.member_workdir(model, member, allow_stopped=_allow_stopped(flags_values))
+
+
+def _allow_stopped(flags_values) -> bool:
+  return getattr(flags_values, "allow_stopped", False)
 
 
 def _encode_fn(flags_values):
@@ -92,7 +100,7 @@ def _encode_fn(flags_values):
   from micse_jax.encoder import load_encoder
   checkpoint = flags_values.checkpoint
   checkpoint = int(checkpoint) if checkpoint.isdigit() else checkpoint
-  encoder = load_encoder(_model_path(flags_values), checkpoint=checkpoint)
+  encoder = load_encoder(_model_path(flags_values), checkpoint=checkpoint, allow_stopped=_allow_stopped(flags_values))
   return lambda sentences: encoder.encode(sentences, pooler=flags_values.pooler,
                                           batch_size=flags_values.batch_size,
                                           max_length=flags_values.max_length)
@@ -145,7 +153,7 @@ def define_flags() -> None:
   flags.DEFINE_boolean("download", False, "Download SentEval data if --senteval_dir is missing.")
   flags.DEFINE_string("checkpoint", "best", "For a training workdir: best, latest or a step.")
   flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
-  flags.DEFINE_boolean("allow_stopped", False, "With --member: evaluate a member that stopped (a non-finite "
+  flags.DEFINE_boolean("allow_stopped", False, "Evaluate a population member that stopped (a non-finite "
                        "update) anyway, in its state from before it stopped.")
   flags.DEFINE_integer("seed", SEED, "Seed of the transfer-task folds (SentEval: 1111).")
 

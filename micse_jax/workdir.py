@@ -18,11 +18,13 @@ train states in `checkpoints/` (`{'step', 'members': TrainState with a leading m
 
 A member folder reads like a solo workdir (`is_workdir`, `restore_params`): its rolling
 checkpoints are member i's slice of the population's (`member_of`). A stopped member's state is
-that of the step it stopped at: `member_workdir` refuses it unless asked (`allow_stopped`), and
-the run summary names it.
+kept as before the step it stopped at: `one_run` refuses it unless asked (`allow_stopped`),
+however it is named (`--member i` or its folder), and the run summary names it. A population
+workdir itself is no one run: `one_run` says so, with the `--member` values it has.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -42,6 +44,7 @@ TIMELINE_FILE = "timeline.json"
 MEMBERS_DIR = "members"
 STOPPED_FILE = "stopped.json"
 BEST_METRIC = "stsb_dev"  # the metric the best checkpoint is chosen by (STS-B dev Spearman x100)
+STOPPED_STATE = "its state is kept as before that step"  # what a stopped member's checkpoints hold, in every message
 
 
 def has_steps(directory: str) -> bool:
@@ -71,26 +74,44 @@ def population_seeds(workdir: str) -> list[int]:
 
 def member_workdir(workdir: str, index: int, allow_stopped: bool = False) -> str:
   """The member folder `--member index` names; CheckpointError (one line) when there is none, or
-  when the member stopped (a non-finite update) and `allow_stopped` is False."""
+  when the member stopped (a non-finite update) and `allow_stopped` is False (`one_run`)."""
   seeds = population_seeds(workdir)
   if not seeds:
     raise CheckpointError(f"{workdir} is not a population workdir (its {CONFIG_FILE} has no population.seeds); "
                           "--member applies only to population runs")
   if not 0 <= index < len(seeds):
-    raise CheckpointError(f"--member {index} out of range: {workdir} has {len(seeds)} members (0..{len(seeds) - 1})")
+    raise CheckpointError(f"--member {index} out of range: {workdir} has {len(seeds)} members ({_member_range(seeds)})")
   path = member_dir(workdir, index)
   if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
     raise CheckpointError(f"member {index} of {workdir} has no {CONFIG_FILE} (the run did not start?)")
+  return one_run(path, allow_stopped)
+
+
+def _member_range(seeds) -> str:
+  """The `--member` values of a population of these seeds: "0", "0 or 1", "0..k-1"."""
+  return {1: "0", 2: "0 or 1"}.get(len(seeds), f"0..{len(seeds) - 1}")
+
+
+def one_run(path: str, allow_stopped: bool = False) -> str:
+  """`path` when its weights are one run's to use (a solo workdir, a member folder, a HF folder or
+  hub name); CheckpointError (one line) for a population workdir (which member?) and for a member
+  that stopped (a non-finite update), however its folder is named, unless `allow_stopped`."""
+  seeds = population_seeds(path) if os.path.isdir(os.path.join(path, ROLLING_DIR)) else []
+  if seeds:
+    raise CheckpointError(
+        f"{path} is a population workdir ({len(seeds)} members, population.seeds {tuple(seeds)}): choose one "
+        f"member with --member {_member_range(seeds)} (or name its folder, {os.path.join(path, MEMBERS_DIR, '<i>')})")
   stopped = member_stopped(path)
   if stopped is not None and not allow_stopped:
-    raise CheckpointError(f"member {index} of {workdir} stopped at step {stopped} (a non-finite loss, gradient or "
-                          "params): its checkpoints hold its state from before that step, not a finished run; pass "
-                          "--allow_stopped to use that state anyway")
+    population = member_of(path)
+    who = f"member {population[1]} of {population[0]}" if population else f"the population member in {path}"
+    raise CheckpointError(f"{who} stopped at step {stopped} (a non-finite loss, gradient or params; {STOPPED_STATE}), "
+                          "not a finished run; pass --allow_stopped to use that state anyway")
   return path
 
 
 def record_member_stopped(folder: str, step: int, reason: str) -> None:
-  """Records in a member's folder that it stopped at `step` (its state is kept as before that step)."""
+  """Records in a member's folder that it stopped at `step` (`reason`: the line that reported it)."""
   jsonio.write_json(os.path.join(folder, STOPPED_FILE), {"stopped_at_step": int(step), "reason": reason})
 
 
@@ -131,28 +152,50 @@ def read_run_config(workdir: str) -> dict:
   return jsonio.read_json(path)
 
 
+def _read_only_notice(record: logging.LogRecord) -> bool:
+  """False for Orbax's warnings that a read-only manager is read-only (what was asked for)."""
+  message = record.getMessage()
+  return not (record.levelno < logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname
+              and ("read only" in message or "read_only=True" in message))
+
+
+@contextlib.contextmanager
+def _quiet_read_only(read_only: bool):
+  """Opens a manager without Orbax's read-only notices (three warnings per `load_encoder` otherwise)."""
+  logger = logging.getLogger("absl")
+  if read_only:
+    logger.addFilter(_read_only_notice)
+  try:
+    yield
+  finally:
+    logger.removeFilter(_read_only_notice)
+
+
 def rolling_manager(workdir: str, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
   """The Orbax manager of `checkpoints/`: full train states, the last `keep` kept."""
-  return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), ROLLING_DIR),
-      options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
-                                           create=not read_only, read_only=read_only))
+  with _quiet_read_only(read_only):
+    return ocp.CheckpointManager(
+        os.path.join(os.path.abspath(workdir), ROLLING_DIR),
+        options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
+                                             create=not read_only, read_only=read_only))
 
 
 def best_manager(workdir: str, read_only: bool = False) -> ocp.CheckpointManager:
   """The Orbax manager of `best/`: the params of the best `BEST_METRIC` so far (keep 1)."""
-  return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), BEST_DIR),
-      options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else 1,
-                                           create=not read_only, read_only=read_only,
-                                           best_mode="max", best_fn=lambda metrics: metrics[BEST_METRIC]))
+  with _quiet_read_only(read_only):
+    return ocp.CheckpointManager(
+        os.path.join(os.path.abspath(workdir), BEST_DIR),
+        options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else 1,
+                                             create=not read_only, read_only=read_only,
+                                             best_mode="max", best_fn=lambda metrics: metrics[BEST_METRIC]))
 
 
 def step_reader(directory: str) -> ocp.CheckpointManager:
   """A read-only manager that can open any step's saved tree (no registered save args needed)."""
-  return ocp.CheckpointManager(
-      os.path.abspath(directory), item_handlers=ocp.PyTreeCheckpointHandler(),
-      options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0))
+  with _quiet_read_only(True):
+    return ocp.CheckpointManager(
+        os.path.abspath(directory), item_handlers=ocp.PyTreeCheckpointHandler(),
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0))
 
 
 def current_device_sharding() -> jax.sharding.Sharding:
@@ -260,12 +303,14 @@ def newest_readable(steps, restore_fn, directory: str):
   raise CheckpointError(f"no checkpoint in {directory} could be restored (newest: {failures[0]})")
 
 
-def restore_trained_weights(workdir: str, which: str | int = "latest") -> dict:
-  """Trained weights of a workdir: which = 'latest', 'best' or a step number.
+def restore_trained_weights(workdir: str, which: str | int = "latest", allow_stopped: bool = False) -> dict:
+  """Trained weights of a workdir: which = 'latest', 'best' or a step number; a population workdir
+  or a stopped member (unless `allow_stopped`) is refused in one line (`one_run`).
 
   Works on any device/host count (see `restore_params`). Returns {'bert_config',
   'encoder_params', 'head_params', 'tokenizer_dir', 'step'} as numpy arrays.
   """
+  one_run(workdir, allow_stopped)
   run = read_run_config(workdir)
   step, params = restore_params(workdir, which)
   params = jax.device_get(params)
@@ -310,7 +355,7 @@ def population_summary(workdir: str) -> list[str]:
              f"at step {best_step}" if best_step is not None else "no dev selection")
     which = " --best" if best_step is not None else ""
     stopped = member_stopped(folder)
-    state = "" if stopped is None else f"STOPPED at step {stopped} (non-finite update; its state is that step's); "
+    state = "" if stopped is None else f"STOPPED at step {stopped} (a non-finite update; {STOPPED_STATE}); "
     flag = "" if stopped is None else " --allow_stopped"
     lines.append(f"  member {i} (seed {seed}): {state}{score}; {folder}; export: python -m micse_jax.convert "
                  f"--workdir {wd} --member {i}{which}{flag} --output EXPORT_DIR")

@@ -1,5 +1,6 @@
 """Bad input across `main`, `evaluate` and `convert`: one `error:` line, non-zero exit, no
-traceback, nothing written, an existing workdir untouched.
+traceback, nothing printed before it, nothing written, an existing workdir untouched; a bad corpus
+is found before the model's weights are read.
 
 Most cases call the CLI's own entry function in this process (`main.train`,
 `evaluate.evaluate_and_report`, `convert.convert_and_report`: the same code path as the program,
@@ -97,6 +98,7 @@ def _exits_with_one_line(capsys, call, *fragments, status=1):
   assert e.value.code == status
   captured = capsys.readouterr()
   _assert_one_line(captured.err, *fragments)
+  assert captured.out == "", captured.out  # nothing before the error line (no "compute dtype: ...")
 
 
 # ------------------------------------------------------------------ main (training)
@@ -128,6 +130,8 @@ MAIN_CASES = {  # name: (config changes as a function of the fixture paths, expe
     "corpus_directory": (lambda b: {"data.corpus": f"{b['corpora']}/a_directory"}, ["directory"]),
     "corpus_one_huge_line": (lambda b: {"data.corpus": f"{b['corpora']}/huge_line.txt"}, ["huge_line"]),
     "corpus_fewer_than_batch": (lambda b: {"data.corpus": f"{b['corpora']}/few.txt"}, ["few.txt"]),
+    "corpus_checked_before_the_model_loads": (  # the weights are unreadable too: the corpus is found first
+        lambda b: {"data.corpus": f"{b['corpora']}/empty.txt", "model.name_or_path": b["truncated"]}, ["empty"]),
     "model_missing": (lambda b: {"model.name_or_path": f"{b['root']}/no_such_model"}, ["does not exist"]),
     "model_empty": (lambda b: {"model.name_or_path": b["empty_model"]}, ["no config.json"]),
     "model_truncated_safetensors": (lambda b: {"model.name_or_path": b["truncated"]}, ["safetensors"]),
@@ -319,7 +323,7 @@ def test_main_program(override, status, fragments, base, tmp_path):
                   "--config.eval.final_tasks=", "--config.ami.layers=(0,1)", override)
   assert proc.returncode == status, proc.stderr
   _assert_one_line(proc.stderr, *fragments)
-  assert _snapshot(workdir) == before
+  assert proc.stdout == "" and _snapshot(workdir) == before
 
 
 def test_convert_program_workdir_without_checkpoint(base, tmp_path):

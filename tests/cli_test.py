@@ -1,8 +1,12 @@
-"""The CLIs' shared rules: bad input is one line, a bug keeps its traceback, start-up is quiet,
-a run ends with a summary; and the config checks that need no model."""
+"""The CLIs' shared rules: bad input is one line, a bug keeps its traceback, start-up is quiet
+(whatever plugins are installed where no accelerator is), `--help` exits 0, a repeated override
+replaces the earlier one (every field alike), a run ends with a summary; and the config checks
+that need no model."""
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -154,3 +158,92 @@ def test_workdir_from_before_the_numpy_shuffle_is_refused_on_resume(tmp_path):
   with pytest.raises(errors.ConfigError, match="grain's shuffle.*new --workdir") as e:
     config_checks.check_resume_compatible(old, wd)
   assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ the programs' command lines
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROGRAMS = ["main", "evaluate", "convert", "sweep", "prepare_data", "analyze"]
+
+
+def _program(module, *args, env=None):
+  env = env or {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_help_prints_the_flags_and_exits_0(program):
+  done = _program(f"micse_jax.{program}", "--help")
+  assert done.returncode == 0 and done.stderr == "", done.stderr
+  assert "--" in done.stdout and "Try --helpfull" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, minilm_dir):
+  """A tiny model on disk and the `micse-train` command line of a run on a corpus that is not there."""
+  from tests.train_utils import tiny_training_config
+  root = tmp_path_factory.mktemp("overrides")
+  config = tiny_training_config(root, minilm_dir)
+  return ["micse_jax.main", "--config", "micse", "--workdir", str(root / "w"),
+          f"--config.model.name_or_path={config.model.name_or_path}", "--config.eval_every=0",
+          "--config.eval.final_tasks=", "--config.ami.layers=(0,1)", f"--config.data.corpus={root / 'no_corpus.txt'}"]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["--config.population.seeds=(1,2)", "--config.population.seeds=(3,)", "--config.population.learning_rates=(1e-3,2e-3)"],
+     "population.learning_rates has 2 entries, population.seeds 1"),  # seeds (3,), not (1, 2, 3)
+    (["--config.population.seeds", "(1,2)", "--config.population.seeds", "(3,)",
+      "--config.population.learning_rates=(1e-3,2e-3)"], "population.learning_rates has 2 entries, population.seeds 1"),
+    (["--config.ami.layers=(0,1)", "--config.ami.layers=(0,1)"], "corpus file not found"),  # not (0, 1, 0, 1)
+    (["--config.batch_size=1", "--config.batch_size=8"], "corpus file not found"),  # a scalar: the same rule
+], ids=["tuple", "tuple-spaced", "tuple-same-twice", "scalar"])
+def test_a_repeated_override_replaces_the_earlier_one(tiny_run, overrides, expected):
+  done = _program(*tiny_run, *overrides)
+  assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+  assert done.stderr.splitlines() == [done.stderr.strip()] and expected in done.stderr, done.stderr
+
+
+def test_platform_choice_with_libtpu_installed_and_no_tpu_here():
+  """libtpu (the `tpu` extra, beside the CUDA plugin or alone) where no TPU chip is: CPU, quietly;
+  a TPU chip here, JAX_FORCE_TPU_INIT, or a GPU for the CUDA plugin: JAX's own choice."""
+  script = ("import sys, jax; from jax._src import hardware_utils; from micse_jax import cli;"
+            "plugins, libtpu, gpu, chips = sys.argv[1].split(',');"
+            "cli._jax_plugins = lambda: ['xla_cuda13'] if plugins == 'cuda' else [];"
+            "cli._tpu_library_installed = lambda: libtpu == 'libtpu';"
+            "hardware_utils.has_visible_nvidia_gpu = lambda: gpu == 'gpu';"
+            "hardware_utils.num_available_tpu_chips_and_device_id = lambda: (int(chips), None);"
+            "print(cli.cpu_when_no_gpu(), repr(jax.config.jax_platforms))")
+  outputs = {}
+  for case in ("cuda,libtpu,-,0", "-,libtpu,-,0", "cuda,libtpu,-,4", "-,libtpu,-,4", "cuda,libtpu,gpu,0",
+               "-,-,-,0", "force"):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("JAX_PLATFORMS", None)
+    if case == "force":
+      env["JAX_FORCE_TPU_INIT"] = "1"
+    done = subprocess.run([sys.executable, "-c", script, "-,libtpu,-,0" if case == "force" else case], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    outputs[case] = done.stdout.strip()
+  assert outputs == {"cuda,libtpu,-,0": "True 'cpu'", "-,libtpu,-,0": "True 'cpu'", "cuda,libtpu,-,4": "False None",
+                     "-,libtpu,-,4": "False None", "cuda,libtpu,gpu,0": "False None", "-,-,-,0": "False None",
+                     "force": "False 'tpu,cpu'"}  # JAX's own choice when forced
+
+
+def _installed(module: str) -> bool:
+  import importlib.util
+  return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.skipif(not (_installed("libtpu") and cli._jax_plugins()),
+                    reason="needs the extras 'tpu' and 'aot' installed together (libtpu and the CUDA plugin)")
+def test_cpu_machine_with_the_tpu_and_aot_extras_starts_quietly(tiny_run):
+  """A command that starts JAX and refuses its input: its one error line is all there is."""
+  from jax._src import hardware_utils
+  if hardware_utils.has_visible_nvidia_gpu() or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    pytest.skip("an accelerator is here")
+  env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  env.pop("JAX_PLATFORMS", None)
+  done = _program(*tiny_run, "--config.batch_size=-3", env=env)
+  assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+  assert done.stderr.splitlines() == ["error: invalid config: batch_size must be >= 2, got -3"], done.stderr

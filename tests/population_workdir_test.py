@@ -1,8 +1,10 @@
 """A population's workdir says only what is true: a half-precision checkpoint holds no weight copies
 and resumes to the uninterrupted run (also from the older layout that saved them); a stopped member
-is recorded in its folder, refused by micse-convert / micse-evaluate --member unless asked, and
-named by the run summary; a member field given on the command line that the population replaces is
-one error line; a run whose every member diverged before its first save does not claim a checkpoint."""
+is reported once, recorded in its folder and named by the run summary in the same words, and refused
+by micse-convert / micse-evaluate however it is named (`--member i` or its folder) unless asked; the
+population workdir itself is named as such, with the `--member` values it has; a member field given
+on the command line that the population replaces is one error line; a run whose every member
+diverged before its first save does not claim a checkpoint."""
 import os
 import subprocess
 import sys
@@ -12,9 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from micse_jax import config_checks, convert, evaluate
+from micse_jax import config_checks, convert, evaluate, jsonio
 from micse_jax import workdir as workdir_lib
 from micse_jax.configs import population as population_fields
+from micse_jax.encoder import SentenceEncoder, load_encoder
 from micse_jax.errors import CheckpointError, ConfigError, NonFiniteLossError
 from micse_jax.training import checkpoint, program, setup, trainer
 from tests.train_utils import tiny_training_config, train_preempted_after_first_save
@@ -99,14 +102,103 @@ def test_a_population_checkpoint_of_an_older_layout_resumes_converted(tmp_path, 
   _assert_equal_trees(_saved_members(straight, 4), _saved_members(old, 4))
 
 
-def test_a_stopped_member_is_recorded_refused_and_named(tmp_path, minilm_dir, capsys):
-  config = _population(tmp_path, minilm_dir, 4, seeds=(1, 2), learning_rates=(1e-3, 1e12))
-  config.optim.grad_clip_norm, config.optim.warmup_steps, config.checkpoint_every = 0.0, 0, 1
-  workdir = str(tmp_path / "pop")
-  trainer.train_and_evaluate(config, workdir)
+def _program(*args, timeout=300):
+  env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def stopped_population(tmp_path_factory, minilm_dir):
+  """A population of 2 trained by `micse-train` (4 steps, a checkpoint per step) whose member 1
+  (learning rate 1e12, no clipping) stops: (workdir, the step it stopped at, the run's output)."""
+  from tests.startup_cost_test import _train_command
+  root = tmp_path_factory.mktemp("stopped_population")
+  config = tiny_training_config(root, minilm_dir)
+  workdir = str(root / "pop")
+  command = [*_train_command(config, workdir)[2:], "--config.population.seeds=(1,2)",
+             "--config.population.learning_rates=(1e-3,1e12)", "--config.optim.grad_clip_norm=0.0",
+             "--config.optim.warmup_steps=0", "--config.checkpoint_every=1", "--config.num_train_steps=4"]
+  done = _program(*command, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
   stopped = workdir_lib.member_stopped(workdir_lib.member_dir(workdir, 1))
   assert stopped is not None and 0 <= stopped < 4
   assert workdir_lib.member_stopped(workdir_lib.member_dir(workdir, 0)) is None
+  return workdir, stopped, done
+
+
+def test_a_stopped_member_is_reported_once_and_in_the_same_words_everywhere(stopped_population):
+  workdir, stopped, done = stopped_population
+  reports = [line for line in (done.stdout + done.stderr).replace("\r", "\n").splitlines()
+             if "population member 1 (seed 2) stopped" in line]
+  assert len(reports) == 1, done.stdout + done.stderr
+  said = "its state is kept as before that step"
+  assert f"at step {stopped}; {said}, 1 member(s) go on" in reports[0]
+  record = jsonio.read_json(os.path.join(workdir_lib.member_dir(workdir, 1), workdir_lib.STOPPED_FILE))
+  assert record["stopped_at_step"] == stopped and said in record["reason"]
+  (summary,) = [line for line in done.stdout.splitlines() if line.strip().startswith("member 1 (seed 2)")]
+  assert f"STOPPED at step {stopped} (a non-finite update; {said})" in summary and "--allow_stopped" in summary
+
+
+@pytest.mark.parametrize("command", [
+    ["micse_jax.convert", "--workdir", "{member}", "--output", "{out}"],
+    ["micse_jax.convert", "--workdir", "{workdir}", "--member", "1", "--output", "{out}"],
+    ["micse_jax.evaluate", "--model", "{member}", "--tasks", "STSBenchmark", "--output", "{out}"],
+    ["micse_jax.evaluate", "--model", "{workdir}", "--member", "1", "--tasks", "STSBenchmark", "--output", "{out}"],
+], ids=["convert-folder", "convert-member", "evaluate-folder", "evaluate-member"])
+def test_a_stopped_member_is_refused_however_it_is_named(stopped_population, tmp_path, command):
+  workdir, stopped, _ = stopped_population
+  names = {"member": workdir_lib.member_dir(workdir, 1), "workdir": workdir, "out": str(tmp_path / "out")}
+  done = _program(*[part.format(**names) for part in command])
+  assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+  assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith("error: member 1 of ")
+  assert f"stopped at step {stopped}" in done.stderr and "--allow_stopped" in done.stderr
+  assert not os.path.exists(names["out"])  # nothing written
+
+
+@pytest.mark.parametrize("command", [
+    ["micse_jax.convert", "--workdir", "{workdir}", "--output", "{out}"],
+    ["micse_jax.evaluate", "--model", "{workdir}", "--tasks", "STSBenchmark", "--output", "{out}"],
+], ids=["convert", "evaluate"])
+def test_a_population_workdir_without_member_is_named_with_its_members(stopped_population, tmp_path, command):
+  workdir, _, _ = stopped_population
+  done = _program(*[part.format(workdir=workdir, out=str(tmp_path / "out")) for part in command])
+  assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+  assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr
+  assert f"{workdir} is a population workdir (2 members" in done.stderr and "--member 0 or 1" in done.stderr
+  assert "unreadable" not in done.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_a_stopped_member_folder_exports_when_asked_and_a_population_is_no_one_encoder(stopped_population, tmp_path):
+  workdir, stopped, _ = stopped_population
+  done = _program("micse_jax.convert", "--workdir", workdir_lib.member_dir(workdir, 1), "--allow_stopped",
+                  "--output", str(tmp_path / "export1"))
+  assert done.returncode == 0, done.stderr
+  assert f"member 1 stopped at step {stopped}" in done.stdout and os.path.isfile(tmp_path / "export1" / "config.json")
+  with pytest.raises(CheckpointError, match=r"population workdir \(2 members.*--member 0 or 1"):
+    load_encoder(workdir)
+  with pytest.raises(CheckpointError, match=f"stopped at step {stopped}"):
+    load_encoder(workdir_lib.member_dir(workdir, 1))
+
+
+def test_a_workdir_loads_with_from_pretrained_and_without_orbax_notices(stopped_population):
+  """`SentenceEncoder.from_pretrained(workdir)` is `load_encoder`'s encoder: the workdir's trained
+  params (member 0's slice of the population's latest checkpoint, read here by key path) and head;
+  loading prints nothing (Orbax warned three times that its read-only managers are read-only)."""
+  workdir, _, _ = stopped_population
+  folder = workdir_lib.member_dir(workdir, 0)
+  encoder = SentenceEncoder.from_pretrained(folder)
+  step = workdir_lib.rolling_manager(workdir, 2, read_only=True).latest_step()
+  saved = workdir_lib.read_subtree(os.path.join(workdir, workdir_lib.ROLLING_DIR), step, "members/params")
+  _assert_equal_trees(encoder.params, jax.tree.map(lambda x: x[0], saved["encoder"]))
+  _assert_equal_trees(encoder.head_params, jax.tree.map(lambda x: x[0], saved["head"]))
+  done = subprocess.run([sys.executable, "-c", f"from micse_jax.encoder import load_encoder; load_encoder({folder!r})"],
+                        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done.stderr
+
+
+def test_a_stopped_member_is_recorded_refused_and_named(stopped_population, tmp_path, capsys):
+  workdir, stopped, _ = stopped_population
   with pytest.raises(convert.ConvertError, match=f"member 1 of .* stopped at step {stopped}") as error:
     convert.convert(output=str(tmp_path / "export1"), workdir=workdir, member=1)
   assert "\n" not in str(error.value) and "--allow_stopped" in str(error.value)

@@ -14,7 +14,6 @@ what differs is here:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 from typing import Any
@@ -130,8 +129,7 @@ class Health:
     for i, step in population.newly_stopped(state.stopped_at, self.reported):
       view = self.views[i]
       line = population.stopped_line(i, view.run.config.seed, step, len(alive))
-      logging.warning(line)
-      write(line)
+      write(line)  # once, above the progress bar (a log line as well would print it twice)
       if jax.process_index() == 0:
         workdir_lib.record_member_stopped(view.folder, step, line)
     if not alive:

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from micse_jax.data.packing import BatchLayout
 from micse_jax.training import compute_weights, update
 from micse_jax.training import mesh as mesh_lib
+from micse_jax.workdir import STOPPED_STATE
 
 MEMBER_AXIS = "member"
 STOPPED = -1  # `stopped_at` of a member that trains
@@ -190,7 +191,7 @@ def newly_stopped(stopped_at, reported: set[int]) -> list[tuple[int, int]]:
 def stopped_line(index: int, seed: int, step: int, alive: int) -> str:
   """The one line that reports a member stopped for a non-finite update."""
   return (f"population member {index} (seed {seed}) stopped: non-finite loss or gradient at step {step}; "
-          f"its state is kept as before that step, {alive} member(s) go on (lower optim.learning_rate?)")
+          f"{STOPPED_STATE}, {alive} member(s) go on (lower optim.learning_rate?)")
 
 
 def member_metrics(metrics: dict, index: int) -> dict[str, float]:

@@ -17,7 +17,7 @@ resumed with the rest of the state. Without float16 that field is `{}` and nothi
 `model.dtype="auto"` (the default) picks the dtype for the accelerator (`auto_dtype`): float32
 on CPU, float16 + loss scaling on GPUs of compute capability < 8.0 (V100, T4: no bfloat16),
 bfloat16 on Ampere and later GPUs and on TPU. The trainer resolves it once at start
-(`with_resolved_dtype`), prints it, and writes the resolved name to config.json, so a resumed
+(`with_resolved_dtype`), prints it once the input is checked, and writes the resolved name to config.json, so a resumed
 run compares concrete dtypes (a float32 CPU workdir does not silently continue in bfloat16).
 """
 from __future__ import annotations
@@ -36,15 +36,22 @@ COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
 
 
 def with_resolved_dtype(config, announce: bool = True):
-  """A copy of `config` whose `model.dtype` is concrete ("auto" resolved); prints it once."""
+  """A copy of `config` whose `model.dtype` is concrete ("auto" resolved); prints it once
+  (`announce_dtype`) unless the caller does so later."""
   resolved = config.copy_and_resolve_references()
   with resolved.unlocked():
     resolved.model.dtype = dtype_name(config)
-  if announce and jax.process_index() == 0:
-    device = jax.local_devices()[0]
-    origin = f"auto on {device.platform} {device.device_kind}" if config.model.dtype == AUTO else "set"
-    print(f"compute dtype: {resolved.model.dtype} ({origin})", flush=True)
+  if announce:
+    announce_dtype(config.model.dtype, resolved.model.dtype)
   return resolved
+
+
+def announce_dtype(requested: str, resolved: str) -> None:
+  """Prints the compute dtype and where it came from (one line, first process)."""
+  if jax.process_index() == 0:
+    device = jax.local_devices()[0]
+    origin = f"auto on {device.platform} {device.device_kind}" if requested == AUTO else "set"
+    print(f"compute dtype: {resolved} ({origin})", flush=True)
 
 
 def compute_dtype(name: str):

@@ -53,15 +53,16 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
   if needs_head:
     check_mlm_head(config, model_dir, has_mlm_head(model_dir))
   with timeline.phase("load"):
-    _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)
     tokenizer = Tokenizer.from_pretrained(model_dir)
-  with timeline.phase("data"):
+  with timeline.phase("data"):  # before the weights load: a bad corpus is reported without waiting for them
     batches = build_train_batches(
         config.data.corpus, tokenizer, max_length=config.model.max_length,
         global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
         subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
         padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, jax.device_count()),
         cache_dir=caches.tokenized_cache_dir(config))
+  with timeline.phase("load"):
+    _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)
   warning = config.momentum.enabled and self_collision_warning(
       batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
   if warning and jax.process_index() == 0:

@@ -60,12 +60,15 @@ class _Loop:
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session: timeline.Timeline) -> dict:
   """`train_and_evaluate` with its phases marked on `session`."""
-  config = precision.with_resolved_dtype(config)  # "auto" → this accelerator's dtype, printed once
+  requested_dtype = config.model.dtype
+  config = precision.with_resolved_dtype(config, announce=False)  # "auto" → this accelerator's dtype
   config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
   if population_fields.enabled(config) and jax.process_count() > 1:
     raise ConfigError("population training runs on one host (several devices are fine)")
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
   runs = [prepare(c) for c in members.run_configs(config)]  # all input validation before the workdir is touched
+  precision.announce_dtype(requested_dtype, config.model.dtype)  # after the checks: nothing before an error line
+  caches.announce_unusable()  # a cache folder that cannot be written: one line, the run goes on without it
   prog, first = program.compiled(program.of_runs(config, runs)), runs[0]
   os.makedirs(workdir, exist_ok=True)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
