@@ -184,8 +184,10 @@ def profile_lines(p: dict) -> list[str]:
   """One point's GPU time by phase and kind (with predictions where known) and its largest kernels."""
   prof, pred = p["profile"], p.get("predicted") or {}
   total = prof["gpu_ms_per_step"] or 1.0
+  host = (f"; the host dispatched a pipelined step in {p['dispatch_step_ms']:.2f} ms"
+          if p.get("dispatch_step_ms") is not None else "")
   lines = [f"### {label(p)}: {prof['gpu_ms_per_step']:.2f} ms of {prof['platform'].upper()} op time "
-           f"per step (profile of {prof['profiled_steps']} pipelined steps)", ""]
+           f"per step (profile of {prof['profiled_steps']} pipelined steps){host}", ""]
   for what, measured, predicted in (("phase", prof["ms_per_step_by_phase"], pred.get("predicted_ms_by_phase") or {}),
                                     ("kind", prof["ms_per_step_by_kind"], pred.get("predicted_ms_by_kind") or {})):
     lines += [f"| {what} | ms/step | % | predicted ms |", "|---|---|---|---|"]
@@ -229,26 +231,26 @@ def summary_markdown(s: dict) -> str:
 
 
 def kernels_line(s: dict, last: dict) -> str:
-  """What the report's points ran: our dropout-attention kernels (proven by `gpu_tests`), or the
-  explicit path for every point (and why); and the kernels' measured gain at batch 50."""
+  """What `gpu_tests` said of our dropout-attention kernels, which points ran them and which the
+  explicit path (a point takes them only once `gpu_tests` passed, or its compile fell back), and
+  their measured gain at batch 50 (b50 against b50_explicit, the same machine)."""
   tests = last.get("gpu_tests")
-  if s["dry"]:
-    head = "dropout-attention kernels: not on CPU (a dry run: every point on the explicit path)"
-  elif not tests:
-    head = "**dropout-attention kernels OFF: `gpu_tests` did not run, so every point trained on the explicit path**"
-  elif not tests["ok"]:
-    head = "**dropout-attention kernels OFF: `gpu_tests` failed, so every point trained on the explicit path**"
-  else:
-    ran = [p for p in s["points"] if p["ok"] and p.get("attention") == "fused"]
-    fell = [p["name"] for p in ran if not p.get("own_kernels") or not p.get("dropout_kernel_calls")]
-    head = ("dropout-attention kernels ON (`gpu_tests` passed)" + (
-        f"; **not in {', '.join(fell)}: its compile fell back to the explicit path**" if fell else ""))
-  ab = {p["name"]: p for p in s["points"] if p["ok"]}
-  if "b50" in ab and "b50_explicit" in ab and ab["b50"].get("dropout_kernel_calls"):
-    with_k, without = ab["b50"]["pipelined_step_ms"], ab["b50_explicit"]["pipelined_step_ms"]
-    head += (f". Batch 50, the same machine: {with_k:.2f} ms with the kernels, {without:.2f} ms without "
-             f"(explicit path): {without / with_k:.3f}x")
-  return head
+  verdict = ("a CPU dry run" if s["dry"] else "`gpu_tests` passed" if tests and tests["ok"]
+             else f"**`gpu_tests` {'failed' if tests else 'did not run'}: the kit's points train on the explicit path**")
+  ran = [p for p in s["points"] if p["ok"]]
+  with_kernels = [p["name"] for p in ran if p.get("own_kernels") and p.get("dropout_kernel_calls")]
+  without = [p["name"] for p in ran if p["name"] not in with_kernels]
+  line = (f"dropout-attention kernels: {verdict}; points with the kernels: {', '.join(with_kernels) or 'none'}; "
+          f"on the explicit path: {', '.join(without) or 'none'}")
+  ab = {p["name"]: p for p in ran}
+  if "b50" in with_kernels and "b50_explicit" in ab:
+    with_k, plain = ab["b50"], ab["b50_explicit"]
+    line += (f". Batch 50, the same machine: {with_k['pipelined_step_ms']:.2f} ms with the kernels, "
+             f"{plain['pipelined_step_ms']:.2f} ms without: {plain['pipelined_step_ms'] / with_k['pipelined_step_ms']:.3f}x")
+    gpu = lambda p: (p.get("profile") or {}).get("gpu_ms_per_step")
+    if gpu(with_k) and gpu(plain):
+      line += f" ({gpu(with_k):.2f} against {gpu(plain):.2f} ms of GPU op time per step)"
+  return line
 
 
 def kit_markdown(rows: list[dict], steps) -> str:

@@ -124,7 +124,8 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   text = (out / "kit.md").read_text()
   assert "kit: 8 of 11 steps done, 6 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b512_torch_eager, " \
          "b512_torch_compiled" in text
-  assert text.index("dropout-attention kernels OFF: `gpu_tests` failed") < text.index("| step | state |")
+  assert text.index("**`gpu_tests` failed: the kit's points train on the explicit path**") < text.index(
+      "| step | state |")
   assert "| b512_torch_compiled | not run yet | — (planned 80) |" in text
   assert "`pytest -m gpu` (tests/x_test.py): 3 run, 1 failed" in text and "FAILED tests/x_test.py::test_y" in text
   assert "/root/.cache/huggingface 3 MiB (hub)" in text and md in text
@@ -239,11 +240,12 @@ def test_the_report_says_which_path_ran_and_the_kernels_gain(tmp_path):
   rows.append({"step": "b50_explicit", "ok": True, "seconds": 50.0, "result": dict(
       b50, pipelined_step_ms=12.5, attention="explicit", own_kernels=True, dropout_kernel_calls=0)})
   s = kit_report.summary(rows)
-  assert s["kernels"] == ("dropout-attention kernels ON (`gpu_tests` passed). Batch 50, the same machine: "
-                          "10.00 ms with the kernels, 12.50 ms without (explicit path): 1.250x")
+  assert s["kernels"] == ("dropout-attention kernels: `gpu_tests` passed; points with the kernels: b50; on the "
+                          "explicit path: b50_explicit, k5. Batch 50, the same machine: 10.00 ms with the "
+                          "kernels, 12.50 ms without: 1.250x (10.00 against 10.00 ms of GPU op time per step)")
   assert [kit_report.label(p) for p in s["points"]][:2] == ["bf16 batch 50", "bf16 batch 50, explicit attention"]
   rows[3]["result"] = dict(rows[3]["result"], own_kernels=False, dropout_kernel_calls=0)  # its compile fell back
-  assert "**not in b50: its compile fell back to the explicit path**" in kit_report.summary(rows)["kernels"]
+  assert "points with the kernels: none; on the explicit path: b50, b50_explicit" in kit_report.summary(rows)["kernels"]
 
 
 def test_bad_step_names_are_a_usage_error(capsys):

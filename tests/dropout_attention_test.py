@@ -200,7 +200,7 @@ def _path(target, explicit=False, sown=False, dropout=True, length=32, head_dim=
     (V100, {"dtype": jnp.float16}, "explicit"),                        # no Triton before Ampere
     (choice.Target("tpu"), {}, "explicit"), (choice.Target("cpu"), {}, "explicit"),
     (choice.Target("rocm"), {}, "explicit"),
-    (choice.Target("cuda", (9, 0), devices=8), {}, "explicit"),         # a custom call the partitioner gathers
+    (choice.Target("cuda", (9, 0), devices=8), {}, "dropout_kernel"),   # under shard_map on each device's rows
     (dataclasses.replace(H100, own_kernels=False), {}, "explicit"),   # after the kernels failed to compile
     (H100, {"dtype": jnp.float32}, "explicit"), (H100, {"impl": "rbg"}, "explicit"),
     (H100, {"bits": 16}, "explicit"), (H100, {"length": 48}, "explicit"), (H100, {"length": 256}, "explicit"),
@@ -275,6 +275,20 @@ def _check_model(remat: str, cls_only: bool, target: choice.Target, exact: bool)
 @pytest.mark.parametrize("remat,cls_only", [("none", False), ("layer", True), ("full", False)])
 def test_model_with_the_kernels_is_the_explicit_model(remat, cls_only):
   _check_model(remat, cls_only, INTERPRET, exact=True)
+
+
+def test_on_four_devices_the_kernels_under_shard_map_are_the_explicit_path_and_the_one_device_model():
+  """Data parallelism: on a batch-sharded 4-device mesh the kernels run per device (no activation
+  gathered), each shard drawing its rows' bits of the whole batch's draw: the hidden states equal
+  the explicit path's on the same 4 devices bit for bit (the same masks, so a shard's offset is
+  right), and the 4-device model is as close to the 1-device one as the explicit path's own
+  4-device program is (XLA partitions the rest of the model the same way for both;
+  tests/dropout_attention_devices_worker.py)."""
+  from tests.helpers import run_device_worker
+  r = run_device_worker("tests.dropout_attention_devices_worker", devices=4, timeout=600)
+  assert r["hidden_vs_plain"] == 0
+  assert r["hidden_diff"] <= r["plain_hidden_diff"] and r["grad_worst"] <= r["plain_grad_worst"] < 2 ** -6
+  assert r["loss_rel"] < 1e-6 and r["all_gathers"] == 0
 
 
 def test_model_takes_the_kernels_on_unsown_dropout_layers_only():
@@ -361,14 +375,15 @@ def test_time_model_reads_the_projection_once_and_counts_the_kernels_work():
   b, t, heads, d = 50, 32, 12, 64
   text = _triton_call(f"{da.KERNEL_NAME}_h{heads}", f"bf16[{b},{t},{heads * d}]{{2,1,0}}",
                       "%k, %m, %p, %p, %p, %bq, %bk, %bv",
-                      f"k: u32[2], m: s32[{b},{t}], p: bf16[{b},{t},{3 * heads * d}], bq: f32[{heads * d}], "
+                      f"k: u32[4], m: s32[{b},{t}], p: bf16[{b},{t},{3 * heads * d}], bq: f32[{heads * d}], "
                       f"bk: f32[{heads * d}], bv: f32[{heads * d}]")
   cost, = kernel_cost.costs(text)
   probabilities = b * heads * t * t
-  assert cost.read == 8 + 4 * b * t + 2 * b * t * 3 * heads * d + 3 * 4 * heads * d  # the projection once
+  assert cost.read == 16 + 4 * b * t + 2 * b * t * 3 * heads * d + 3 * 4 * heads * d  # the projection once
   assert cost.written == 2 * b * t * heads * d
   assert cost.flops == 2 * probabilities * d * 2  # QKᵀ and PV
   assert cost.rounds == probabilities * kernel_cost.ROUNDS_PER_HASH  # one hash per probability
+  assert cost.measured_factor == kernel_cost.MEASURED_FACTOR["forward"]  # no keep mask: the momentum encoder's
 
 
 def test_time_model_counts_the_backward_kernels_work_and_both_outputs():
@@ -382,6 +397,11 @@ def test_time_model_counts_the_backward_kernels_work_and_both_outputs():
   cost, = kernel_cost.costs(text)
   assert cost.flops == 10 * b * heads * t * t * d and cost.rounds == 0
   assert cost.written == 2 * b * t * width + 4 * b * width
+  assert cost.measured_factor == kernel_cost.MEASURED_FACTOR["backward"]
+  from micse_jax.aot import time_model
+  device = time_model.DEVICES["h100"]
+  unscaled = time_model.kernel_seconds(dataclasses.replace(cost, measured_factor=1.0), device)
+  assert time_model.kernel_seconds(cost, device) == pytest.approx(unscaled * kernel_cost.MEASURED_FACTOR["backward"])
 
 
 # ---------------------------------------------------------------- on a lent GPU

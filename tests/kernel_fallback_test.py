@@ -73,7 +73,7 @@ def test_the_trainer_trains_on_when_the_kernels_fail(tmp_path, tiny_real_dir, mo
   config = _config(tmp_path, tiny_real_dir, num_train_steps=2, checkpoint_every=2)
   trainer.train_and_evaluate(config, str(tmp_path / "plain"))
   target_of = choice.target_of
-  monkeypatch.setattr(choice, "target_of", lambda devices: target_of(devices, interpret=True))
+  monkeypatch.setattr(choice, "target_of", lambda devices, mesh=None: target_of(devices, interpret=True, mesh=mesh))
   monkeypatch.setattr(da, "_pallas", _refusing)
   with caplog.at_level(logging.WARNING):
     trainer.train_and_evaluate(config, str(tmp_path / "fell_back"))

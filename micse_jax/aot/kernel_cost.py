@@ -17,10 +17,12 @@ instructions, in program order), a `Cost`:
 * `rounds`: threefry-2x32 rounds computed inline: one 32-bit rotation (`or` of a `shift-left`
   and a `shift-right-logical`) per round and element (a hash is 20 rounds, `ROUNDS_PER_HASH`).
 * our own Pallas kernels, whose insides the HLO does not show, by their name (`_PALLAS_WORK`), from
-  their first output's shape (`models/dropout_attention.py`): `micse_dropout_attention_h<heads>`
+  their first output's shape (`kernels/dropout_attention.py`): `micse_dropout_attention_h<heads>`
   computes QKᵀ and PV (4·d FLOPs per probability) and one threefry hash per probability;
   `micse_dropout_attention_backward_h<heads>` recomputes QKᵀ and computes dP, dV, dQ, dK (10·d
   FLOPs per probability), its keep mask read, not drawn. A Pallas call writes all its results.
+  Each is then timed as priced times what it measured against that price on a GPU
+  (`MEASURED_FACTOR`, `Cost.measured_factor`).
 * `dtype`: the GEMM's operand element type (its peak rate), `tf32` for a float32 dot at the
   default precision, `f32` at `HIGHEST`;
 * traits the time model times differently: a reduction, a column reduction into few outputs, a
@@ -62,6 +64,7 @@ class Cost:
   sort_traffic: float = 0.0    # bytes a bitonic sort moves through shared memory (see `_sort_traffic`)
   atomic_updates: float = 0.0  # scatter-add update elements (atomics)
   atomic_chain: float = 0.0    # updates per target element: atomics to one address run one after another
+  measured_factor: float = 1.0  # one of our Pallas kernels: its measured time over this model's price
 
   @property
   def bytes(self) -> float:
@@ -295,30 +298,39 @@ def fusion_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> C
               **_traits(program, body))
 
 
-def _dropout_attention_work(heads: int, output: tuple[str, tuple[int, ...]], backward: bool = False
-                            ) -> tuple[float, float, str]:
-  """(FLOPs, threefry rounds, GEMM dtype) of the dropout-attention kernels from their first output,
-  `[.., T, heads·d]` (forward: the context) or `[.., T, 3·heads·d]` (backward: d projection)."""
-  dtype, dims = output
+# Measured time over this model's price of each dropout-attention kernel (H200, 2026-11-27, BERT-base
+# batch 50, docs/calibration/h200-2026-11-27-7843083): the forward as priced (6.9 against 6.7 us);
+# with its keep mask, 12.8 against 9.8 us; the backward, whose five dependent tile GEMMs per
+# (sentence, head) run far below the GEMM rate its FLOPs are priced at, 30.1 against 14.2 us.
+MEASURED_FACTOR = {"forward": 1.0, "forward_keep": 1.30, "backward": 2.13}
+
+
+def _dropout_attention_work(heads: int, outputs: list[tuple[str, tuple[int, ...]]], backward: bool = False
+                            ) -> tuple[float, float, str, float]:
+  """(FLOPs, threefry rounds, GEMM dtype, `MEASURED_FACTOR`) of the dropout-attention kernels from their
+  outputs, the first `[.., T, heads·d]` (forward: the context; a second, the keep mask) or
+  `[.., T, 3·heads·d]` (backward: d projection)."""
+  dtype, dims = outputs[0]
   length, head_dim = dims[-2], dims[-1] // (heads * (3 if backward else 1))
   probabilities = math.prod(dims[:-1]) * heads * length
   if backward:
-    return 10.0 * probabilities * head_dim, 0.0, dtype
-  return 4.0 * probabilities * head_dim, float(probabilities * ROUNDS_PER_HASH), dtype
+    return 10.0 * probabilities * head_dim, 0.0, dtype, MEASURED_FACTOR["backward"]
+  factor = MEASURED_FACTOR["forward_keep" if len(outputs) > 1 else "forward"]
+  return 4.0 * probabilities * head_dim, float(probabilities * ROUNDS_PER_HASH), dtype, factor
 
 
 _PALLAS_WORK = {re.compile(r"micse_dropout_attention_h(\d+)"): _dropout_attention_work,
                 re.compile(r"micse_dropout_attention_backward_h(\d+)"):
-                    lambda heads, output: _dropout_attention_work(heads, output, backward=True)}
+                    lambda heads, outputs: _dropout_attention_work(heads, outputs, backward=True)}
 
 
-def _pallas_work(ins: hlo.Instruction, output) -> tuple[float, float, str]:
-  """(FLOPs, rounds, dtype) of one of our named Pallas kernels; zeros for any other call."""
+def _pallas_work(ins: hlo.Instruction, outputs) -> tuple[float, float, str, float]:
+  """(FLOPs, rounds, dtype, measured factor) of one of our named Pallas kernels; no work for any other call."""
   for pattern, work in _PALLAS_WORK.items():
     found = pattern.search(ins.text)
-    if found and output:
-      return work(int(found.group(1)), output[0])
-  return 0.0, 0.0, ""
+    if found and outputs:
+      return work(int(found.group(1)), outputs)
+  return 0.0, 0.0, "", 1.0
 
 
 def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
@@ -340,10 +352,10 @@ def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel)
     flops = 2.0 * sum(math.prod(d) for _, d in result) * k
     if dtype == "f32":
       dtype = "f32" if "HIGHEST" in ins.text else "tf32"
-  rounds = 0.0
+  rounds, factor = 0.0, 1.0
   if pallas:
-    flops, rounds, dtype = _pallas_work(ins, result)
-  return Cost(kernel.name, kernel.kind, kernel.phase, read, written, flops, rounds, dtype)
+    flops, rounds, dtype, factor = _pallas_work(ins, result)
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, written, flops, rounds, dtype, measured_factor=factor)
 
 
 def plain_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:

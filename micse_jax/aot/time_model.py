@@ -145,7 +145,8 @@ def kernel_seconds(cost: kernel_cost.Cost, device: Device) -> float:
   sort = cost.sort_traffic / (device.shared_bandwidth * SHARED_EFFICIENCY) if cost.sort_traffic and gpu else 0.0
   atomics = cost.atomic_updates / ATOMIC_RATE + cost.atomic_chain * ATOMIC_CHAIN_S if gpu else 0.0
   launch = LAUNCH_S if gpu else TPU_LAUNCH_S
-  return launch + max(memory, gemm, rng, sort, atomics) + (GEMM_OVERHEAD_S if cost.flops and gpu else 0.0)
+  seconds = launch + max(memory, gemm, rng, sort, atomics) + (GEMM_OVERHEAD_S if cost.flops and gpu else 0.0)
+  return seconds * cost.measured_factor
 
 
 def floor_seconds(cost: kernel_cost.Cost, device: Device) -> float:

@@ -34,14 +34,17 @@ def blocked_seconds(dispatch: Callable[[], Any], wait: Callable[[Any], Any], ste
 
 
 def pipelined_seconds(dispatch: Callable[[], Any], wait: Callable[[Any], Any], steps: int,
-                      rounds: int) -> list[float]:
-  """Seconds per step of each of `rounds` runs of `steps` steps with one wait per run."""
+                      rounds: int, dispatched: list | None = None) -> list[float]:
+  """Seconds per step of each of `rounds` runs of `steps` steps with one wait per run; the host's
+  seconds per step spent dispatching (before the wait) are appended to `dispatched`."""
   per_step = []
   for _ in range(rounds):
     t = time.perf_counter()
     handle = None
     for _ in range(steps):
       handle = dispatch()
+    if dispatched is not None:
+      dispatched.append((time.perf_counter() - t) / steps)
     wait(handle)
     per_step.append((time.perf_counter() - t) / steps)
   return per_step
@@ -50,13 +53,16 @@ def pipelined_seconds(dispatch: Callable[[], Any], wait: Callable[[Any], Any], s
 def measure(dispatch: Callable[[], Any], wait: Callable[[Any], Any], warmup: int, steps: int,
             rounds: int) -> dict:
   """`warmup` untimed steps, then blocked and pipelined times (ms): `blocked_step_ms`,
-  `pipelined_step_ms`, `pipelined_rounds_ms` (one per run, to show the spread)."""
+  `pipelined_step_ms`, `pipelined_rounds_ms` (one per run, to show the spread), and
+  `dispatch_step_ms`, the host's time per step to dispatch a pipelined run: near the pipelined
+  time, the step is host-bound (the device waits for the host)."""
   for _ in range(warmup):
     wait(dispatch())
   blocked = blocked_seconds(dispatch, wait, steps)
-  pipelined = pipelined_seconds(dispatch, wait, steps, rounds)
+  dispatched = []
+  pipelined = pipelined_seconds(dispatch, wait, steps, rounds, dispatched)
   return {"pipelined_step_ms": 1e3 * statistics.median(pipelined), "blocked_step_ms": 1e3 * statistics.median(blocked),
-          "pipelined_rounds_ms": [1e3 * s for s in pipelined]}
+          "pipelined_rounds_ms": [1e3 * s for s in pipelined], "dispatch_step_ms": 1e3 * statistics.median(dispatched)}
 
 
 def jax_peer(step) -> tuple[Callable[[], Any], Callable[[Any], Any]]:

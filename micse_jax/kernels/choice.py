@@ -15,9 +15,10 @@ The kernels run only where they can and were tested: Pallas' Triton backend need
 compute capability 8.0 or more (XLA refuses Triton for Volta; the capability is read from the
 target's devices, so a deviceless `--aot v100` compile chooses as a real V100 would), the shapes
 and dtypes the kernels' tests cover (`KERNEL_LENGTHS`, `KERNEL_HEAD_DIMS`, `KERNEL_DTYPES`),
-flax's dropout draw (32-bit threefry words, the bits the kernel reproduces), layers that are not
-rematerialised (`KERNEL_REMAT`), and one device (a Pallas call is a custom call XLA's SPMD
-partitioner does not split by rows). cuDNN's flash
+flax's dropout draw (32-bit threefry words, the bits the kernel reproduces) and layers that are not
+rematerialised (`KERNEL_REMAT`), on any number of devices: a Pallas call is a custom call XLA's
+SPMD partitioner does not split by rows, so on a data-parallel program (`Target.mesh`) the kernels
+run under `shard_map` on each device's rows (`dropout_attention.dropout_attention`). cuDNN's flash
 attention also needs compute capability 8.0 and a shape cuDNN takes (`cudnn_takes`). The
 interpreter (`Target.interpret`) runs the kernels on any device for tests.
 """
@@ -28,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 PATHS = ("explicit", "dropout_kernel", "cudnn", "xla")
 KERNEL_LENGTHS = (16, 32, 64, 128)    # sequence lengths the dropout-attention kernels are tested at
@@ -46,7 +48,9 @@ class Target:
   """What a program is compiled for, as far as the choice of kernels goes.
 
   platform: "cuda", "rocm", "tpu" or "cpu"; compute_capability: CUDA's (major, minor), None
-  elsewhere; devices: how many devices the program spans; interpret: run the Pallas kernels in
+  elsewhere; devices: how many devices the program spans; mesh: the 1-D mesh a step's rows are
+  split over (None where each device runs a program of its own rows: one device, or a
+  population's members spread one per device); interpret: run the Pallas kernels in
   Pallas' interpreter (any platform: the kernels' tests on CPU); own_kernels: False keeps our
   Pallas kernels out whatever the device (the program built again after they failed to compile,
   `training/program.compiled`); trial: also where they are not proven yet (`KERNEL_REMAT`): the GPU
@@ -55,6 +59,7 @@ class Target:
   platform: str = "cpu"
   compute_capability: tuple[int, int] | None = None
   devices: int = 1
+  mesh: Mesh | None = None
   interpret: bool = False
   own_kernels: bool = True
   trial: bool = False
@@ -66,8 +71,8 @@ class Target:
 
   @property
   def pallas(self) -> bool:
-    """Whether the Pallas kernels may run: the interpreter, or Triton on one Ampere-or-newer GPU."""
-    return self.own_kernels and (self.interpret or (self.ampere_or_newer and self.devices == 1))
+    """Whether the Pallas kernels may run: the interpreter, or Triton on Ampere-or-newer GPUs."""
+    return self.own_kernels and (self.interpret or self.ampere_or_newer)
 
   def describe(self) -> str:
     """The target in a few words, for messages: "cuda sm 9.0", "cpu", "cuda sm 7.0 x8"."""
@@ -91,11 +96,13 @@ def _platform(device) -> str:
   return platform
 
 
-def target_of(devices, interpret: bool = False) -> Target:
-  """The `Target` of a program placed on `devices` (this machine's, or a deviceless target's)."""
+def target_of(devices, interpret: bool = False, mesh: Mesh | None = None) -> Target:
+  """The `Target` of a program placed on `devices` (this machine's, or a deviceless target's), its
+  rows split over `mesh` (None: each device runs its own rows)."""
   devices = list(devices)
   first = devices[0]
-  return Target(_platform(first), _capability(first), len(devices), interpret)
+  mesh = mesh if mesh is not None and mesh.size > 1 else None
+  return Target(_platform(first), _capability(first), len(devices), mesh, interpret)
 
 
 @functools.lru_cache(maxsize=None)

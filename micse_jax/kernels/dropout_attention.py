@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
+from jax.sharding import PartitionSpec as P
 
 from micse_jax.kernels import explicit_attention as attention
 
@@ -83,14 +84,16 @@ def reference(projection, biases, key_mask, key, rate: float, heads: int):
   return attention.context(jax.lax.select(keep, probs / (1.0 - rate), jnp.zeros_like(probs)), v)
 
 
-def _keep_from_key(key_ref, heads: int, length: int, rate: float):
+def _keep_from_key(counter_ref, heads: int, length: int, rate: float):
   """This (sentence, head)'s keep mask `[T, T]`: `jax.random.bernoulli`'s decisions at the
-  probabilities' indices in the `[B, heads, T, T]` draw."""
-  sentence, head = pl.program_id(0), pl.program_id(1)
+  probabilities' indices in the `[B, heads, T, T]` draw of the whole batch. `counter_ref`: the key's
+  two words and the global index of this call's first sentence (a device's first row)."""
+  sentence = counter_ref[2] + pl.program_id(0).astype(jnp.uint32)
+  head = pl.program_id(1).astype(jnp.uint32)
   rows = jax.lax.broadcasted_iota(jnp.uint32, (length, length), 0)
   cols = jax.lax.broadcasted_iota(jnp.uint32, (length, length), 1)
-  base = (sentence * heads + head).astype(jnp.uint32) * np.uint32(length * length)
-  bits = threefry_bits(key_ref[0], key_ref[1], base + rows * np.uint32(length) + cols)
+  base = (sentence * np.uint32(heads) + head) * np.uint32(length * length)
+  bits = threefry_bits(counter_ref[0], counter_ref[1], base + rows * np.uint32(length) + cols)
   return (bits >> np.uint32(9)) < np.uint32(keep_below(rate))
 
 
@@ -108,10 +111,10 @@ def _probabilities(mask_ref, blocks, biases, keep, *, rate: float, head_dim: int
   return q, k, v, probs, dropped
 
 
-def _forward_kernel(key_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int, save_keep: bool):
+def _forward_kernel(counter_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int, save_keep: bool):
   """One (sentence, head)'s context block (the dropped probabilities times V), and its keep mask."""
   inputs, (out_ref, *keep_ref) = refs[:6], refs[6:]
-  keep = _keep_from_key(key_ref, heads, out_ref.shape[0], rate)
+  keep = _keep_from_key(counter_ref, heads, out_ref.shape[0], rate)
   _, _, v, _, dropped = _probabilities(mask_ref, inputs[:3], inputs[3:], keep, rate=rate, head_dim=head_dim)
   out_ref[...] = _dot(dropped, v).astype(out_ref.dtype)
   if save_keep:
@@ -182,8 +185,9 @@ def _keep_spec(length: int):
 
 
 def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_keep: bool = False,
-            interpret: bool = False):
-  """`reference` as one Pallas call (with `save_keep`, also its int8 keep mask)."""
+            interpret: bool = False, first_row=0):
+  """`reference` as one Pallas call (with `save_keep`, also its int8 keep mask) of rows that start at
+  row `first_row` of the batch whose dropout draw it reproduces (a device's shard of it)."""
   batch, length, width = projection.shape
   head_dim = width // (3 * heads)
   out_shape = [jax.ShapeDtypeStruct((batch, length, heads * head_dim), projection.dtype)]
@@ -191,10 +195,12 @@ def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_kee
   if save_keep:
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, length, length), jnp.int8))
     out_specs.append(_keep_spec(length))
-  call = _call(_forward_kernel, pl.BlockSpec((2,), lambda b, h: (0,)), projection, heads=heads, rate=rate,
+  call = _call(_forward_kernel, pl.BlockSpec((4,), lambda b, h: (0,)), projection, heads=heads, rate=rate,
                interpret=interpret, name=KERNEL_NAME, out_shape=tuple(out_shape), out_specs=tuple(out_specs),
                save_keep=save_keep)
-  out = call(key, key_mask.astype(jnp.int32), projection, projection, projection, *biases)
+  counter = jnp.concatenate([key.astype(jnp.uint32), jnp.stack([jnp.asarray(first_row).astype(jnp.uint32),
+                                                                jnp.uint32(0)])])  # 4: a power of two
+  out = call(counter, key_mask.astype(jnp.int32), projection, projection, projection, *biases)
   return tuple(out) if save_keep else out[0]
 
 
@@ -223,19 +229,36 @@ def _key_words(key):
   return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
 
 
-def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int, interpret: bool = False):
+def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int, interpret: bool = False,
+                      mesh=None):
   """`reference`'s context, computed by the two kernels (with `interpret`, in Pallas' interpreter).
-  Where they run is `kernels/choice.py`'s to say; `reference` is the explicit path elsewhere."""
-  return _kernels(projection, biases, key_mask, _key_words(key), rate, heads, interpret)
+  Where they run is `kernels/choice.py`'s to say; `reference` is the explicit path elsewhere.
+
+  `mesh`: a 1-D mesh the rows are split over (data parallelism). A Pallas call is a custom call
+  XLA's partitioner does not split, so the kernels run under `shard_map` on each device's own rows,
+  each call drawing its dropout bits at its rows' indices in the whole batch's draw: a sentence's
+  mask and values do not depend on the device count."""
+  words = _key_words(key)
+  if mesh is None or mesh.size == 1:
+    return _kernels(projection, biases, key_mask, words, 0, rate, heads, interpret)
+  axis = mesh.axis_names[0]
+
+  def on_device(projection, key_mask, words, *biases):
+    first_row = jax.lax.axis_index(axis) * projection.shape[0]
+    return _kernels(projection, biases, key_mask, words, first_row, rate, heads, interpret)
+  rows, shared = P(axis), P()
+  return jax.shard_map(on_device, mesh=mesh, in_specs=(rows, rows, shared) + (shared,) * len(biases),
+                       out_specs=rows, check_vma=False)(projection, key_mask, words, *biases)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _kernels(projection, biases, key_mask, words, rate: float, heads: int, interpret: bool):
-  return _pallas(projection, biases, key_mask, words, rate, heads, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _kernels(projection, biases, key_mask, words, first_row, rate: float, heads: int, interpret: bool):
+  return _pallas(projection, biases, key_mask, words, rate, heads, interpret=interpret, first_row=first_row)
 
 
-def _kernels_forward(projection, biases, key_mask, words, rate, heads, interpret):
-  ctx, keep = _pallas(projection, biases, key_mask, words, rate, heads, save_keep=True, interpret=interpret)
+def _kernels_forward(projection, biases, key_mask, words, first_row, rate, heads, interpret):
+  ctx, keep = _pallas(projection, biases, key_mask, words, rate, heads, save_keep=True, interpret=interpret,
+                      first_row=first_row)
   return ctx, (projection, biases, key_mask, keep)
 
 
@@ -243,7 +266,7 @@ def _kernels_backward(rate, heads, interpret, residuals, cotangent):
   projection, biases, key_mask, keep = residuals
   d_projection, d_biases = _pallas_backward(projection, biases, key_mask, keep, cotangent, rate, heads,
                                             interpret=interpret)
-  return d_projection, d_biases, None, None
+  return d_projection, d_biases, None, None, None
 
 
 _kernels.defvjp(_kernels_forward, _kernels_backward)

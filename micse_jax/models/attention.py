@@ -30,16 +30,17 @@ def _split_heads(t, heads: int):
 
 
 def attend(path: str, x, qkv: Sequence[dict], key_mask, drop, deterministic: bool, *, heads: int, dtype,
-           rows: int | None = None, float32_probs: bool = False, interpret: bool = False):
+           rows: int | None = None, float32_probs: bool = False, interpret: bool = False, mesh=None):
   """(context `[B, T', H]` of the first `rows` queries (every one when None), the dropped probabilities
   `[B, heads, T, T]` of the explicit path or None). x: `[B, T, H]`; qkv: the query, key and value
   `{"kernel", "bias"}`; key_mask: bool `[B, 1, 1, T]`, True for real keys; drop: the layer's
-  `models/dropout.Dropout` (its site key feeds the kernels)."""
+  `models/dropout.Dropout` (its site key feeds the kernels); interpret, mesh: how the kernels run
+  (`kernels/dropout_attention.dropout_attention`)."""
   queries = slice(0, rows)
   if path == "dropout_kernel":
     projection, biases = fused_projection(x, qkv, dtype)
     ctx = dropout_attention(projection, biases, key_mask[:, 0, 0, :], drop.site_rng(), drop.rate, heads,
-                            interpret=interpret)
+                            interpret=interpret, mesh=mesh)
     return ctx[:, queries], None
   q, k, v = (_split_heads(t, heads) for t in fused_dense(x, qkv, dtype))  # one GEMM for the three
   if path in ("cudnn", "xla"):

@@ -115,7 +115,7 @@ class BertSelfAttention(nn.Module):
         random_bits=drop.random_bits, rng_impl=drop.rng_impl)
     ctx, probs = attention.attend(path, x, qkv, key_mask, drop, deterministic, heads=heads, dtype=self.dtype,
                                   rows=self.query_rows, float32_probs=self.sow_probs,
-                                  interpret=self.policy.interpret)
+                                  interpret=self.policy.interpret, mesh=self.policy.mesh)
     if self.sow_probs:  # sown (AMI) layers keep float32 probabilities whatever the dtype
       self.sow("intermediates", "attention_probs", probs)
     return ctx

@@ -38,3 +38,8 @@ class Policy:
   def interpret(self) -> bool:
     """Whether the Pallas kernels run in the interpreter (tests)."""
     return bool(self.target and self.target.interpret)
+
+  @property
+  def mesh(self):
+    """The mesh a step's rows are split over (the kernels run per device under it), or None."""
+    return self.target.mesh if self.target else None

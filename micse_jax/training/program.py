@@ -141,9 +141,10 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tu
   the kernels are chosen for (default: the devices' own, `kernels/choice.target_of`)."""
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
-  target = choice.target_of(devices) if target is None else target
-  nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
   mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
+  if target is None:  # the kernels run on the rows of the mesh a member's step sees
+    target = choice.target_of(devices, mesh=population.inner_mesh(mesh) if k else mesh)
+  nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
   member = jax.eval_shape(lambda p: setup.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
   if k:
     abstract = population.abstract_state(member, k)
