@@ -39,6 +39,24 @@ def run(devices, kernels: bool = True) -> tuple:
       fn.lower(params, ids, mask).compile().as_text()
 
 
+def spread_members() -> bool:
+  """A population spread one member per device (`population.make_population_step`: `vmap` over
+  members under a member-split `shard_map`): each member's context is its own `reference`."""
+  from micse_jax.kernels import dropout_attention as da
+  mesh = Mesh(np.array(jax.devices()), ("member",))
+  keys = jax.random.split(jax.random.PRNGKey(7), 4)
+  projection = jnp.stack([jax.random.normal(k, (3, LENGTH, 3 * 128)) for k in keys]).astype(jnp.bfloat16)
+  biases = tuple(jnp.full((4, 128), 0.1 * i) for i in range(3))
+  key_mask = jnp.broadcast_to(jnp.arange(LENGTH) < 11, (4, 3, LENGTH))
+  words = jnp.stack([jax.random.key_data(k) for k in keys])
+  member = lambda p, m, w, *b: da.dropout_attention(p, b, m, w, 0.3, 2, interpret=True)
+  spread = jax.shard_map(jax.vmap(member), mesh=mesh, in_specs=PartitionSpec("member"),
+                         out_specs=PartitionSpec("member"), check_vma=False)
+  got = jax.jit(spread)(projection, key_mask, words, *biases)
+  want = [da.reference(projection[m], tuple(b[m] for b in biases), key_mask[m], words[m], 0.3, 2) for m in range(4)]
+  return all(np.array_equal(np.asarray(got[m]), np.asarray(want[m])) for m in range(4))
+
+
 def main():
   assert jax.device_count() == 4, jax.devices()
   hidden1, loss1, grads1, _ = run(jax.devices()[:1])
@@ -52,7 +70,7 @@ def main():
       "hidden_diff": float(np.max(np.abs(hidden4 - hidden1))), "plain_hidden_diff": float(np.max(np.abs(plain4 - plain1))),
       "hidden_vs_plain": float(np.max(np.abs(hidden4 - plain4))), "loss_rel": abs(loss4 - loss1) / abs(loss1),
       "grad_worst": worst(grads4, grads1), "plain_grad_worst": worst(plain_grads4, grads1),
-      "all_gathers": text.count("all-gather-start") + text.count(" all-gather(")}))
+      "all_gathers": text.count("all-gather-start") + text.count(" all-gather("), "spread_members": spread_members()}))
 
 
 if __name__ == "__main__":

@@ -289,6 +289,7 @@ def test_on_four_devices_the_kernels_under_shard_map_are_the_explicit_path_and_t
   assert r["hidden_vs_plain"] == 0
   assert r["hidden_diff"] <= r["plain_hidden_diff"] and r["grad_worst"] <= r["plain_grad_worst"] < 2 ** -6
   assert r["loss_rel"] < 1e-6 and r["all_gathers"] == 0
+  assert r["spread_members"]  # a population one member per device: each member's own masks and values
 
 
 def test_model_takes_the_kernels_on_unsown_dropout_layers_only():

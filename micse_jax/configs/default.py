@@ -33,10 +33,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.dtype = "auto"              # computation dtype: auto | float32 | bfloat16 | float16 (params stay
                                       # fp32); auto: fp32 on CPU, fp16 on GPUs < sm80, bf16 on sm80+/TPU
   c.model.remat = "none"              # none | layer (save matmul outputs) | full (save layer inputs only)
-  c.model.attention = "fused"         # fused: jax.nn.dot_product_attention where no probs are read
-                                      # (not AMI layers, no attention dropout), the dropout-attention
-                                      # kernels where only dropout reads them (training encoders, CUDA,
-                                      # one device); explicit: softmax(QK^T)V everywhere
+  c.model.attention = "fused"         # fused: each layer's fastest path the device runs (kernels/choice.py):
+                                      # cuDNN/XLA attention where no probs are read, the dropout-attention
+                                      # kernels where only dropout reads them (CUDA sm >= 8.0);
+                                      # explicit: softmax(QK^T)V everywhere
   c.model.loss_scale_init = 2.0 ** 15  # float16 only: dynamic loss scaling (jmp), initial scale
   c.model.loss_scale_period = 2000    # float16 only: finite steps before the scale doubles
   c.model.dropout_random_bits = 32    # 32: flax Dropout; 16: two decisions per random word (opt-in)

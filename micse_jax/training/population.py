@@ -161,7 +161,11 @@ def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | No
   holds the per-member step inputs (arrays [K], `configs/population.step_inputs`)."""
   members_step = jax.vmap(member_step_fn(step_fn, layout))
   if mesh is not None and _spread(mesh):  # each device steps its own members: nothing crosses devices
-    members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS), out_specs=P(MEMBER_AXIS))
+    # Every input and output is split by member, so there is no replication for the check to track;
+    # unchecked, the members' program may hold Pallas calls (the dropout-attention kernels), whose
+    # outputs carry no varying-axes annotation.
+    members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS), out_specs=P(MEMBER_AXIS),
+                                 check_vma=False)
 
   def population_step(pstate: PopulationState, packed, hyper):
     members, metrics, bad = members_step(pstate.members, packed, pstate.stopped_at, hyper)
