@@ -111,6 +111,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "model.attention": _choice(*ATTENTION_MODES),
     "model.remat": _choice(*REMAT_POLICIES),
     "mesh.shard_state": _bool,
+    "mesh.shard_update": _bool,
     "mesh.shard_min_elements": _int(1),
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",
     "model.rng_impl": _choice(*RNG_IMPLS),
@@ -358,9 +359,10 @@ def check_population(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"population.seeds must be distinct, got {tuple(group.seeds)!r}")
   if group.get("ami_weights") and not config.ami.enabled:
     raise ConfigError("population.ami_weights needs ami.enabled=True")
-  if k and config.mesh.shard_state:
-    raise ConfigError("population training keeps every member's state whole; mesh.shard_state=True is "
-                      "not supported with population.seeds")
+  for field in ("shard_state", "shard_update"):
+    if k and config.mesh.get(field):
+      raise ConfigError(f"population training keeps every member's state whole; mesh.{field}=True is "
+                        "not supported with population.seeds")
 
 
 def check_command_line(config: ml_collections.ConfigDict, overridden) -> None:

@@ -72,19 +72,36 @@ def leaf_partition(shape: tuple[int, ...], num_devices: int, min_elements: int =
   return P()
 
 
-def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS):
+def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS,
+                   shard_update: bool = False):
   """The train state's shardings (a tree of `NamedSharding` like `state_shapes`).
 
   shard_state=False: every leaf replicated (plain data parallelism). True: FSDP / ZeRO-3 —
   params, EMA params, optimizer moments and the queue split over the data axis leaf by leaf
   (`leaf_partition`); under `jax.jit` GSPMD all-gathers each parameter where the step uses it
-  and reduce-scatters its gradient, so every device holds 1/N of the state. Checkpoints store
-  the global arrays, so they restore onto any other mesh (`training/checkpoint.py`).
+  and reduce-scatters its gradient, so every device holds 1/N of the state. shard_update (without
+  shard_state): ZeRO-1/2 — the optimizer moments split, the rest replicated; the step updates 1/N
+  of every leaf per device (`split_for_update`). Checkpoints store the global arrays, so they
+  restore onto any other mesh (`training/checkpoint.py`).
   """
-  def sharding(leaf):
-    spec = leaf_partition(tuple(leaf.shape), mesh.size, min_elements) if shard_state else P()
-    return NamedSharding(mesh, spec)
-  return jax.tree.map(sharding, state_shapes)
+  split = lambda leaf: NamedSharding(mesh, leaf_partition(tuple(leaf.shape), mesh.size, min_elements))
+  whole = lambda leaf: NamedSharding(mesh, P())
+  placed = jax.tree.map(split if shard_state else whole, state_shapes)
+  if shard_update and not shard_state:
+    placed = placed.replace(opt_state=jax.tree.map(split, state_shapes.opt_state))
+  return placed
+
+
+def split_for_update(tree, mesh: Mesh | None, on: bool, min_elements: int = MIN_SHARDED_ELEMENTS):
+  """ZeRO-2's update: `tree` (gradients, params, EMA) constrained to 1/N of each leaf per device
+  (`leaf_partition`), so GSPMD reduce-scatters the gradients instead of all-reducing them, each
+  device updates its slice of the params, moments and EMA (and casts its slice of the copies),
+  and the new params, EMA and copies are all-gathered to the replicated state. The same values as
+  the replicated update up to the order of the gradient sums. No-op unless `on` on several devices."""
+  if not on or mesh is None or mesh.size == 1:
+    return tree
+  spec = lambda leaf: NamedSharding(mesh, leaf_partition(tuple(leaf.shape), mesh.size, min_elements))
+  return jax.lax.with_sharding_constraint(tree, jax.tree.map(spec, tree))
 
 
 def gathered_for_compute(tree, mesh: Mesh | None, sharded: bool):

@@ -151,7 +151,8 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tu
     sharding = population.state_sharding(abstract, mesh)
   else:
     abstract = member
-    sharding = mesh_lib.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements)
+    sharding = mesh_lib.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
+                                       shared.mesh.shard_update)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
   return Program(shared, nets, tx, mesh, k, params, _placed(abstract, sharding), sharding, layout,

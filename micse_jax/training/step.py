@@ -99,8 +99,11 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
   the same rule, `population.member_step_fn`). A solo run (`alive` None) applies every update but a
   float16 step the loss scale skips (`training/precision.py`)."""
   loss_fn = make_loss_fn(config, nets, mesh)
-  sharded = config.get("mesh", {}).get("shard_state", False)
+  mesh_config = config.get("mesh", {})
+  sharded = mesh_config.get("shard_state", False)
   whole = lambda tree: mesh_lib.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
+  split = lambda tree: mesh_lib.split_for_update(tree, mesh, mesh_config.get("shard_update", False) and not sharded,
+                                                 mesh_config.get("shard_min_elements", mesh_lib.MIN_SHARDED_ELEMENTS))
   inner, max_norm = optim.adamw(config, schedule), optim.clip_norm(config)
 
   def train_step(state: TrainState, batch: dict, hyper: dict | None = None,
@@ -124,8 +127,8 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
         new = new.replace(queue=state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY)))
     keep = True if alive is None else alive & jnp.isfinite(loss)
     with jax.named_scope("optimizer"):  # clipping + AdamW + EMA + copies in one pass (training/update.py)
-      result = update.apply(inner, grads, state.opt_state, state.params, max_norm=max_norm,
-                            ema_params=state.ema_params, ema_decay=config.momentum.decay if state.queue is not None
+      result = update.apply(inner, split(grads), state.opt_state, split(state.params), max_norm=max_norm,
+                            ema_params=split(state.ema_params), ema_decay=config.momentum.decay if state.queue is not None
                             else None, copies=state.compute_weights, keep=keep,
                             skip_nonfinite=bool(state.loss_scale) or alive is not None, scale=hyper.get("learning_rate"))
     new = new.replace(params=result.params, opt_state=result.opt_state, ema_params=result.ema_params,
