@@ -206,3 +206,19 @@ def test_a_tpu_convolution_matmul_counts_2mnk():
   expected = time_model.TPU_LAUNCH_S + max(2 * 512 * 3072 * 768 / (197e12 * time_model.GEMM_EFFICIENCY),
                                            2 * (512 * 768 + 768 * 3072 + 512 * 3072) / (0.819e12 * time_model.MEMORY_EFFICIENCY))
   assert time_model.kernel_seconds(cost, device) == pytest.approx(expected)
+
+
+def test_a_tpu_batched_matmul_written_as_a_dilated_convolution_counts_one_tap_per_batch_element():
+  """XLA:TPU writes a batched matmul (attention's QKᵀ: [128·12 batch, 32 x 64] · [64 x 32]) as a
+  convolution whose window spans the batch with the input dilated as much: one multiply-add per
+  feature and output element, not one per window position."""
+  shape_q, shape_out = "bf16[128,12,32,64]", "bf16[128,12,32,32]"
+  text = _module(
+      f"%fused_bmm (param_0.7: {shape_q}, param_1.7: {shape_q}) -> {shape_out} {{\n"
+      f"  %param_0.7 = {shape_q}{{3,2,1,0}} parameter(0)\n  %param_1.7 = {shape_q}{{3,2,1,0}} parameter(1)\n"
+      f"  ROOT %convolution.7 = {shape_out}{{3,2,1,0}} convolution(%param_0.7, %param_1.7), "
+      "window={size=128x12 stride=127x11 lhs_dilate=128x12}, dim_labels=01bf_01oi->01bf\n}\n",
+      f"q: {shape_q}, k: {shape_q}",
+      f"  %q = {shape_q}{{3,2,1,0}} parameter(0)\n  %k = {shape_q}{{3,2,1,0}} parameter(1)\n"
+      f"  ROOT %fusion.7 = {shape_out}{{3,2,1,0}} fusion(%q, %k), kind=kOutput, calls=%fused_bmm")
+  assert _one(text).flops == 2 * (128 * 12 * 32 * 32) * 64

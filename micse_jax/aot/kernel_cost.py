@@ -200,10 +200,7 @@ def _dot_flops(program: Program, ins: hlo.Instruction) -> tuple[float, str]:
   lhs, rhs = (operands(ins) + ["", ""])[:2]
   (dtype, dims), = arrays(program.shapes.get(lhs, ""))[:1] or [("f32", ())]
   if ins.opcode == "convolution":
-    labels = re.search(r"dim_labels=\w*_(\w+)->", ins.text)
-    kernel = arrays(program.shapes.get(rhs, ""))[:1]
-    k = math.prod(d for label, d in zip(labels.group(1), kernel[0][1]) if label == "i" or label.isdigit()) \
-        if labels and kernel else 1
+    k = _convolution_taps(ins, arrays(program.shapes.get(rhs, ""))[:1])
   else:
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.text)
     k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
@@ -211,6 +208,24 @@ def _dot_flops(program: Program, ins: hlo.Instruction) -> tuple[float, str]:
   if dtype == "f32":
     dtype = "f32" if "HIGHEST" in ins.text else "tf32"
   return 2.0 * out * k, dtype
+
+
+def _convolution_taps(ins: hlo.Instruction, kernel) -> int:
+  """Multiply-adds per output element of a convolution: the kernel's input features times its
+  spatial taps that land on real input elements. XLA:TPU writes a batched matmul's batch dimensions
+  as a window as large as the batch with the input dilated by as much (`lhs_dilate`): one tap each."""
+  labels = re.search(r"dim_labels=\w*_(\w+)->", ins.text)
+  if not labels or not kernel:
+    return 1
+  dilation = re.search(r"lhs_dilate=([\dx]+)", ins.text)
+  dilations = iter(int(d) for d in dilation.group(1).split("x")) if dilation else None
+  taps = 1
+  for label, size in zip(labels.group(1), kernel[0][1]):
+    if label == "i":
+      taps *= size
+    elif label.isdigit():
+      taps *= -(-size // next(dilations)) if dilations else size
+  return taps
 
 
 def _is_rotation(program: Program, ins: hlo.Instruction) -> bool:
