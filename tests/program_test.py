@@ -100,6 +100,5 @@ def test_the_step_is_built_and_jitted_in_one_place():
   assert _calls("make_population_step") == [("micse_jax/training/program.py", "_jitted_step")]
   jits = _calls("jit")
   assert [j for j in jits if j[0] == "micse_jax/training/program.py"] == [
-      ("micse_jax/training/program.py", "_jitted_step"), ("micse_jax/training/program.py", "_population_flat"),
-      ("micse_jax/training/program.py", "legacy_layouts")]
+      ("micse_jax/training/program.py", "_jitted_step")]
   assert not [path for path, _ in jits if path.startswith(("micse_jax/bench", "micse_jax/aot", "micse_jax/studies"))]

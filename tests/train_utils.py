@@ -95,7 +95,7 @@ def in_flat_layout(opt_state, members: bool = False):
   import jax
   import numpy as np
 
-  from micse_jax.training.optim import FlatState
+  from micse_jax.training.legacy_checkpoints import FlatState
 
   def flat(tree):
     leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from micse_jax.training import compute_weights, optim, update
+from micse_jax.training import compute_weights, legacy_checkpoints, optim, update
 from micse_jax.training.momentum import ema_update
 
 B1, B2, EPS, WD, CLIP, DECAY = 0.9, 0.999, 1e-8, 0.1, 1.0, 0.99
@@ -212,7 +212,7 @@ def _flat_by_hand(per_leaf_state, params):
   flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(tree)]
                                      + [np.zeros(pad - n, np.float32)])
   clip_state, (adam, *rest) = per_leaf_state
-  return optim.FlatState((clip_state, (adam._replace(mu=flat(adam.mu), nu=flat(adam.nu)), *rest)))
+  return legacy_checkpoints.FlatState((clip_state, (adam._replace(mu=flat(adam.mu), nu=flat(adam.nu)), *rest)))
 
 
 def test_the_previous_flat_layout_converts_both_ways_bit_for_bit():
@@ -226,10 +226,10 @@ def test_the_previous_flat_layout_converts_both_ways_bit_for_bit():
     p = optax.apply_updates(p, updates)
   flat = _flat_by_hand(state, params)
   assert flat.inner_state[1][0].mu.shape == (4096,)
-  converted = optim.from_flat(flat, params)
+  converted = legacy_checkpoints.from_flat(flat, params)
   assert jax.tree.structure(converted) == jax.tree.structure(state)
   jax.tree.map(np.testing.assert_array_equal, converted, state)
-  jax.tree.map(np.testing.assert_array_equal, optim.to_flat(state), flat)
+  jax.tree.map(np.testing.assert_array_equal, legacy_checkpoints.to_flat(state), flat)
 
 
 def test_flat_state_converts_abstractly_at_bert_base_size():
@@ -240,10 +240,10 @@ def test_flat_state_converts_abstractly_at_bert_base_size():
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=lambda s: isinstance(s, tuple))
   chain = optax.chain(optax.clip_by_global_norm(CLIP), inner())
   expected = jax.eval_shape(chain.init, params)
-  flat_state = jax.eval_shape(optim.to_flat, expected)
+  flat_state = jax.eval_shape(legacy_checkpoints.to_flat, expected)
   n = sum(int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=lambda s: isinstance(s, tuple)))
   assert flat_state.inner_state[1][0].nu.shape == (-(-n // 4096) * 4096,)
-  converted = jax.eval_shape(lambda s: optim.from_flat(s, params), flat_state)
+  converted = jax.eval_shape(lambda s: legacy_checkpoints.from_flat(s, params), flat_state)
   assert jax.tree.structure(converted) == jax.tree.structure(expected)
   assert jax.tree.map(lambda s: s.shape, converted) == jax.tree.map(lambda s: s.shape, expected)
 

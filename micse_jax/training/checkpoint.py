@@ -7,16 +7,16 @@
 Restores are portable: every array is restored onto the sharding of the target the caller
 builds for the *current* devices (the trainer: replicated over its mesh), never onto the
 sharding stored in the checkpoint, so a run resumes on any device or host count. A checkpoint of
-an older layout (`Legacy`: e.g. the previous release's flat optimizer state) is converted on restore.
+an older release's layout is converted on restore when the caller passes that layout
+(`training/legacy_checkpoints.py` lists them).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 import jax
 import orbax.checkpoint as ocp
@@ -24,6 +24,9 @@ import orbax.checkpoint as ocp
 from micse_jax.errors import CheckpointError
 from micse_jax.training import compute_weights
 from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, step_reader, unreadable_reason
+
+if TYPE_CHECKING:
+  from micse_jax.training.legacy_checkpoints import Legacy
 
 UNREADABLE_DIR = "unreadable_checkpoints"
 
@@ -43,17 +46,7 @@ def on_current_devices(abstract_state):
   return jax.tree.map(place, abstract_state)
 
 
-@dataclasses.dataclass(frozen=True)
-class Legacy:
-  """An older train-state layout a checkpoint may hold (`program.legacy_layouts`): what it is (for the
-  warning line), its abstract state (with shardings) and `convert`, old state → current state (without
-  the half-precision copies: the restore rebuilds them)."""
-  name: str
-  abstract_state: Any
-  convert: Callable[[Any], Any]
-
-
-Layouts = Sequence[Legacy]  # the older layouts a restore tries, in order, when the current one fails
+Layouts = Sequence["Legacy"]  # the older layouts a restore tries, in order, when the current one fails
 
 
 def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, legacy: Layouts):

@@ -33,9 +33,8 @@ from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
 from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
-from micse_jax.training import checkpoint, compute_weights, optim, population, setup
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training import state as state_lib
+from micse_jax.training import population, setup
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
@@ -209,43 +208,3 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
     fn, shardings = train_step, ((sharding, mesh_lib.batch_sharded(mesh)), (sharding, mesh_lib.replicated(mesh)))
   return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
 
-
-def legacy_layouts(program: Program) -> tuple[checkpoint.Legacy, ...]:
-  """The older train-state layouts a checkpoint of this program may hold, converted on restore:
-  the previous release's, whose optimizer state was flat (`optim.FlatState`, converted by
-  `optim.from_flat`), solo and population; a solo run's releases before it (this per-leaf optimizer
-  state, the queue as loose fields, `state.as_legacy_fields`); a population's releases that also
-  saved its members' half-precision weight copies ({'encoder', 'ema'}; none in float32)."""
-  dropped = compute_weights.dropped(program.abstract_state)
-  if program.members:
-    layouts = [_population_flat(program, dropped.members)]
-    copies = program.abstract_state.members.compute_weights
-    if copies:
-      old = {name: copies[name] for name in ("encoder", compute_weights.EMA)}
-      layouts.append(_population_flat(program, dropped.members.replace(compute_weights=old)))
-    return tuple(layouts)
-  params, c = program.abstract_params[0], program.config
-  flat = jax.eval_shape(lambda s: s.replace(opt_state=optim.to_flat(s.opt_state)), dropped)
-  to_per_leaf = jax.jit(lambda s: s.replace(opt_state=optim.from_flat(s.opt_state, params)),
-                        out_shardings=compute_weights.dropped(program.state_sharding))
-  fields = state_lib.as_legacy_fields(dropped)
-  from_fields = jax.jit(state_lib.from_legacy_fields, out_shardings=compute_weights.dropped(program.state_sharding))
-  solo = lambda old: _placed(old, mesh_lib.state_sharding(old, program.mesh, c.mesh.shard_state,
-                                                          c.mesh.shard_min_elements))
-  return (checkpoint.Legacy("flat optimizer state", solo(flat), to_per_leaf),
-          checkpoint.Legacy("the queue as loose fields", solo(fields), from_fields))
-
-
-def _population_flat(program: Program, members) -> checkpoint.Legacy:
-  """A population's previous layout: each member's optimizer state flat, its `members` fields
-  otherwise as given (with saved copies: dropped on conversion)."""
-  params = program.abstract_params[0]
-  old = program.abstract_state.replace(members=members.replace(
-      opt_state=jax.eval_shape(jax.vmap(optim.to_flat), members.opt_state)))
-
-  def convert(state):
-    opt_state = jax.vmap(lambda s: optim.from_flat(s, params))(state.members.opt_state)
-    return state.replace(members=state.members.replace(opt_state=opt_state, compute_weights={}))
-  name = "flat optimizer state" + (", the members' weight copies saved" if members.compute_weights else "")
-  return checkpoint.Legacy(name, _placed(old, population.state_sharding(old, program.mesh)),
-                           jax.jit(convert, out_shardings=compute_weights.dropped(program.state_sharding)))

@@ -60,23 +60,3 @@ def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed
 
 compute_weights.dropped.register(TrainState, TrainState.without_copies)
 compute_weights.rebuilt.register(TrainState, TrainState.with_copies)
-
-LEGACY_QUEUE_FIELDS = {"queue": "embeddings", "queue_valid": "valid", "queue_ptr": "ptr", "queue_ids": "ids"}
-
-
-def as_legacy_fields(state: TrainState) -> dict:
-  """The state laid out as releases before the `Queue` struct saved it: a dict of the fields, the
-  queue as four loose top-level entries (`{}` each without momentum). For restoring old workdirs."""
-  fields = {name: getattr(state, name) for name in ("step", "params", "ema_params", "opt_state", "rng",
-                                                    "loss_scale", "frozen_params")}
-  queue = {old: ({} if state.queue is None else getattr(state.queue, new)) for old, new in LEGACY_QUEUE_FIELDS.items()}
-  return {**fields, **queue}
-
-
-def from_legacy_fields(fields: dict, convert_opt_state=lambda s: s) -> TrainState:
-  """`as_legacy_fields`' inverse, with `convert_opt_state` applied to the old optimizer state."""
-  has_queue = not isinstance(fields["queue"], dict)
-  queue = Queue(**{new: fields[old] for old, new in LEGACY_QUEUE_FIELDS.items()}) if has_queue else None
-  return TrainState(step=fields["step"], params=fields["params"], ema_params=fields["ema_params"],
-                    opt_state=convert_opt_state(fields["opt_state"]), queue=queue, rng=fields["rng"],
-                    loss_scale=fields["loss_scale"], frozen_params=fields["frozen_params"])

@@ -3,8 +3,8 @@
 
 A population (`population.seeds`) is K runs stepped by one program; the loop sees a solo run as
 one run and a population as K (`training/members.py`: each run's folder, params, scalars and
-whether it still trains), with one set-up, one resume path (older layouts converted,
-`program.legacy_layouts`), one evaluation, one logging path, one checkpoint-save site and one
+whether it still trains), with one set-up, one resume path (older releases' layouts converted,
+`training/legacy_checkpoints.py`), one evaluation, one logging path, one checkpoint-save site and one
 final evaluation. The trainer owns the rolling `checkpoints/` and each run's `best/`; the
 evaluators (`micse_jax/evaluators/`) only score params, on the steps `evaluators.is_due` names.
 """
@@ -29,7 +29,7 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, members, precision, program, summaries
+from micse_jax.training import checkpoint, legacy_checkpoints, members, precision, program, summaries
 from micse_jax.training.members import RunView
 from micse_jax.training.setup import Run, initial_state, prepare
 
@@ -101,7 +101,7 @@ def _start(prog: program.Program, runs: list[Run], rolling):
   converted), else step 0."""
   if rolling.latest_step() is None:
     return prog.place_state([initial_state(r, prog.tx) for r in runs])
-  state = checkpoint.resume(rolling, prog.abstract_state, program.legacy_layouts(prog))
+  state = checkpoint.resume(rolling, prog.abstract_state, legacy_checkpoints.layouts(prog))
   logging.info("resumed from step %d", int(state.step))
   return state
 
