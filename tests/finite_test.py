@@ -1,11 +1,27 @@
-"""FiniteWatch: the first non-finite (and not skipped) loss is remembered on the device, read at check()."""
+"""The non-finite policy (`training/finite.py`): which updates are skipped, what a skipped step keeps,
+when a member stops; FiniteWatch: the first non-finite (and not skipped) loss is remembered on the
+device, read at check()."""
+import flax
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from micse_jax.errors import NonFiniteLossError
+from micse_jax.training import finite
 from micse_jax.training.finite import FiniteWatch
+from tests.update_test import make_params
 
+
+@flax.struct.dataclass
+class _Fields:
+  """A state with one field besides those `update.apply` writes (left None here)."""
+  step: jax.Array
+  params: object = None
+  opt_state: object = None
+  ema_params: object = None
+  compute_weights: object = None
 
 def _run(losses, skipped=None):
   watch = FiniteWatch()
@@ -33,3 +49,41 @@ def test_skipped_float16_steps_are_not_failures():
   _run([1.0, np.inf, np.nan], skipped=[0, 1, 1]).check()
   with pytest.raises(NonFiniteLossError, match="at step 3"):
     _run([1.0, np.inf, np.nan], skipped=[0, 1, 0]).check()
+
+
+def test_rest_kept_selects_only_what_the_update_does_not_write():
+  from micse_jax.training.momentum import Queue
+  from micse_jax.training.state import create_train_state
+  old = create_train_state(make_params(), optax.sgd(0.1), seed=0, momentum=True, queue_size=3, dim=4,
+                           loss_scale={"scale": jnp.float32(8.0)}, compute_dtype=jnp.bfloat16)
+  new = old.replace(step=old.step + 1, params=jax.tree.map(lambda p: p + 1, old.params),
+                    queue=Queue.empty(3, 4).replace(ptr=jnp.asarray(2, jnp.int32)), loss_scale={"scale": jnp.float32(4.0)})
+  stopped = finite.rest_kept(jnp.asarray(False), new, old)
+  assert int(stopped.step) == 0 and int(stopped.queue.ptr) == 0 and float(stopped.loss_scale["scale"]) == 8.0
+  assert stopped.params is new.params and stopped.compute_weights is new.compute_weights  # the update's own
+  trained = finite.rest_kept(jnp.asarray(True), new, old)
+  assert int(trained.step) == 1 and int(trained.queue.ptr) == 2 and float(trained.loss_scale["scale"]) == 4.0
+
+
+@pytest.mark.parametrize("alive, loss, scaling, keep, skip", [
+    (None, np.nan, False, True, False),      # a solo float32 run applies every update (FiniteWatch stops it)
+    (None, np.nan, True, True, True),        # float16: a non-finite norm skips it
+    (True, 1.0, False, True, True),          # a member that trains, finite loss: kept unless its norm is not finite
+    (True, np.inf, False, False, True),      # its loss not finite: skipped
+    (False, 1.0, False, False, True)])       # a stopped member: skipped
+def test_which_updates_are_skipped(alive, loss, scaling, keep, skip):
+  mask = finite.update_mask(None if alive is None else jnp.asarray(alive), jnp.float32(loss), scaling)
+  assert bool(mask["keep"]) == keep and mask["skip_nonfinite"] == skip
+
+
+@pytest.mark.parametrize("loss, norm, skipped, alive, bad", [
+    (1.0, 2.0, 0, True, False), (np.nan, 2.0, 0, True, True), (1.0, np.inf, 0, True, True),
+    (np.nan, np.nan, 1, True, False),  # a float16 step the loss scale skipped is no failure
+    (np.nan, 2.0, 0, False, True)])    # reported as bad; `stopped_after` keeps its first step
+def test_a_member_goes_bad_on_an_applied_non_finite_step(loss, norm, skipped, alive, bad):
+  metrics = {"loss": jnp.float32(loss), "grad_norm": jnp.float32(norm), "step_skipped": jnp.int32(skipped)}
+  kept, went_bad = finite.member_kept(jnp.asarray(alive), _Fields(jnp.int32(4)), _Fields(jnp.int32(3)), metrics)
+  assert bool(went_bad) == bad
+  assert int(kept.step) == (4 if alive and not bad else 3)
+  stopped_at = finite.stopped_after(jnp.int32([finite.STOPPED, 1]), jnp.asarray([bad, True]), jnp.int32(7))
+  assert stopped_at.tolist() == [7 if bad else finite.STOPPED, 1]

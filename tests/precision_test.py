@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.training import checkpoint, precision, setup, trainer, update
+from micse_jax.training import checkpoint, finite, precision, setup, trainer, update
 from micse_jax.training.momentum import Queue
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState
@@ -28,7 +28,7 @@ def _scale_state(scale, counter=0, skipped=0):
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad):
   """The update skips the step itself (`update.apply(skip_nonfinite=True)`: params and moments
-  unchanged; the EMA too, `tests/update_test.py`), `keep_if_finite` keeps the queue, advances the
+  unchanged; the EMA too, `tests/update_test.py`), `finite.loss_scaled_step` keeps the queue, advances the
   step and halves the scale."""
   adamw = optax.adamw(1e-2)
   tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
@@ -38,7 +38,7 @@ def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad)
   assert not bool(result.applied) and not np.isfinite(float(result.grad_norm))
   updated = previous.replace(step=previous.step + 1, params=result.params, opt_state=result.opt_state,
                              queue=Queue.empty(2, 3).replace(valid=jnp.ones(2, bool), ptr=jnp.asarray(1, jnp.int32)))
-  new, metrics = precision.keep_if_finite(jnp.isfinite(result.grad_norm), updated, previous, period=2000)
+  new, metrics = finite.loss_scaled_step(jnp.isfinite(result.grad_norm), updated, previous, period=2000)
   assert int(new.step) == 6  # the data position advances
   for name in ("params", "opt_state", "queue"):
     for kept, before in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(previous, name))):
@@ -51,12 +51,12 @@ def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad)
 def test_finite_gradient_keeps_the_update_and_doubles_the_scale_every_period():
   previous = _toy_state(_scale_state(1024.0, counter=2, skipped=1))
   updated = previous.replace(step=previous.step + 1, params={"w": jnp.full(3, 9.0)})
-  new, metrics = precision.keep_if_finite(jnp.asarray(True), updated, previous, period=3)
+  new, metrics = finite.loss_scaled_step(jnp.asarray(True), updated, previous, period=3)
   np.testing.assert_array_equal(new.params["w"], np.full(3, 9.0))
   # counter 2 == period - 1: this finite step completes a period, S -> 2S, counter -> 0
   assert float(new.loss_scale["scale"]) == 2048.0 and int(new.loss_scale["counter"]) == 0
   assert int(new.loss_scale["skipped_steps"]) == 1 and int(metrics["step_skipped"]) == 0
-  again, _ = precision.keep_if_finite(jnp.asarray(True), new.replace(step=new.step + 1), new, period=3)
+  again, _ = finite.loss_scaled_step(jnp.asarray(True), new.replace(step=new.step + 1), new, period=3)
   assert float(again.loss_scale["scale"]) == 2048.0 and int(again.loss_scale["counter"]) == 1
 
 

@@ -23,7 +23,7 @@ from tests.helpers import run_device_worker
 from tests.methods_test import _config
 
 STEPS = 20
-# Bounds that other step-equality tests (`kernel_diet_test`, `compute_weights_test`) share, for changes
+# Bounds that other step-equality tests (`compute_weights_test`) share, for changes
 # that reorder float32 sums (a GEMM blocked otherwise, a reduction split otherwise): 20 Adam steps at lr
 # 1e-3 (a parameter moves by up to 2e-2) amplify a last-bit change of the clipping norm to at most 1e-5
 # in most configs and 3.3e-4 in ami_ct (two encoders; JAX's autodiff of the LayerNorm on CPU), as

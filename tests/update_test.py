@@ -296,17 +296,3 @@ def test_a_member_learning_rate_scales_the_update_bit_for_bit():
   jax.tree.map(np.testing.assert_array_equal, (ours.params, ours.opt_state), theirs)
   assert not np.array_equal(ours.params["head"]["dense"]["kernel"],
                             fused(grads, opt_state, params, None, {}).params["head"]["dense"]["kernel"])
-
-
-def test_rest_kept_selects_only_what_the_update_does_not_write():
-  from micse_jax.training.momentum import Queue
-  from micse_jax.training.state import create_train_state
-  old = create_train_state(make_params(), optax.sgd(0.1), seed=0, momentum=True, queue_size=3, dim=4,
-                           loss_scale={"scale": jnp.float32(8.0)}, compute_dtype=jnp.bfloat16)
-  new = old.replace(step=old.step + 1, params=jax.tree.map(lambda p: p + 1, old.params),
-                    queue=Queue.empty(3, 4).replace(ptr=jnp.asarray(2, jnp.int32)), loss_scale={"scale": jnp.float32(4.0)})
-  stopped = update.rest_kept(jnp.asarray(False), new, old)
-  assert int(stopped.step) == 0 and int(stopped.queue.ptr) == 0 and float(stopped.loss_scale["scale"]) == 8.0
-  assert stopped.params is new.params and stopped.compute_weights is new.compute_weights  # the update's own
-  trained = update.rest_kept(jnp.asarray(True), new, old)
-  assert int(trained.step) == 1 and int(trained.queue.ptr) == 2 and float(trained.loss_scale["scale"]) == 4.0

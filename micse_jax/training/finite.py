@@ -1,12 +1,23 @@
-"""Non-finite loss detection without a device→host sync per step.
+"""The non-finite policy in one place: what a non-finite loss or gradient does to an update, to a
+population member and to a run. The step (`training/step.py`), the population step
+(`training/population.py`) and the loop (`training/trainer.py`) call these rules; none has its own.
 
-After every step, `FiniteWatch.update` folds the step's loss into two device scalars (one tiny
-jitted call, dispatched asynchronously like the step): the first step whose loss was not
-finite (-1 while none) and that loss. The host reads them only in `check()`, which the trainer
-calls before it logs, selects or saves anything, so a non-finite state is never logged, kept
-as the best model or checkpointed, while the steps in between run without waiting. A float16
-step that the dynamic loss scale skipped (`step_skipped`, `training/precision.py`) is not a
-failure: its update was not applied.
+  skip the update   a float16 step whose gradient norm ‖g‖₂ is not finite (the scaled loss
+                    overflowed, Micikevicius et al. 2018), and a population member's step while
+                    the member is stopped or when its loss or ‖g‖₂ is not finite, apply no update:
+                    params, moments, EMA and copies stay as they were (`update_mask`: the mask
+                    `update.apply` keeps them by in its own pass), the rest of the state by the
+                    same mask (`rest_kept`). A skipped float16 step still advances the step (the
+                    data position) and halves the loss scale (`loss_scaled_step`).
+  stop the member   a member whose applied step had a non-finite loss or ‖g‖₂ stops at that step
+                    (`member_kept`, `stopped_after`): its state stays as it was, the others go on.
+  stop the run      a solo run whose applied step had a non-finite loss stops with one error line
+                    (`FiniteWatch`), a population once no member trains (`Health`).
+
+The loop learns of either only when it logs, evaluates or saves (one sync then; the steps in
+between run without waiting), so a non-finite state is never logged, kept as the best model or
+checkpointed. A float16 step the loss scale skipped (`step_skipped`) is never a failure: its
+update was not applied.
 """
 from __future__ import annotations
 
@@ -14,7 +25,67 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from micse_jax import workdir as workdir_lib
 from micse_jax.errors import NonFiniteLossError
+from micse_jax.training import precision, update
+from micse_jax.workdir import STOPPED_STATE
+
+STOPPED = -1  # a population member's `stopped_at` while it trains
+
+
+# ---------------------------------------------------------------- skip the update
+
+
+def update_mask(alive: jax.Array | None, loss: jax.Array, loss_scaling: bool) -> dict:
+  """`update.apply`'s `keep` and `skip_nonfinite` for a step: a solo run (`alive` None) keeps every
+  update but, with float16 loss scaling, one whose ‖g‖₂ is not finite; a population member keeps
+  it only while it trains (`alive`) and its loss and ‖g‖₂ are finite."""
+  if alive is None:
+    return {"keep": True, "skip_nonfinite": loss_scaling}
+  return {"keep": alive & jnp.isfinite(loss), "skip_nonfinite": True}
+
+
+def rest_kept(keep: jax.Array, new, old):
+  """The train state `new` with every field that `update.apply` does not write (step, queue, loss
+  scale, ...) taken from `old` where `keep` is false: the select over the small rest of the state,
+  `apply` having kept its own fields in the same pass (no select over params, moments, EMA and copies)."""
+  rest = lambda state: state.replace(**{name: None for name in update.WRITTEN})
+  kept = jax.tree.map(lambda n, o: jnp.where(jnp.asarray(keep, bool), n, o), rest(new), rest(old))
+  return kept.replace(**{name: getattr(new, name) for name in update.WRITTEN})
+
+
+def loss_scaled_step(finite: jax.Array, updated, previous, period: int) -> tuple:
+  """The new train state of a float16 step whose gradients were `finite` (or not), and its metrics.
+
+  The update skipped a non-finite step already (`update_mask`); here the rest of the state (the
+  queue) is kept as in `previous` too, while the step counter (= data position) advances, and the
+  loss scale is adjusted (`precision.adjusted_loss_scale`). Returns (state, metrics) with
+  `loss_scale`, `skipped_steps` and `step_skipped`; (updated, {}) without loss scaling."""
+  if not previous.loss_scale:
+    return updated, {}
+  finite = jnp.asarray(finite, bool)
+  kept = rest_kept(finite, updated, previous.replace(step=updated.step))
+  loss_scale, metrics = precision.adjusted_loss_scale(previous.loss_scale, finite, period)
+  return kept.replace(loss_scale=loss_scale), metrics
+
+
+# ---------------------------------------------------------------- stop the member
+
+
+def member_kept(alive: jax.Array, new, old, metrics: dict) -> tuple:
+  """(state, went_bad) of a population member's step: `new` while the member trains and its applied
+  step was finite; else `old` (the update kept its own fields already, `update_mask`)."""
+  applied = metrics.get("step_skipped", jnp.asarray(0)) == 0
+  bad = applied & ~(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
+  return rest_kept(alive & ~bad, new, old), bad
+
+
+def stopped_after(stopped_at: jax.Array, bad: jax.Array, step: jax.Array) -> jax.Array:
+  """The members' `stopped_at` after population step `step`: a member that trained and went bad stops there."""
+  return jnp.where((stopped_at == STOPPED) & bad, step, stopped_at).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------- stop the run
 
 
 @jax.jit
@@ -27,7 +98,8 @@ def _fold(first_bad, bad_loss, loss, skipped, step):
 
 
 class FiniteWatch:
-  """Accumulates, on the device, whether any step so far had a non-finite loss."""
+  """A solo run's flag, on the device: the first step whose loss was not finite (-1 while none) and
+  that loss, folded in after every step by one tiny jitted call dispatched like the step."""
 
   def __init__(self):
     self._first_bad = jnp.asarray(-1, jnp.int32)
@@ -46,6 +118,59 @@ class FiniteWatch:
       loss = float(np.asarray(self._bad_loss))
       raise NonFiniteLossError(f"non-finite loss {loss} at step {first_bad}; stopped, {kept_clause(saved_step)} "
                                "(lower optim.learning_rate?)")
+
+
+class Health:
+  """Which of the loop's runs (`members.RunView`s: a solo run, or each member) still train, read only
+  when the loop logs, evaluates or saves (one sync)."""
+
+  def __init__(self, views: list, state):
+    self.views, self.watch, self.reported = views, FiniteWatch(), set()
+    if views[0].index is not None:  # a member training again after a resume: no stale record
+      for i in _alive_indices(state):
+        workdir_lib.clear_member_stopped(views[i].folder)
+
+  def update(self, state, metrics) -> None:
+    """After each step: a solo run folds the loss into the device flag (no sync)."""
+    if self.views[0].index is None:
+      self.watch.update(metrics, state.step)
+
+  def alive(self, state, saved_step: int | None, write) -> list:
+    """The runs that still train; a newly stopped member is reported (`write`: a line to the
+    user) and recorded in its folder. NonFiniteLossError (one line, saying what `saved_step`
+    left) when none does."""
+    if self.views[0].index is None:
+      self.watch.check(saved_step)
+      return self.views
+    alive = _alive_indices(state)
+    for i, step in newly_stopped(state.stopped_at, self.reported):
+      view = self.views[i]
+      line = stopped_line(i, view.run.config.seed, step, len(alive))
+      write(line)  # once, above the progress bar (a log line as well would print it twice)
+      if jax.process_index() == 0:
+        workdir_lib.record_member_stopped(view.folder, step, line)
+    if not alive:
+      stops = ", ".join(f"member {i} at step {int(s)}" for i, s in enumerate(np.asarray(state.stopped_at)))
+      raise NonFiniteLossError(f"every population member went non-finite ({stops}); stopped, "
+                               f"{kept_clause(saved_step)} (lower optim.learning_rate?)")
+    return [self.views[i] for i in alive]
+
+
+def _alive_indices(state) -> list[int]:
+  return [i for i, s in enumerate(np.asarray(state.stopped_at)) if s == STOPPED]
+
+
+def newly_stopped(stopped_at, reported: set[int]) -> list[tuple[int, int]]:
+  """(member, step) of members stopped and not yet in `reported` (which this adds them to)."""
+  found = [(i, int(s)) for i, s in enumerate(np.asarray(stopped_at)) if s != STOPPED and i not in reported]
+  reported.update(i for i, _ in found)
+  return found
+
+
+def stopped_line(index: int, seed: int, step: int, alive: int) -> str:
+  """The one line that reports a member stopped for a non-finite update."""
+  return (f"population member {index} (seed {seed}) stopped: non-finite loss or gradient at step {step}; "
+          f"{STOPPED_STATE}, {alive} member(s) go on (lower optim.learning_rate?)")
 
 
 def kept_clause(saved_step: int | None) -> str:

@@ -6,10 +6,7 @@ what differs is here:
   (`workdir.member_dir`), which reads like a solo workdir (its solo `config.json`, `best/`,
   `results.json`, `timeline.json`, TensorBoard scalars);
 - how its params and scalars are read from the state and the step's metrics (member i's slice);
-- which runs still train (`Health`): a solo run's non-finite loss stops the run with one error
-  line; a population member whose update goes non-finite stops alone (the step keeps its state,
-  `training/population.py`), is reported once and recorded in its folder (`workdir.STOPPED_FILE`),
-  and the run stops once no member trains.
+- which runs still train is the non-finite policy's (`training/finite.Health`).
 """
 from __future__ import annotations
 
@@ -20,14 +17,11 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 
 from micse_jax import workdir as workdir_lib
 from micse_jax.configs import population as population_fields
-from micse_jax.errors import NonFiniteLossError
 from micse_jax.training import population, summaries
-from micse_jax.training.finite import FiniteWatch, kept_clause
 from micse_jax.training.setup import Run
 
 
@@ -102,42 +96,3 @@ def close(views: list[RunView]) -> None:
     view.best.wait_until_finished()
     if view.writer:
       view.writer.close()
-
-
-class Health:
-  """Which runs still train, read only when the loop logs, evaluates or saves (one sync)."""
-
-  def __init__(self, views: list[RunView], state):
-    self.views, self.watch, self.reported = views, FiniteWatch(), set()
-    if views[0].index is not None:  # a member training again after a resume: no stale record
-      for i in _alive_indices(state):
-        workdir_lib.clear_member_stopped(views[i].folder)
-
-  def update(self, state, metrics) -> None:
-    """After each step: a solo run folds the loss into the device flag (no sync)."""
-    if self.views[0].index is None:
-      self.watch.update(metrics, state.step)
-
-  def alive(self, state, saved_step: int | None, write) -> list[RunView]:
-    """The runs that still train; a newly stopped member is reported (`write`: a line to the
-    user) and recorded in its folder. NonFiniteLossError (one line, saying what `saved_step`
-    left) when none does."""
-    if self.views[0].index is None:
-      self.watch.check(saved_step)
-      return self.views
-    alive = _alive_indices(state)
-    for i, step in population.newly_stopped(state.stopped_at, self.reported):
-      view = self.views[i]
-      line = population.stopped_line(i, view.run.config.seed, step, len(alive))
-      write(line)  # once, above the progress bar (a log line as well would print it twice)
-      if jax.process_index() == 0:
-        workdir_lib.record_member_stopped(view.folder, step, line)
-    if not alive:
-      stops = ", ".join(f"member {i} at step {int(s)}" for i, s in enumerate(np.asarray(state.stopped_at)))
-      raise NonFiniteLossError(f"every population member went non-finite ({stops}); stopped, "
-                               f"{kept_clause(saved_step)} (lower optim.learning_rate?)")
-    return [self.views[i] for i in alive]
-
-
-def _alive_indices(state) -> list[int]:
-  return [i for i, s in enumerate(np.asarray(state.stopped_at)) if s == population.STOPPED]

@@ -8,8 +8,8 @@ The members' train states (whatever the `TrainState` pytree holds) are stacked o
 member axis (`stack`) inside one `PopulationState`, and the pure step of `training/step.py` is
 `jax.vmap`ped over it (`make_population_step`; built and jitted by `training/program.py`):
 member i's update is the solo run's update, to float32 rounding. A member whose loss or gradient
-norm is not finite is stopped alone: from that step on its state is kept as it was
-(`stopped_at[i]` = the step), the others go on. The update keeps a stopped member's params,
+norm is not finite is stopped alone (the non-finite policy, `training/finite.py`): from that step
+on its state is kept as it was (`stopped_at[i]` = the step), the others go on. The update keeps a stopped member's params,
 moments, EMA and copies in its own pass (`training/update.py`: no select over the stacked state);
 only the rest of its state (step, queue, loss scale) is selected.
 
@@ -31,12 +31,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.data.packing import BatchLayout
-from micse_jax.training import compute_weights, update
+from micse_jax.training import compute_weights, finite
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.workdir import STOPPED_STATE
+from micse_jax.training.finite import STOPPED
 
 MEMBER_AXIS = "member"
-STOPPED = -1  # `stopped_at` of a member that trains
 
 
 @flax.struct.dataclass
@@ -141,17 +140,15 @@ def member_step_fn(step_fn: Callable, layout: BatchLayout) -> Callable:
   `step_fn(state, batch, hyper, alive)` is the pure train step (`training/step.py`).
 
   A member that trains and stays finite takes `step_fn`'s new state (unchanged, bit for bit); a
-  stopped one, or one whose loss or gradient norm is not finite, keeps its state: the update keeps
-  params, moments, EMA and copies itself (the member's `alive` flag passed into it), and the rest
-  (step, queue, loss scale) is selected here. A float16 step the loss scale skipped
-  (`step_skipped`) is no failure (its update was not applied).
+  stopped one, or one whose loss or gradient norm is not finite, keeps its state (the non-finite
+  policy, `training/finite.py`: the update keeps params, moments, EMA and copies itself, the
+  member's `alive` flag passed into it; `finite.member_kept` the rest).
   """
   def masked(state, packed, stopped_at, member_hyper):
     alive = stopped_at == STOPPED
     new, metrics = step_fn(state, layout.unpack(packed), member_hyper, alive)
-    applied = metrics.get("step_skipped", jnp.asarray(0)) == 0
-    bad = applied & ~(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
-    return update.rest_kept(alive & ~bad, new, state), metrics, bad
+    kept, bad = finite.member_kept(alive, new, state, metrics)
+    return kept, metrics, bad
   return masked
 
 
@@ -169,8 +166,7 @@ def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | No
 
   def population_step(pstate: PopulationState, packed, hyper):
     members, metrics, bad = members_step(pstate.members, packed, pstate.stopped_at, hyper)
-    newly = (pstate.stopped_at == STOPPED) & bad
-    stopped_at = jnp.where(newly, pstate.step, pstate.stopped_at).astype(jnp.int32)
+    stopped_at = finite.stopped_after(pstate.stopped_at, bad, pstate.step)
     return PopulationState(step=pstate.step + 1, members=members, stopped_at=stopped_at), metrics
 
   return population_step
@@ -197,19 +193,6 @@ def inner_mesh(mesh: Mesh) -> Mesh | None:
 
 
 # ---------------------------------------------------------------- reporting
-
-
-def newly_stopped(stopped_at, reported: set[int]) -> list[tuple[int, int]]:
-  """(member, step) of members stopped and not yet in `reported` (which this adds them to)."""
-  found = [(i, int(s)) for i, s in enumerate(np.asarray(stopped_at)) if s != STOPPED and i not in reported]
-  reported.update(i for i, _ in found)
-  return found
-
-
-def stopped_line(index: int, seed: int, step: int, alive: int) -> str:
-  """The one line that reports a member stopped for a non-finite update."""
-  return (f"population member {index} (seed {seed}) stopped: non-finite loss or gradient at step {step}; "
-          f"{STOPPED_STATE}, {alive} member(s) go on (lower optim.learning_rate?)")
 
 
 def member_metrics(metrics: dict, index: int) -> dict[str, float]:

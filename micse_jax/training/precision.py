@@ -8,7 +8,8 @@ multiplies the loss by a scale S before differentiation, divides the gradients b
 
   * when the gradient norm ‖g‖₂ is finite (every gradient is, and their squares' sum does not
     overflow): applies the update; every `period` finite steps S ← 2S;
-  * otherwise: skips the update (params, optimizer, EMA and queue untouched) and S ← S/2.
+  * otherwise: skips the update (params, optimizer, EMA and queue untouched: `training/finite.py`)
+    and S ← S/2.
 
 The rule is `jmp.DynamicLossScale`; its state (scale, counter) plus a running count of the
 skipped steps lives in `TrainState.loss_scale` as a plain dict, so it is checkpointed and
@@ -22,7 +23,7 @@ run compares concrete dtypes (a float32 CPU workdir does not silently continue i
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,6 @@ import jax.numpy as jnp
 from micse_jax.errors import ConfigError
 from micse_jax.models.dtypes import AUTO, DTYPES, auto_dtype, device_dtype, dtype_name  # noqa: F401 (re-export)
 from micse_jax.optional import require
-from micse_jax.training import update
 
 COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
 
@@ -104,24 +104,15 @@ def value_and_unscaled_grad(loss_fn: Callable, state: dict, period: int) -> Call
   return run
 
 
-def keep_if_finite(finite: jax.Array, updated: Any, previous: Any, period: int) -> tuple[Any, dict]:
-  """The step's new train state after a float16 step whose gradients were `finite` (or not).
-
-  The update itself skipped a non-finite step already (`update.apply(skip_nonfinite=True)`: params,
-  moments, EMA and copies unchanged); here the rest of the state (the queue) is kept as in
-  `previous` too, while the step counter (= data position) advances and the loss scale is adjusted
-  (jmp rule). Returns (state, metrics) with `loss_scale`, `skipped_steps` (running total, for
-  TensorBoard) and `step_skipped` (0/1 for this step). No-op without loss scaling.
-  """
-  state = previous.loss_scale
-  if not state:
-    return updated, {}
-  finite = jnp.asarray(finite, bool)
-  kept = update.rest_kept(finite, updated, previous.replace(step=updated.step))
+def adjusted_loss_scale(state: dict, finite: jax.Array, period: int) -> tuple[dict, dict]:
+  """The loss-scale state after a step whose gradients were `finite` (or not), by jmp's rule (S ← S/2
+  on a non-finite step, S ← 2S after `period` finite ones), with a running count of the skipped
+  steps; and its metrics: `loss_scale` (before the step), `skipped_steps` (running total, for
+  TensorBoard) and `step_skipped` (0/1 for this step). Which state a skipped step keeps:
+  `training/finite.py`."""
   adjusted = _as_jmp(state, period).adjust(finite)
   skipped = 1 - finite.astype(jnp.int32)
   new_state = {"scale": adjusted.loss_scale, "counter": adjusted.counter.astype(jnp.int32),
                "skipped_steps": state["skipped_steps"] + skipped}
-  metrics = {"loss_scale": state["scale"], "skipped_steps": new_state["skipped_steps"],
-             "step_skipped": skipped}
-  return kept.replace(loss_scale=new_state), metrics
+  return new_state, {"loss_scale": state["scale"], "skipped_steps": new_state["skipped_steps"],
+                     "step_skipped": skipped}

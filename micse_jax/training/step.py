@@ -25,7 +25,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import compute_weights, infocse, optim, precision, terms, update
+from micse_jax.training import compute_weights, finite, infocse, optim, precision, terms, update
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import Queue, momentum_embeddings
 from micse_jax.training.networks import Networks
@@ -93,11 +93,10 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
   `program` jits it with shardings and donation (and passes its `mesh`, see `make_loss_fn`).
 
   The update is one fused pass (`training/update.apply`: clipping + AdamW on `schedule`, the EMA, the
-  half-precision copies). `alive` (a population member's flag, traced) makes it a member's update:
-  applied only if the member trains and its loss and gradient norm are finite, else params,
-  moments, EMA and copies stay as they were (the population keeps the rest of the member's state by
-  the same rule, `population.member_step_fn`). A solo run (`alive` None) applies every update but a
-  float16 step the loss scale skips (`training/precision.py`)."""
+  half-precision copies). `alive` (a population member's flag, traced) makes it a member's update.
+  Which updates are skipped, and what a skipped step keeps, is the non-finite policy's
+  (`training/finite.py`): a member's while it is stopped or its loss or gradient norm is not finite,
+  a solo run's only a float16 step the loss scale skips."""
   loss_fn = make_loss_fn(config, nets, mesh)
   mesh_config = config.get("mesh", {})
   sharded = mesh_config.get("shard_state", False)
@@ -125,17 +124,16 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
         embeddings = momentum_embeddings(nets, ema_params, whole(state.params["head"]), batch, keys["momentum"])
       with jax.named_scope("enqueue"):  # padding rows are never enqueued
         new = new.replace(queue=state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY)))
-    keep = True if alive is None else alive & jnp.isfinite(loss)
+    mask = finite.update_mask(alive, loss, loss_scaling=bool(state.loss_scale))  # which updates are skipped
     with jax.named_scope("optimizer"):  # clipping + AdamW + EMA + copies in one pass (training/update.py)
       result = update.apply(inner, split(grads), state.opt_state, split(state.params), max_norm=max_norm,
                             ema_params=split(state.ema_params), ema_decay=config.momentum.decay if state.queue is not None
-                            else None, copies=state.compute_weights, keep=keep,
-                            skip_nonfinite=bool(state.loss_scale) or alive is not None, scale=hyper.get("learning_rate"))
+                            else None, copies=state.compute_weights, scale=hyper.get("learning_rate"), **mask)
     new = new.replace(params=result.params, opt_state=result.opt_state, ema_params=result.ema_params,
                       compute_weights=result.copies)
     with jax.named_scope("finite"):
-      new, precision_metrics = precision.keep_if_finite(jnp.isfinite(result.grad_norm), new, state,
-                                                        config.model.loss_scale_period)
+      new, precision_metrics = finite.loss_scaled_step(jnp.isfinite(result.grad_norm), new, state,
+                                                       config.model.loss_scale_period)
     lr = schedule(state.step) * hyper["learning_rate"] if "learning_rate" in hyper else schedule(state.step)
     metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=result.grad_norm, lr=lr)
     return new, metrics

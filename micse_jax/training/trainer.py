@@ -29,7 +29,7 @@ from micse_jax.evaluators import is_due
 from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, legacy_checkpoints, members, precision, program, summaries
+from micse_jax.training import checkpoint, finite, legacy_checkpoints, members, precision, program, summaries
 from micse_jax.training.members import RunView
 from micse_jax.training.setup import Run, initial_state, prepare
 
@@ -187,7 +187,7 @@ def _train(loop: _Loop, state):
   start = int(state.step)
   bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
              disable=jax.process_index() != 0, desc="train" + (f" x{prog.members}" if prog.members else ""))
-  health, tick, saved = members.Health(loop.views, state), time.perf_counter(), loop.rolling.latest_step()
+  health, tick, saved = finite.Health(loop.views, state), time.perf_counter(), loop.rolling.latest_step()
   alive = health.alive(state, saved, bar.write)
   place = lambda step: prog.place_batch([v.run.batches.batch(step) for v in loop.views])
   with Prefetcher(place, range(start, c.num_train_steps), c.data.prefetch) as batches:

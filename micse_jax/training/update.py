@@ -11,8 +11,8 @@ correction and ε sit where optax puts them), after global-norm clipping (Pascan
   θ̄ ← μ·θ̄ + (1−μ)·θ     (the momentum encoder's EMA, miCSE §2.1, `momentum.ema_update`)
   copies ← cast(θ), cast(θ̄)   (`compute_weights.py`)
 
-and θ, m, v, t, θ̄ and the copies all stay as they were where `keep` is false (a stopped population
-member; with `skip_nonfinite`, a step whose gradient norm is not finite, as float16 loss scaling skips).
+and θ, m, v, t, θ̄ and the copies all stay as they were where `keep` is false, and with `skip_nonfinite`
+where ‖g‖₂ is not finite (which steps apply no update: the non-finite policy, `training/finite.py`).
 
 Why it moves few bytes in few kernels on a GPU (deviceless H100 compiles; figures in BENCHMARKS.md):
 
@@ -138,12 +138,5 @@ def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_
 
 
 WRITTEN = ("params", "opt_state", "ema_params", "compute_weights")  # the train-state fields `apply` writes
+# (the rest of a skipped step's state is kept by `finite.rest_kept`)
 
-
-def rest_kept(keep: jax.Array, new, old):
-  """The train state `new` with every field that `apply` does not write (step, queue, loss scale, ...)
-  taken from `old` where `keep` is false: the select over the small rest of the state, `apply` having
-  kept its own fields in the same pass (no select over params, moments, EMA and copies)."""
-  rest = lambda state: state.replace(**{name: None for name in WRITTEN})
-  kept = _where(jnp.asarray(keep, bool), rest(new), rest(old))
-  return kept.replace(**{name: getattr(new, name) for name in WRITTEN})
