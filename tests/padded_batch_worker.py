@@ -23,11 +23,11 @@ def unpadded(batch: dict) -> dict:
   return {k: v[:BATCH] for k, v in batch.items()}
 
 
-def run_steps(run, tx, devices, steps, padded):
+def run_steps(run, devices, steps, padded):
   """`steps` steps on a mesh of `devices` from the initial state; (host state, metrics list)."""
-  from micse_jax.training import program, setup
+  from micse_jax.training import program
   prog = program.of_runs(run.config, [run], devices)  # the trainer's program on these devices
-  state = prog.place_state([setup.initial_state(run, tx)])
+  state = prog.initial_state([run])
   host_batch = lambda i: run.batches.batch(i) if padded else unpadded(run.batches.batch(i))  # padded: 52 rows
   metrics = []
   for i in range(steps):
@@ -38,7 +38,6 @@ def run_steps(run, tx, devices, steps, padded):
 
 def main():
   from micse_jax.training import trainer
-  from micse_jax.training.optim import make_optimizer
   from tests.train_utils import set_dotted, tiny_training_config
   parser = argparse.ArgumentParser()
   parser.add_argument("tmp")
@@ -53,10 +52,9 @@ def main():
     key, value = item.split("=", 1)
     set_dotted(config, key, json.loads(value))
   run = trainer.prepare(config)
-  run.initial_params = jax.device_get(run.initial_params)  # host copy: each run donates its own
-  tx = make_optimizer(config)
-  s1, m1 = run_steps(run, tx, jax.devices()[:1], args.steps, padded=False)
-  s4, m4 = run_steps(run, tx, jax.devices(), args.steps, padded=True)
+  run.encoder_params = jax.device_get(run.encoder_params)  # host copy: each run donates its own
+  s1, m1 = run_steps(run, jax.devices()[:1], args.steps, padded=False)
+  s4, m4 = run_steps(run, jax.devices(), args.steps, padded=True)
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
                        if np.size(a) else 0.0, s1, s4)
   metric_diffs = {k: max(abs(a[k] - b[k]) for a, b in zip(m1, m4)) for k in m1[0]}

@@ -146,11 +146,8 @@ def _float_leaves_close(a, b, atol):
 
 
 def _restore_on_one_device(workdir, config):
-  from micse_jax.training import setup
-  from micse_jax.training.optim import make_optimizer
-  run = setup.prepare(config)
-  abstract = jax.eval_shape(lambda: setup.initial_state(run, make_optimizer(config)))
-  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
+  from tests.train_utils import step0_shapes
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), step0_shapes(config))
 
 
 def _assert_exports_equal(a, b, atol):

@@ -7,12 +7,10 @@ import optax
 import pytest
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.training import checkpoint, finite, precision, setup, trainer, update
+from micse_jax.training import checkpoint, finite, precision, trainer, update
 from micse_jax.training.momentum import Queue
-from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.state import TrainState
-from micse_jax.training.step import make_train_step
-from tests.train_utils import tiny_training_config
+from tests.train_utils import prepared_program, program_steps, tiny_training_config
 
 
 def _toy_state(loss_scale):
@@ -67,13 +65,9 @@ def test_scaled_gradient_is_unscaled():
   np.testing.assert_allclose(grads, 2 * np.arange(3.0))
 
 
-def _one_step(config, state=None):
-  run = setup.prepare(config)
-  tx = make_optimizer(config)
-  state = setup.initial_state(run, tx) if state is None else state
-  step = jax.jit(make_train_step(config, run.nets, learning_rate_schedule(config)))
-  batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}
-  return state, *jax.device_get(step(state, batch))
+def _one_step(config):
+  init, state, (metrics,) = program_steps(config, 1)
+  return init, state, metrics
 
 
 def test_float16_and_float32_give_the_same_loss_on_a_fixed_batch(tmp_path, tiny_real_dir):
@@ -110,11 +104,9 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
   trainer.train_and_evaluate(config, workdir)  # no NonFiniteLossError
   assert [logged[s]["skipped_steps"] for s in (1, 2, 3)] == [1, 2, 3]
   assert [logged[s]["loss_scale"] for s in (1, 2, 3)] == [2.0 ** 40, 2.0 ** 39, 2.0 ** 38]
-  run = setup.prepare(config)
-  tx = make_optimizer(config)
-  init = setup.initial_state(run, tx)
-  final = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2),
-                                   jax.eval_shape(lambda: setup.initial_state(run, tx)))
+  prog, runs = prepared_program(config)
+  init = jax.device_get(prog.initial_state(runs))
+  final = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), prog.abstract_state)
   assert int(final.step) == 3
   for a, b in zip(jax.tree.leaves((init.params, init.opt_state, init.ema_params, init.queue)),
                   jax.tree.leaves((final.params, final.opt_state, final.ema_params, final.queue))):
@@ -128,9 +120,7 @@ def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
   config.model.dtype, config.model.loss_scale_init, config.model.loss_scale_period = "float16", 1.0, 1
   workdir = str(tmp_path / "fp16_resume")
   trainer.train_and_evaluate(config, workdir)
-  run = setup.prepare(config)
-  tx = make_optimizer(config)
-  abstract = jax.eval_shape(lambda: setup.initial_state(run, tx))
+  abstract = prepared_program(config)[0].abstract_state
   saved = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
   assert float(saved.loss_scale["scale"]) == 4.0 and int(saved.loss_scale["skipped_steps"]) == 0
   config.num_train_steps = 4

@@ -58,47 +58,55 @@ def test_a_solo_program_is_the_solo_step_and_a_population_one_is_vmapped(tmp_pat
   from micse_jax.models.loading import load_config
   config = tiny_training_config(tmp_path, minilm_dir)
   bert_config = load_config(config.model.name_or_path)
-  params = program.abstract_params(config, bert_config)
-  solo = program.build(config, bert_config, params)
+  encoder = program.abstract_encoder(config, bert_config)
+  solo = program.build(config, bert_config, encoder)
   kernel = lambda state: state.params["encoder"]["embeddings"]["word_embeddings"]["embedding"].shape
   assert solo.members == 0 and solo.hyper == {} and kernel(solo.abstract_state) == kernel(program.abstract_of(
-      setup_state(config, bert_config, params, solo)))
+      setup_state(config, bert_config, solo)))
   assert len(solo.inputs("state", "batch")) == 2
   config.population.seeds, config.population.ami_weights = (3, 4, 5), (0.0, 0.1, 0.2)
-  pop = program.build(config, bert_config, params)
+  pop = program.build(config, bert_config, encoder)
   assert pop.members == 3 and kernel(pop.abstract_state.members) == (3, *kernel(solo.abstract_state))
   np.testing.assert_array_equal(pop.hyper["ami_weight"], np.float32([0.0, 0.1, 0.2]))
   assert set(pop.hyper) == {population_fields.PER_MEMBER["ami_weights"].step_input}
 
 
-def setup_state(config, bert_config, params, prog):
-  """The step-0 train state's shapes by `setup.new_train_state` (independently of the program)."""
+def setup_state(config, bert_config, prog):
+  """The step-0 train state's shapes by `setup.new_train_state` (independently of the program's state)."""
   from micse_jax.training import setup
-  return jax.eval_shape(lambda p: setup.new_train_state(config, bert_config.hidden_size, prog.tx, *p), params)
+  return jax.eval_shape(lambda p: setup.new_train_state(config, bert_config.hidden_size, prog.tx, *p),
+                        prog.abstract_params)
 
 
-def _calls(name: str) -> list[tuple[str, str]]:
-  """(file, enclosing function) of every call of `name` (`f(...)` or `x.f(...)`) in the library."""
+def _calls(name: str, roots=("micse_jax",)) -> list[tuple[str, str]]:
+  """(file, enclosing function) of every call of `name` (`f(...)` or `x.f(...)`) in the files under `roots`."""
   found = []
-  for folder, _, files in os.walk(os.path.join(REPO, "micse_jax")):
-    for file in sorted(f for f in files if f.endswith(".py")):
-      path = os.path.join(folder, file)
-      with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-      for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Lambda))]:
-        for node in ast.walk(function):
-          called = node.func if isinstance(node, ast.Call) else None
-          if getattr(called, "attr", getattr(called, "id", None)) == name and isinstance(function, ast.FunctionDef):
-            found.append((os.path.relpath(path, REPO), function.name))
+  for root in roots:
+    for folder, _, files in os.walk(os.path.join(REPO, root)):
+      for file in sorted(f for f in files if f.endswith(".py")):
+        path = os.path.join(folder, file)
+        with open(path, encoding="utf-8") as f:
+          tree = ast.parse(f.read())
+        for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+          for node in ast.walk(function):
+            called = node.func if isinstance(node, ast.Call) else None
+            if getattr(called, "attr", getattr(called, "id", None)) == name:
+              found.append((os.path.relpath(path, REPO), function.name))
   return sorted(set(found))
 
 
 def test_the_step_is_built_and_jitted_in_one_place():
-  """The pure train step is built only by the program, which jits it once; every other `jax.jit`
-  of the library jits something else (evaluation, init, the non-finite flag, a layout conversion)."""
-  assert _calls("make_train_step") == [("micse_jax/training/program.py", "_jitted_step")]
-  assert _calls("make_population_step") == [("micse_jax/training/program.py", "_jitted_step")]
+  """The pure train step is built only by the program, which jits it once, in the library and in the
+  tests (which take their steps from it: `tests/train_utils.program_steps`); every other `jax.jit` of
+  the library jits something else (evaluation, init, the non-finite flag, a layout conversion); the
+  networks are built by the program alone."""
+  everywhere = ("micse_jax", "tests")
+  assert _calls("make_train_step", everywhere) == [("micse_jax/training/program.py", "_jitted_step")]
+  assert _calls("make_population_step", everywhere) == [("micse_jax/training/program.py", "_jitted_step")]
+  assert _calls("member_step_fn", everywhere) == [("micse_jax/training/population.py", "make_population_step")]
   jits = _calls("jit")
   assert [j for j in jits if j[0] == "micse_jax/training/program.py"] == [
       ("micse_jax/training/program.py", "_jitted_step")]
   assert not [path for path, _ in jits if path.startswith(("micse_jax/bench", "micse_jax/aot", "micse_jax/studies"))]
+  assert _calls("build_networks") == [("micse_jax/training/networks.py", "build_networks"),  # InfoCSE's own
+                                      ("micse_jax/training/program.py", "build")]

@@ -14,8 +14,8 @@ TINY = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_atten
 def _state_bytes(batch_size):
   """Bytes of the train state, from the shapes alone (independent of the compiler)."""
   from micse_jax.training import program
-  config = scaling.bench_config(batch_size, 32, "float32", False, "none")
-  shapes = program.build(config, TINY, program.abstract_params(config, TINY)).abstract_state
+  config = scaling.layout_config("replicated/none", batch_size, 32, "float32", TINY.num_hidden_layers)
+  shapes = program.build(config, TINY, program.abstract_encoder(config, TINY)).abstract_state
   return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
 
 

@@ -15,21 +15,17 @@ def flat_state(state) -> dict:
           jax.tree_util.tree_leaves_with_path(jax.device_get(state)) if np.size(v)}
 
 
-def final_state(run, tx, workdir, shard_state: bool):
-  """The workdir's latest state restored onto this mesh with the trainer's shardings."""
+def final_state(config, workdir):
+  """The workdir's latest state restored onto this process's devices with the trainer's shardings
+  (`config.mesh.shard_state`: replicated or sharded)."""
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint, trainer
-  from micse_jax.training import mesh as mesh_lib
-  abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
-  shardings = mesh_lib.state_sharding(abstract, mesh_lib.data_mesh(), shard_state,
-                                      run.config.mesh.shard_min_elements)
-  targets = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
-  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), targets)
+  from micse_jax.training import checkpoint
+  from tests.train_utils import prepared_program
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), prepared_program(config)[0].abstract_state)
 
 
 def main(tmp, tokenizer_dir):
   from micse_jax.training import trainer
-  from micse_jax.training.optim import make_optimizer
   from tests.sharded_state_test import run_config
   assert jax.device_count() == 4, jax.devices()
   tmp = pathlib.Path(tmp)
@@ -39,7 +35,7 @@ def main(tmp, tokenizer_dir):
     workdir = str(tmp / ("sharded" if shard_state else "replicated"))
     trainer.train_and_evaluate(config, workdir)
     assert json.load(open(f"{workdir}/config.json"))["model"]["dtype"] == "float32"  # auto, resolved on CPU
-    state = final_state(trainer.prepare(config), make_optimizer(config), workdir, shard_state)
+    state = final_state(config, workdir)
     np.savez(tmp / f"{'sharded' if shard_state else 'replicated'}_4dev.npz", **flat_state(state))
     if shard_state:  # per leaf: global shape and the shape each device holds
       layout = {jax.tree_util.keystr(k): [list(v.shape), list(v.addressable_shards[0].data.shape)]

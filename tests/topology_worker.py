@@ -10,30 +10,27 @@ import jax
 import numpy as np
 
 
-def state_on_this_topology(run, tx, workdir):
+def state_on_this_topology(config, workdir):
   """The latest TrainState, replicated over this process's 4-device mesh (the trainer's target)."""
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint, setup
+  from micse_jax.training import checkpoint
   from micse_jax.training import mesh as mesh_lib
-  mesh = mesh_lib.data_mesh()
-  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=mesh_lib.replicated(mesh)),
-                          jax.eval_shape(lambda: setup.initial_state(run, tx)))
+  from tests.train_utils import step0_shapes
+  abstract = step0_shapes(config, mesh_lib.replicated(mesh_lib.data_mesh()))
   return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
 
 
 def main(tmp, tokenizer_dir, one_device_workdir):
   from micse_jax import convert
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint, setup, trainer
-  from micse_jax.training.optim import make_optimizer
+  from micse_jax.training import checkpoint, trainer
   from tests.portable_checkpoint_test import drop_steps_after, steps_config
   assert jax.device_count() == 4, jax.devices()
   tmp = pathlib.Path(tmp)
   config = steps_config(tmp, tokenizer_dir)
   w4 = str(tmp / "w4")
   trainer.train_and_evaluate(config, w4)
-  run, tx = setup.prepare(config), make_optimizer(config)
-  state = state_on_this_topology(run, tx, w4)
+  state = state_on_this_topology(config, w4)
   assert state.params["head"]["dense"]["kernel"].sharding.num_devices == 4
   checkpoint.save_best(workdir_lib.best_manager(w4), int(state.step), state.params, 0.5)
   flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(jax.device_get(state.params))}

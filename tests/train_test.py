@@ -13,11 +13,12 @@ from micse_jax.errors import CheckpointError
 from micse_jax.losses.ami import resolve_layers
 from micse_jax.training import checkpoint, setup, trainer
 from micse_jax.training.momentum import Queue, ema_update
-from micse_jax.training.optim import learning_rate_schedule, make_optimizer
-from micse_jax.training.step import make_train_step
+from micse_jax.training.optim import learning_rate_schedule
 from tests.helpers import run_device_worker
 from tests.train_utils import (
   in_flat_layout,
+  prepared_program,
+  program_steps,
   rewrite_in_old_layout,
   tiny_training_config,
   train_preempted_after_first_save,
@@ -71,15 +72,8 @@ def test_ami_layer_indices():
 
 
 def _run_steps(config, n):
-  run = setup.prepare(config)
-  tx = make_optimizer(config)
-  state = setup.initial_state(run, tx)
-  init = jax.device_get(state)
-  step = jax.jit(make_train_step(config, run.nets, learning_rate_schedule(config)))
-  metrics = None
-  for i in range(n):
-    state, metrics = step(state, {k: jnp.asarray(v) for k, v in run.batches.batch(i).items()})
-  return init, jax.device_get(state), jax.device_get(metrics)
+  init, state, history = program_steps(config, n)
+  return init, state, history[-1]
 
 
 @pytest.mark.parametrize("variant", ["simcse", "ami_simcse", "moco_simcse", "micse"])
@@ -150,10 +144,7 @@ def _leaves_equal(a, b):
 
 
 def _restore_latest(workdir, config):
-  run = setup.prepare(config)
-  tx = make_optimizer(config)
-  abstract = jax.eval_shape(lambda: setup.initial_state(run, tx))
-  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), prepared_program(config)[0].abstract_state)
 
 
 def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):

@@ -113,3 +113,45 @@ def in_flat_layout(opt_state, members: bool = False):
       return type(node)(*parts) if hasattr(node, "_fields") else tuple(parts)
     return node
   return FlatState(walk(opt_state))
+
+
+def prepared_program(config, devices=None):
+  """(program, runs) as the trainer builds them: each run prepared (`setup.prepare`: the run, or each
+  population member), the program of `config` on them (`program.of_runs`, on `devices`)."""
+  from micse_jax.training import members, program, setup
+  runs = [setup.prepare(c) for c in members.run_configs(config)]
+  return program.of_runs(config, runs, devices), runs
+
+
+def initial_params(prog, run) -> tuple:
+  """A run's step-0 (params, frozen params) on the program's networks, as the trainer starts it."""
+  from micse_jax.training import setup
+  return setup.initial_params(run.config, prog.nets, run.encoder_params)
+
+
+def program_steps(config, steps: int, devices=None):
+  """(step-0 state, final state, per-step metrics), on the host, of `steps` steps of the trainer's
+  program (`training/program.py`: its networks, placements, packed batches and jitted, donated step),
+  each step on the batch of its data position."""
+  return steps_of(*prepared_program(config, devices), steps)
+
+
+def steps_of(prog, runs, steps: int):
+  """`program_steps` on a prepared program and its runs (`prepared_program`)."""
+  import jax
+  state = prog.initial_state(runs)
+  init, history = jax.device_get(state), []
+  for position in range(steps):
+    state, metrics = prog.step(*prog.inputs(state, prog.place_batch([r.batches.batch(position) for r in runs])))
+    history.append(jax.device_get(metrics))
+  return init, jax.device_get(state), history
+
+
+def step0_shapes(config, sharding=None):
+  """The step-0 train state's shapes as the trainer's program places them (`Program.abstract_state`),
+  or every leaf on `sharding`: the target a test restores a workdir's checkpoint onto."""
+  import jax
+  abstract = prepared_program(config)[0].abstract_state
+  if sharding is None:
+    return abstract
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)

@@ -17,10 +17,11 @@ import numpy as np
 import optax
 import pytest
 
-from micse_jax.training import compute_weights, optim, update
+from micse_jax.training import compute_weights, update
 from micse_jax.training.momentum import ema_update
 from tests.helpers import run_device_worker
 from tests.methods_test import _config
+from tests.train_utils import program_steps
 
 STEPS = 20
 # Bounds that other step-equality tests (`compute_weights_test`) share, for changes
@@ -82,22 +83,12 @@ def step_config(tmp_path, model_dir, variant, arg, overrides):
 
 
 def train(config, shard_state=False):
-  """20 jitted, donated steps of `make_train_step` over this process's devices."""
-  from micse_jax.training import mesh as mesh_lib
-  from micse_jax.training import setup
-  from micse_jax.training.step import make_train_step
-  run = setup.prepare(config)
-  mesh = mesh_lib.data_mesh()
-  state = setup.initial_state(run, optim.make_optimizer(config))
-  shardings = mesh_lib.state_sharding(state, mesh, shard_state, 1024)
-  step = jax.jit(make_train_step(config, run.nets, optim.learning_rate_schedule(config), mesh),
-                 in_shardings=(shardings, mesh_lib.batch_sharded(mesh)), out_shardings=(shardings, None),
-                 donate_argnums=0)
-  state, norms = jax.device_put(state, shardings), []
-  for i in range(STEPS):
-    state, metrics = step(state, mesh_lib.global_batch(run.batches.batch(i), mesh))
-    norms.append(float(metrics["grad_norm"]))
-  return jax.device_get(state), norms
+  """20 steps of the trainer's program (`tests/train_utils.program_steps`) over this process's
+  devices, the state replicated or sharded (leaves of 1024 elements and more)."""
+  config = config.copy_and_resolve_references()
+  config.mesh.shard_state, config.mesh.shard_min_elements = shard_state, 1024
+  _, state, history = program_steps(config, STEPS)
+  return state, [float(m["grad_norm"]) for m in history]
 
 
 def differences(new, ref) -> dict:
@@ -199,28 +190,27 @@ def test_older_workdir_resumes_converted(tmp_path, tiny_real_dir, layout, caplog
   from micse_jax.errors import CheckpointError
   from micse_jax.training import checkpoint, trainer
   from tests.sharded_state_worker import final_state, flat_state
-  from tests.train_utils import in_flat_layout, rewrite_in_old_layout, rewrite_rolling
+  from tests.train_utils import in_flat_layout, prepared_program, rewrite_in_old_layout, rewrite_rolling
   config = step_config(tmp_path, tiny_real_dir, "micse", None, {"checkpoint_every": 3})
   config.num_train_steps = 6
   straight_dir, old_dir = str(tmp_path / "straight"), str(tmp_path / "old")
   trainer.train_and_evaluate(config, straight_dir)
   config.num_train_steps = 3
   trainer.train_and_evaluate(config, old_dir)
-  run, tx = trainer.prepare(config), optim.make_optimizer(config)
-  state = final_state(run, tx, old_dir, shard_state=False)
+  state = final_state(config, old_dir)
   if layout == "flat":
     rewrite_rolling(old_dir, state.replace(opt_state=in_flat_layout(state.opt_state)))
   else:
     rewrite_in_old_layout(old_dir, state)
-  abstract = jax.eval_shape(lambda: trainer.initial_state(run, tx))
   with pytest.raises(CheckpointError) as error:  # without the conversion: one error line
-    checkpoint.restore_state(workdir_lib.rolling_manager(old_dir, 2), abstract, step=3)
+    checkpoint.restore_state(workdir_lib.rolling_manager(old_dir, 2), prepared_program(config)[0].abstract_state,
+                             step=3)
   assert "\n" not in str(error.value)
   config.num_train_steps = 6
   trainer.train_and_evaluate(config, old_dir)  # resumes at 3, converting
   assert "older release's layout" in caplog.text
-  resumed = flat_state(final_state(run, tx, old_dir, shard_state=False))
-  straight = flat_state(final_state(run, tx, straight_dir, shard_state=False))
+  resumed = flat_state(final_state(config, old_dir))
+  straight = flat_state(final_state(config, straight_dir))
   assert sorted(resumed) == sorted(straight) and any(".mu" in k for k in resumed)
   for k in straight:
     np.testing.assert_array_equal(resumed[k], straight[k], err_msg=k)

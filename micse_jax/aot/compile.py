@@ -3,7 +3,7 @@ compiled program says.
 
 `compile_program(config, bert_config, devices)` builds the step exactly as the trainer does
 (`training/program.build`: networks, optimizer, abstract state, shardings, packed batch layout,
-a population's vmapped step and step inputs) from the model's shapes alone (`program.abstract_params`:
+a population's vmapped step and step inputs) from the model's shapes alone (`program.abstract_encoder`:
 no weights, no data) and runs the devices' compiler on this CPU; the devices are this machine's
 or a target's (`aot/targets.py`). `report` reads the compiled program: its kernels by kind and by
 phase of the step (`aot/hlo.py`), the update's kernels, the compiler's memory per device and the
@@ -23,22 +23,13 @@ from micse_jax.aot.collectives import collective_table
 from micse_jax.models.bert import BertConfig
 
 
-def resolved(config: ml_collections.ConfigDict, device) -> ml_collections.ConfigDict:
-  """A copy of `config`, its references resolved and `model.dtype="auto"` resolved for `device`."""
-  from micse_jax.models.dtypes import AUTO, device_dtype
-  config = config.copy_and_resolve_references()
-  if config.model.dtype == AUTO:
-    config.model.dtype = device_dtype(device)
-  return config
-
-
 def build_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
   """The trainer's program of `config` (`training/program.py`) for `devices`, from shapes alone;
   `tokens`: the checkpoint's special token ids (`networks.SpecialTokens`), where the method reads them."""
-  from micse_jax.training import program
-  config = resolved(config, devices[0])
-  params = program.abstract_params(program.step_config(config), bert_config)
-  return program.build(config, bert_config, params, devices, tokens)
+  from micse_jax.training import precision, program
+  config = precision.with_resolved_dtype(config, announce=False, device=devices[0])  # "auto": the target's dtype
+  encoder = program.abstract_encoder(program.step_config(config), bert_config)
+  return program.build(config, bert_config, encoder, devices, tokens)
 
 
 def lower_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):

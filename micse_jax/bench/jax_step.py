@@ -1,12 +1,13 @@
 """The micse_jax side of the benchmark: the full jitted step, and where its time goes by phase.
 
-The step is the trainer's program (`training/program.py` on the set-up of `training/setup.py`).
-Its breakdown is read from the step itself, not from separately jitted copies of its parts:
-`phase_ms` profiles a few full steps and adds up each XLA op's (XLA:CPU) or kernel's (GPU,
-the device's `XLA Ops` line) time under the phase of the step's `jax.named_scope`s that the op
-belongs to (`bench/hlo.py`: `views`, `encode` forward / backward, each loss term,
-`optimizer`, `ema`, `compute_weights`, `momentum_forward`, `enqueue`, `finite`; `(no phase)` for
-the step's key derivation and metrics).
+The step is the trainer's program (`training/program.py` on the set-up of `training/setup.py`),
+lowered and compiled as the trainer's (`Program.lower`). Its breakdown is read from the step
+itself, not from separately jitted copies of its parts: `phase_ms` profiles a few full steps and
+adds up each XLA op's (XLA:CPU) or kernel's (GPU, the device's `XLA Ops` line) time under the
+phase of the step's `jax.named_scope`s that the op belongs to (`aot/hlo.py`: `views`, `encode`
+forward / backward, each loss term, `optimizer` (clipping, AdamW, the EMA and the weight copies
+in one pass), `momentum_forward`, `enqueue`, `finite`; `(no phase)` for the step's key
+derivation and metrics).
 """
 from __future__ import annotations
 
@@ -70,13 +71,17 @@ def random_batch(batch_size: int, length: int, vocab: int, seed: int = 0) -> dic
           "sentence_ids": np.arange(batch_size, dtype=np.int32)}  # distinct sentences: nothing masked
 
 
-def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: int, dtype: str):
-  """The miCSE config (AMI on the last four layers, momentum + queue) at the given shape."""
+def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: int, dtype: str,
+                 shard_state: bool = False, remat: str = "none"):
+  """The bench's miCSE config (AMI on the last four layers, momentum + queue) at the given shape, for
+  every bench mode (timed step, `--aot`, `--collectives`, `--population_members`); `shard_state` and
+  `remat` pick a memory layout (`bench/scaling.py`)."""
   from micse_jax.configs import micse
   c = micse.get_config()
   c.ami.layers = tuple(range(-min(4, num_layers), 0))
   c.model.name_or_path, c.model.dtype = model_dir, dtype
   c.batch_size, c.model.max_length = batch_size, max_length
+  c.model.remat, c.mesh.shard_state = remat, shard_state
   c.num_train_steps = 10_000
   return c
 
@@ -89,17 +94,15 @@ class JaxStep:
     from micse_jax.data.pipeline import ROW_MASK_KEY
     from micse_jax.models.loading import load_pretrained
     from micse_jax.training import program, setup
-    from micse_jax.training.networks import build_networks
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)
     if config_overrides:
       config_overrides(c)
     self.model_flops = step_flops_for(c, bert_config)   # MFU's numerator (bench/flops.py)
-    params = setup.initial_params(c, build_networks(c, bert_config), enc)  # the trainer's set-up
-    self.program = program.build(c, bert_config, program.abstract_of(params))
+    self.program = program.build(c, bert_config, program.abstract_of(enc))  # the trainer's program
     self.nets, self.tx = self.program.nets, self.program.tx
-    self.state = self.program.place_state([setup.new_train_state(c, bert_config.hidden_size, self.tx, *params)])
+    self.state = self.program.place_state([setup.initial_state(c, self.nets, self.tx, enc)])
     self.batch = self.program.place_batch([{ROW_MASK_KEY: np.ones(n, np.int32), **batch}])  # every row real
     self.compiled = None
 

@@ -29,24 +29,25 @@ LAYOUTS = ("replicated/none", "replicated/layer", "replicated/full",
 MIB = 2 ** 20
 
 
-def bench_config(batch_size: int, max_length: int, dtype: str, shard_state: bool, remat: str):
-  """The paper's miCSE config (AMI on the last four layers, momentum + queue) at this shape."""
-  from micse_jax.configs import micse
-  c = micse.get_config()
-  c.batch_size, c.model.max_length, c.model.dtype = batch_size, max_length, dtype
-  c.model.remat, c.mesh.shard_state = remat, shard_state
-  c.momentum.queue_size = max(c.momentum.queue_size, batch_size)  # the queue must hold a batch
-  return c
+def layout_config(layout: str, batch_size: int, max_length: int, dtype: str, num_layers: int = 12):
+  """The bench's miCSE config (`bench/jax_step.bench_config`) in one layout ("replicated|sharded" /
+  "none|layer|full"), its queue holding a batch (as the trainer asks)."""
+  from micse_jax.bench.jax_step import bench_config
+  placement, remat = layout.split("/")
+  config = bench_config("bert-base-uncased", num_layers, batch_size, max_length, dtype,
+                        shard_state=placement == "sharded", remat=remat)
+  config.momentum.queue_size = max(config.momentum.queue_size, batch_size)
+  return config
 
 
 def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert_config=None):
-  """The trainer's compiled step (`aot/compile.py`) of one layout ("replicated|sharded" /
-  "none|layer|full") for `jax.devices()`; BERT-base by default."""
+  """The trainer's compiled step (`aot/compile.py`) of one layout (`layout_config`) for
+  `jax.devices()`; BERT-base by default."""
   from micse_jax.aot.compile import compile_program
   from micse_jax.models.bert import BertConfig
-  placement, remat = layout.split("/")
-  config = bench_config(batch_size, max_length, dtype, placement == "sharded", remat)
-  return compile_program(config, bert_config or BertConfig(), jax.devices())[0]  # BertConfig(): bert-base-uncased
+  bert_config = bert_config or BertConfig()  # BertConfig(): bert-base-uncased
+  config = layout_config(layout, batch_size, max_length, dtype, bert_config.num_hidden_layers)
+  return compile_program(config, bert_config, jax.devices())[0]
 
 
 @dataclasses.dataclass

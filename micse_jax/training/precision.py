@@ -35,12 +35,14 @@ from micse_jax.optional import require
 COMPUTE_DTYPES = {name: getattr(jnp, name) for name in DTYPES if name != AUTO}
 
 
-def with_resolved_dtype(config, announce: bool = True):
-  """A copy of `config` whose `model.dtype` is concrete ("auto" resolved); prints it once
-  (`announce_dtype`) unless the caller does so later."""
+def with_resolved_dtype(config, announce: bool = True, device=None):
+  """A copy of `config` whose `model.dtype` is concrete: "auto" resolved for `device` (default: this
+  process's first; the deviceless compile passes its target's). The one place "auto" is resolved: the
+  trainer calls it at start, the deviceless compile for its target. Prints it once (`announce_dtype`)
+  unless the caller does so later."""
   resolved = config.copy_and_resolve_references()
   with resolved.unlocked():
-    resolved.model.dtype = dtype_name(config)
+    resolved.model.dtype = device_dtype(device) if config.model.dtype == AUTO else config.model.dtype
   if announce:
     announce_dtype(config.model.dtype, resolved.model.dtype)
   return resolved

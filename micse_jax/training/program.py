@@ -1,6 +1,7 @@
 """The one training program of a config, built and jitted here for a solo run and a population alike.
 
-`build(config, bert_config, abstract_params, devices)` makes the networks, the optimizer and
+`build(config, bert_config, encoder, devices)` makes the networks (the only place that builds them
+for a run: the step, the step-0 params and the evaluators all use these), the optimizer and
 schedule, the abstract train state (`jax.ShapeDtypeStruct`s on their shardings, never
 materialised), the batch layout and the jitted, donated step. The trainer, the deviceless
 compile (`micse_jax/aot/compile.py`), the scaling analyses and the bench all take the step from
@@ -11,8 +12,8 @@ A solo run's step is `training/step.make_train_step` over a data mesh: (state, p
 (`training/population.make_population_step`): (PopulationState, packed `[K, rows, cols]`,
 hyper) → (state, metrics `[K]`), `hyper` holding the members' step inputs
 (`configs/population.PER_MEMBER`). The batch comes packed in one int32 array (`data/packing.py`).
-The params' shapes come from the checkpoint the trainer loaded (`abstract_of`) or, with no
-weights at all, from the model's init (`abstract_params`).
+The encoder's shapes come from the checkpoint the trainer loaded (`abstract_of`) or, with no
+weights at all, from the model's init (`abstract_encoder`); the rest of the params' from the networks.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class Program:
   tx: optax.GradientTransformation  # `optim.make_optimizer`: its init gives the optimizer state
   mesh: Mesh
   members: int                       # 0: a solo run; K: a population of K members
-  abstract_params: tuple             # (params, frozen params) of one run, as ShapeDtypeStructs
+  abstract_params: tuple             # (params, frozen params) of one run, as ShapeDtypeStructs (`setup.initial_params`)
   abstract_state: Any                # ShapeDtypeStructs placed on `state_sharding`
   state_sharding: Any
   layout: BatchLayout
@@ -96,6 +97,11 @@ class Program:
     packed = [self.layout.pack(b) for b in host_batches]
     return population.stacked_batch(packed, self.mesh) if self.members else mesh_lib.global_batch(packed[0], self.mesh)
 
+  def initial_state(self, runs: list):
+    """The placed step-0 state of the prepared runs (`setup.prepare`: the run, or each member): each
+    run's checkpoint weights and seed through these networks (`setup.initial_state`)."""
+    return self.place_state([setup.initial_state(r.config, self.nets, self.tx, r.encoder_params) for r in runs])
+
   def place_state(self, member_states: list):
     """The step-0 state from the members' step-0 train states (one for a solo run), placed."""
     state = population.initial_state([jax.device_get(s) for s in member_states]) if self.members else member_states[0]
@@ -119,23 +125,18 @@ def abstract_of(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
 
 
-def abstract_params(config: ml_collections.ConfigDict, bert_config: BertConfig) -> tuple:
-  """(params, frozen params) shapes at step 0 without any weights: the model's init (with the MLM
-  head where the method reads the checkpoint's) through `setup.initial_params`, as the trainer builds them."""
-  nets = build_networks(config, bert_config)
+def abstract_encoder(config: ml_collections.ConfigDict, bert_config: BertConfig):
+  """The encoder params' shapes without any weights: the model's init, with BERT's MLM head where the
+  method reads the checkpoint's (`setup.needs_mlm_head`)."""
   model = BertModel(bert_config, add_mlm_head=setup.needs_mlm_head(config))
   ids = jnp.zeros((1, config.model.max_length), jnp.int32)
-
-  def init():
-    encoder = model.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"]
-    return setup.initial_params(config, nets, encoder)
-  return jax.eval_shape(init)
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"])
 
 
-def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tuple, devices=None,
+def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, devices=None,
           tokens: SpecialTokens | None = None, target: choice.Target | None = None) -> Program:
   """The program of `config` on `devices` (default: all here; a deviceless target's also work):
-  `params` are one run's (params, frozen params) shapes (`abstract_of`, `abstract_params`),
+  `encoder` holds the shapes of the checkpoint's encoder params (`abstract_of`, `abstract_encoder`),
   `tokens` the checkpoint's special token ids (the views and masks that need them), `target` what
   the kernels are chosen for (default: the devices' own, `kernels/choice.target_of`)."""
   k, shared = population_fields.size(config), step_config(config)
@@ -144,6 +145,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tu
   if target is None:  # the kernels run on the rows of the mesh a member's step sees
     target = choice.target_of(devices, mesh=population.inner_mesh(mesh) if k else mesh)
   nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
+  params = jax.eval_shape(lambda e: setup.initial_params(shared, nets, e), encoder)
   member = jax.eval_shape(lambda p: setup.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
   if k:
     abstract = population.abstract_state(member, k)
@@ -157,7 +159,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, params: tu
   return Program(shared, nets, tx, mesh, k, params, _placed(abstract, sharding), sharding, layout,
                  mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
                  _jitted_step(shared, nets, mesh, sharding, layout, k), target,
-                 rebuild=functools.partial(build, config, bert_config, params, devices, tokens))
+                 rebuild=functools.partial(build, config, bert_config, encoder, devices, tokens))
 
 
 def compiled(prog: Program) -> Program:
@@ -181,10 +183,9 @@ def compiled(prog: Program) -> Program:
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:
   """The program of `config`'s prepared runs (`setup.prepare`: the run, or each member): the
-  params' shapes and special tokens of the first, which all share."""
+  encoder's shapes and special tokens of the first, which all share."""
   first = runs[0]
-  return build(config, first.bert_config, abstract_of((first.initial_params, first.frozen_params)), devices,
-               first.nets.tokens)
+  return build(config, first.bert_config, abstract_of(first.encoder_params), devices, first.tokens)
 
 
 def _placed(abstract, sharding):

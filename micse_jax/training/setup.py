@@ -1,5 +1,6 @@
-"""A run's set-up, shared by the trainer and the benchmark: the checkpoint's model and tokenizer,
-the corpus batches, the networks the method needs, the step-0 params and train state.
+"""A run's set-up, shared by the trainer and the benchmark: the checkpoint's model, weights and
+tokenizer, the corpus batches; and the step-0 params and train state, given the program's networks
+(`training/program.py` builds those, once).
 
 Everything is built and validated before anything is written to the workdir: the checks that
 need the checkpoint are here (`check_against_model`, `check_mlm_head`); `config_checks.check_config`
@@ -24,22 +25,21 @@ from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained,
 from micse_jax.tokenization import Tokenizer
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import self_collision_warning
-from micse_jax.training.networks import Networks, SpecialTokens, build_networks, compute_dtype, method_params
+from micse_jax.training.networks import Networks, SpecialTokens, compute_dtype, method_params
 from micse_jax.training.precision import initial_loss_scale_state
 from micse_jax.training.state import TrainState, create_train_state
 
 
 @dataclasses.dataclass
 class Run:
-  """Everything a run needs, built (and validated) before anything is written to the workdir."""
+  """Everything a run needs, loaded (and validated) before anything is written to the workdir."""
   config: ml_collections.ConfigDict
   bert_config: BertConfig
   model_dir: str
   tokenizer: Tokenizer
   batches: TrainBatches
-  nets: Networks
-  initial_params: dict  # {'encoder': BERT params, 'head': MLP head params, + per method (method_params)}
-  frozen_params: dict = dataclasses.field(default_factory=dict)  # never trained (InfoCSE)
+  encoder_params: dict  # the checkpoint's BERT params (with its MLM head `cls` where the method reads it)
+  tokens: SpecialTokens  # the tokenizer's special token ids (the views and masks that need them)
 
 
 def prepare(config: ml_collections.ConfigDict) -> Run:
@@ -67,9 +67,8 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
       batches.num_sentences, config.batch_size, config.momentum.queue_size, config.momentum.mask_same_sentence)
   if warning and jax.process_index() == 0:
     logging.warning(warning)
-  nets = build_networks(config, bert_config, SpecialTokens.from_tokenizer(tokenizer, bert_config.vocab_size))
-  params, frozen = initial_params(config, nets, encoder_params)
-  return Run(config, bert_config, model_dir, tokenizer, batches, nets, params, frozen)
+  tokens = SpecialTokens.from_tokenizer(tokenizer, bert_config.vocab_size)
+  return Run(config, bert_config, model_dir, tokenizer, batches, encoder_params, tokens)
 
 
 def needs_mlm_head(config) -> bool:
@@ -118,6 +117,8 @@ def new_train_state(config: ml_collections.ConfigDict, hidden_size: int, tx, par
                             compute_dtype=compute_dtype(config))
 
 
-def initial_state(run: Run, tx) -> TrainState:
-  """The step-0 train state of a prepared run."""
-  return new_train_state(run.config, run.bert_config.hidden_size, tx, run.initial_params, run.frozen_params)
+def initial_state(config: ml_collections.ConfigDict, nets: Networks, tx, encoder_params: dict) -> TrainState:
+  """The step-0 train state of a run of `config` from its checkpoint's `encoder_params`, on the
+  program's networks `nets` and optimizer `tx` (`Program.initial_state`)."""
+  params, frozen = initial_params(config, nets, encoder_params)
+  return new_train_state(config, nets.online.config.hidden_size, tx, params, frozen)

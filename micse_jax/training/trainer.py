@@ -31,7 +31,7 @@ from micse_jax.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
 from micse_jax.training import checkpoint, finite, legacy_checkpoints, members, precision, program, summaries
 from micse_jax.training.members import RunView
-from micse_jax.training.setup import Run, initial_state, prepare
+from micse_jax.training.setup import Run, prepare
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -81,7 +81,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   if jax.process_index() == 0:
     workdir_lib.write_run_config(workdir, members.config_json(first, config))
   with session.phase("eval"):  # the dev sets read and tokenised once
-    loop = _Loop(prog, members.create(config, runs, workdir), _Evaluators.create(first), rolling)
+    loop = _Loop(prog, members.create(config, runs, workdir), _Evaluators.create(first, prog), rolling)
   try:
     with session.phase("train"):
       state = _train(loop, state)
@@ -100,7 +100,7 @@ def _start(prog: program.Program, runs: list[Run], rolling):
   """The state to train from: the newest readable checkpoint (any topology; an older layout
   converted), else step 0."""
   if rolling.latest_step() is None:
-    return prog.place_state([initial_state(r, prog.tx) for r in runs])
+    return prog.initial_state(runs)
   state = checkpoint.resume(rolling, prog.abstract_state, legacy_checkpoints.layouts(prog))
   logging.info("resumed from step %d", int(state.step))
   return state
@@ -119,9 +119,9 @@ class _Evaluators:
   heldout: HeldoutMetrics | None
 
   @classmethod
-  def create(cls, run: Run) -> "_Evaluators":
-    """Evaluators on the run's model and tokenizer (every member shares them)."""
-    encoder = SentenceEncoder(BertModel(run.bert_config, dtype=run.nets.online.dtype), None,
+  def create(cls, run: Run, prog: program.Program) -> "_Evaluators":
+    """Evaluators on the run's model and tokenizer at the program's compute dtype (every member shares them)."""
+    encoder = SentenceEncoder(BertModel(run.bert_config, dtype=prog.nets.online.dtype), None,
                               run.tokenizer, model_dir=run.model_dir)
     return cls(DevSelection(encoder, run.config.eval, run.config.eval_every),
                HeldoutMetrics.create(encoder, run.config))
