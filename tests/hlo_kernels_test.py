@@ -1,4 +1,4 @@
-"""bench/hlo.py on hand-written HLO: kernels walked through command buffers and loops,
+"""aot/hlo.py on hand-written HLO: kernels walked through command buffers and loops,
 classified by kind, and given the phase of the step's named scopes (forward / backward)."""
 from micse_jax.aot import hlo
 

@@ -176,7 +176,7 @@ def compile_lines(r: dict) -> list[str]:
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
           f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})",
           f"  kernels per step             {r['kernels_per_step']} (update {r['update_kernels_per_step']}; "
-          "bench/hlo.py)"]
+          "aot/hlo.py)"]
 
 
 def _pct(x) -> str:

@@ -82,7 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.momentum.dropout = 0.3
   c.momentum.queue_size = 384
   c.momentum.mask_same_sentence = True  # not in the paper: drop the anchor's own sentence from
-                                        # the queue negatives (few-shot fix, issue 11); False = paper
+                                        # the queue negatives (a few-shot subset recurs within Q/B steps); False = paper
 
   c.eval = ml_collections.ConfigDict()
   c.eval.senteval_dir = paths.senteval_dir()
@@ -98,7 +98,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.cache.tokenized = True            # text corpora tokenised once, in <dir>/tokenized
 
   add_population_fields(c)  # K runs in one jitted step: population.seeds, ... (configs/population.py)
-  add_method_fields(c)  # views and loss terms of the relatives (issue 7)
+  add_method_fields(c)  # views and loss terms of the relatives (configs/methods.py)
 
   if arg == "demo":
     _apply_demo(c)

@@ -1,4 +1,4 @@
-"""Config fields of the relatives of miCSE (issue 7), added to every config by `default`.
+"""Config fields of the relatives of miCSE, added to every config by `default`.
 
 Each group switches one view or loss term of the one train step (`micse_jax/training/step.py`);
 all are off by default, so the four original objectives are unchanged.

@@ -25,9 +25,9 @@ The shuffle (`SHUFFLE_SCHEME`, recorded as `data.shuffle` in a run's config.json
 * Sentence ids: besides the token arrays each batch carries `sentence_ids` `[rows]` int32, the
   corpus index of each row's sentence (duplicate texts share their first occurrence's index;
   see `corpus.first_occurrence_ids`), global corpus ids, not positions in the few-shot subset,
-  so every host agrees on them (the momentum queue uses them, issue 11), and `row_mask`.
+  so every host agrees on them (the momentum queue masks an anchor's own sentence by them), and `row_mask`.
 
-Runs written before issue 18 used grain's `MapDataset.shuffle` (a Feistel index shuffle); that
+Runs of earlier releases used grain's `MapDataset.shuffle` (a Feistel index shuffle); that
 order is not reproduced, and such workdirs (no `data.shuffle` in config.json) are refused on
 resume (`config_checks.check_resume_compatible`).
 """

@@ -130,7 +130,7 @@ def _shard_name(index: int, count: int) -> str:
   return f"{_DATASET}-{_SPLIT}.array_record-{index:05d}-of-{count:05d}"
 
 
-TOKEN_ENCODING = "bytes"  # raw int32 bytes per token row; corpora written before issue 18: "zlib"
+TOKEN_ENCODING = "bytes"  # raw int32 bytes per token row (one layout per row, `records.FixedLayout`); earlier corpora: "zlib"
 
 
 def _deterministic(record: bytes) -> bytes:
@@ -142,7 +142,7 @@ def _deterministic(record: bytes) -> bytes:
 
 # One record per chunk (random reads decode only the rows asked for) and no chunk compression:
 # the token bytes are already zlib-compressed by TFDS, and decompressing a zstd chunk per row
-# made a random read of 50 rows 3-4 times slower (issue 18).
+# made a random read of 50 rows 3-4 times slower.
 WRITER_OPTIONS = "group_size:1,uncompressed"
 
 

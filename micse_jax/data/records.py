@@ -14,7 +14,7 @@ for one row: 4.1 ms per call on a 1M-row shard (`prepared.ROWS_PER_SHARD`), 0.06
 20k-row one. A range read of one record costs 2-3 µs at any shard size (array-record 0.8.6;
 `scripts/array_record_reads.py`, BENCHMARKS.md).
 
-Corpora written since issue 18 store the token arrays as raw bytes (TFDS `Encoding.BYTES`) and
+Corpora this release writes store the token arrays as raw bytes (TFDS `Encoding.BYTES`) and
 serialize each Example deterministically (map keys sorted), so every row has the same layout:
 `FixedLayout` finds the payloads of a whole batch with NumPy index arithmetic instead of one
 protobuf parse per row, after checking every row's field headers byte for byte (any row that

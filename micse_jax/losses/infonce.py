@@ -11,8 +11,8 @@ Same-sentence masking (a departure from the paper, on by default). The queue kee
 for Q/B steps; on a few-shot subset of n sentences each sentence returns every n/B steps,
 so when n is near or below Q the queue routinely holds the anchor's *own* sentence
 (encoded by the momentum encoder) and the paper's loss pushes the anchor away from
-itself (issue 11). Given the sentence ids of anchors and queue entries, those entries
-are masked exactly like empty slots (`mask_same_sentence=True`, config
+itself (on the paper's full corpus that almost never happens). Given the sentence ids of
+anchors and queue entries, those entries are masked exactly like empty slots (`mask_same_sentence=True`, config
 `momentum.mask_same_sentence`). With `mask_same_sentence=False` the loss is the paper's
 Eq. 2 unchanged; on large corpora the two coincide almost everywhere.
 """

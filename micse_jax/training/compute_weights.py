@@ -1,4 +1,4 @@
-"""Half-precision copies of the Dense kernels, kept in the train state (issue 26, kernel diet).
+"""Half-precision copies of the Dense kernels, kept in the train state: cast once per update, not per forward.
 
 With `model.dtype` bfloat16 or float16 every Dense layer multiplies by its kernel cast to that
 dtype (`nn.Dense(dtype=...)`, `bert.fused_dense`); the parameters stay float32 (`precision.py`).

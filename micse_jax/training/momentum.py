@@ -10,7 +10,8 @@
 Static shapes: the queue is a `[Q, D]` array with a write pointer and a validity mask; a push
 writes the whole global batch at `(ptr + arange(B)) % Q` and advances the pointer. Beside the
 keys the queue keeps each entry's sentence id (`[Q]` int32, -1 while empty), written at the
-same slots, so InfoNCE can recognise an anchor's own sentence among the negatives (issue 11).
+same slots, so InfoNCE can recognise an anchor's own sentence among the negatives (on a
+few-shot subset the queue routinely holds it: `losses/infonce.py`).
 """
 import flax
 import jax

