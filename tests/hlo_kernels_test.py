@@ -40,7 +40,7 @@ ENTRY %main (x: bf16[8,8], y: f32[8]) -> f32[8] {
   %gte = f32[8]{0} get-tuple-element(%call), index=1
   %cublas-gemm.1 = bf16[8,8] custom-call(%x, %x), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(s)/momentum_forward/dot"}
   %attn = bf16[8,8] custom-call(%x, %x, %x), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(e)/attention"}
-  %all-reduce-start = f32[8]{0} all-reduce-start(%gte), to_apply=%sum, metadata={op_name="jit(s)/ema/add"}
+  %all-reduce-start = f32[8]{0} all-reduce-start(%gte), to_apply=%sum, metadata={op_name="jit(s)/optimizer/add"}
   %all-reduce-done = f32[8]{0} all-reduce-done(%all-reduce-start)
   %copy.1 = f32[8]{0} copy(%all-reduce-done)
   ROOT %while = f32[8]{0} while(%copy.1), condition=%cond, body=%body
@@ -55,7 +55,7 @@ def test_kernels_by_kind_and_phase():
       "loop_add_fusion": ("loop fusion", "optimizer"),
       "cublas-gemm.1": ("GEMM (cuBLAS)", "momentum_forward"),
       "attn": ("attention (cuDNN)", hlo.NO_PHASE),
-      "all-reduce-start": ("collective (all-reduce)", "ema"),              # the -done half is no kernel
+      "all-reduce-start": ("collective (all-reduce)", "optimizer"),              # the -done half is no kernel
       "copy.1": ("copy", hlo.NO_PHASE),
       "fusion.9": ("sort", "loss/ami (forward)"),                          # inside the while body
   }

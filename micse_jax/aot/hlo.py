@@ -29,10 +29,10 @@ import dataclasses
 import re
 
 PHASES = ("views", "encode", "loss/contrastive", "loss/ami", "loss/reconstruction", "loss/mlm", "loss/infocse",
-          "optimizer", "ema", "compute_weights", "momentum_forward", "enqueue", "finite")
-# AdamW + clipping (with the fused update also the EMA and the copies: training/update.py), the finite
-# check; `ema` and `compute_weights` are the scopes of programs compiled before the fused update
-UPDATE_PHASES = ("optimizer", "ema", "compute_weights", "finite")
+          "optimizer", "momentum_forward", "enqueue", "finite")
+# the update (clipping, AdamW, the EMA and the weight copies in one pass: training/update.py) and the
+# non-finite selection after it (training/finite.py)
+UPDATE_PHASES = ("optimizer", "finite")
 NO_PHASE = "(no phase)"
 _NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
             "replica-id", "add-dependency", "opt-barrier", "domain"}

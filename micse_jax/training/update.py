@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from micse_jax.models.column_sums import variadic_sum
 from micse_jax.training import compute_weights
 from micse_jax.training.momentum import ema_update
 
@@ -52,29 +53,22 @@ class Result(NamedTuple):
 
 def global_norm(tree) -> jax.Array:
   """‖g‖₂ over all leaves, as `optax.tree.norm` (per-leaf sums of squares added in leaf order), with the
-  leaves of one shape and dtype summed by one variadic reduction (a few kernels instead of ~2 per leaf)."""
+  leaves of one shape and dtype summed by one variadic reduction (`column_sums.variadic_sum`: a few
+  kernels instead of ~2 per leaf)."""
   leaves = jax.tree.leaves(tree)
   groups: dict[tuple, list[int]] = {}
   for i, leaf in enumerate(leaves):
     groups.setdefault((leaf.shape, leaf.dtype), []).append(i)
   sums = [None] * len(leaves)
-  for (shape, dtype), members in groups.items():
-    squares = [jnp.square(leaves[i]) for i in members]
-    if len(members) == 1:
-      reduced = [jnp.sum(squares[0])]
-    else:
-      zeros = [jnp.zeros((), dtype)] * len(members)
-      reduced = jax.lax.reduce(squares, zeros, _add_pairwise, tuple(range(len(shape))))
+  for (shape, _), members in groups.items():
+    squares = tuple(jnp.square(leaves[i]) for i in members)
+    reduced = [jnp.sum(squares[0])] if len(members) == 1 else variadic_sum(squares, tuple(range(len(shape))))
     for i, s in zip(members, reduced):
       sums[i] = s
   total = 0
   for s in sums:
     total = total + s
   return jnp.sqrt(jnp.asarray(total))
-
-
-def _add_pairwise(a, b):
-  return tuple(x + y for x, y in zip(a, b))
 
 
 def _shared(*scalars: jax.Array) -> list[jax.Array]:
