@@ -2,6 +2,7 @@
 import jax
 import numpy as np
 
+from micse_jax.training import program
 from tests.train_utils import prepared_program, program_steps, steps_of
 
 
@@ -9,8 +10,9 @@ def run_population(config, steps: int, devices=None, hlo: list | None = None):
   """(final PopulationState on the host, per-step metrics) of `steps` population steps on `devices`
   (the trainer's program); appends the compiled step's HLO text to `hlo` when given."""
   prog, runs = prepared_program(config, devices)
+  prog = program.compiled(prog)
   if hlo is not None:
-    hlo.append(prog.lower().compile().as_text())
+    hlo.append(prog.executable.as_text())
   _, state, history = steps_of(prog, runs, steps)
   return state, history
 

@@ -131,14 +131,17 @@ def initial_params(prog, run) -> tuple:
 
 def program_steps(config, steps: int, devices=None):
   """(step-0 state, final state, per-step metrics), on the host, of `steps` steps of the trainer's
-  program (`training/program.py`: its networks, placements, packed batches and jitted, donated step),
-  each step on the batch of its data position."""
+  program (`training/program.py`: its networks, placements, packed batches and donated step, compiled
+  as the trainer compiles it, `program.compiled`), each step on the batch of its data position."""
   return steps_of(*prepared_program(config, devices), steps)
 
 
 def steps_of(prog, runs, steps: int):
-  """`program_steps` on a prepared program and its runs (`prepared_program`)."""
+  """`program_steps` on a prepared program (compiled here unless it is) and its runs (`prepared_program`)."""
   import jax
+
+  from micse_jax.training import program
+  prog = prog if prog.executable is not None else program.compiled(prog)
   state = prog.initial_state(runs)
   init, history = jax.device_get(state), []
   for position in range(steps):
