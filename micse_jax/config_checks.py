@@ -8,7 +8,7 @@ it once more with the file-system checks: the SentEval directory when dev select
 writable workdir, and, for a workdir that already holds checkpoints, a `config.json` compatible
 with the new config. `micse-train` adds `check_command_line` (a member field given on the command
 line that the population replaces). The checks that need the checkpoint run in
-`training/setup.prepare`. Every failure is a `ConfigError`: one line, nothing written.
+`training/run_inputs.prepare`. Every failure is a `ConfigError`: one line, nothing written.
 
 The choice lists these checks read are owned below the training package (`configs/methods.py`,
 `augmentation/add.py`, `models/`, `losses/ami.py`, `data/pipeline.py`, `configs/population.py`):
@@ -261,7 +261,7 @@ def check_methods(config) -> None:
 def check_senteval(config: ml_collections.ConfigDict) -> None:
   """With dev selection on, a SentEval dir that exists must hold STS-B dev (and the final tasks).
 
-  A missing default dir only disables selection (with a warning, see `evaluators.dev_selection.DevSelection`); a missing
+  A missing default dir only disables selection (with a warning, see `evaluation.evaluators.dev_selection.DevSelection`); a missing
   dir that the config names explicitly is an error.
   """
   directory = config.eval.senteval_dir

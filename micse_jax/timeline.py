@@ -6,7 +6,7 @@ no phase is `other`), and listens to JAX's own compile events (`jax.monitoring` 
 cache read). Their union is `compile_s`; each phase's seconds exclude the compiles inside it, so
 `train_s` is the steps alone and the phases plus `compile_s` add up to `total_s`.
 
-Code that runs inside a run without holding the timeline (`training/setup.py`) marks its phases
+Code that runs inside a run without holding the timeline (`training/run_inputs.py`) marks its phases
 with the module-level `phase(name)`, a no-op when no timeline is active.
 
 A workdir's `timeline.json` holds one entry per session (a resume adds one) under `sessions`,

@@ -5,7 +5,7 @@ import pytest
 
 from micse_jax import SentenceEncoder
 from micse_jax.evaluation import senteval_data, sts
-from micse_jax.evaluators.dev_selection import PlannedPairs, params_encode_fn
+from micse_jax.evaluation.evaluators.dev_selection import PlannedPairs, params_encode_fn
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_planned_dev_split_scores_like_sts_and_tokenizes_once(encoder, senteval_
 def test_each_evaluator_tags_its_own_scalars():
   """TensorBoard tags come from the evaluator that made the value (`DevSelection.PREFIX`,
   `heldout.PREFIX`), not from its name: a training metric named like `dev...` stays `train/`."""
-  from micse_jax.evaluators.dev_selection import DevSelection
+  from micse_jax.evaluation.evaluators.dev_selection import DevSelection
   from micse_jax.training import summaries
 
   class Writer:

@@ -10,7 +10,7 @@ import pytest
 
 from micse_jax.data import build_train_batches, first_occurrence_ids, subset_indices
 from micse_jax.tokenization import Tokenizer
-from micse_jax.training import setup, trainer
+from micse_jax.training import run_inputs, trainer
 from micse_jax.training.momentum import self_collision_warning
 from tests.train_utils import tiny_training_config
 
@@ -75,7 +75,7 @@ def test_tiny_few_shot_run_masks_what_the_arithmetic_predicts(tmp_path, minilm_d
   warnings = [r.getMessage() for r in caplog.records if "few-shot regime" in r.getMessage()]
   assert len(warnings) == 1 and f"n={n}" in warnings[0] and f"mask_same_sentence={mask}" in warnings[0]
 
-  batches = setup.prepare(config).batches
+  batches = run_inputs.prepare(config).batches
   expected = _expected_queue_fractions(batches, steps, b, q)
   for t, (empty, self_frac) in enumerate(expected):
     got = logged[t + 1]  # the metrics of step t are logged at step t + 1 (steps done)

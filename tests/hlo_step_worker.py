@@ -13,8 +13,8 @@ import jax
 
 def compiled_step_text(config, mesh):
   """The optimised HLO text of the jitted, sharded train step on `mesh`."""
-  from micse_jax.training import program, setup
-  run = setup.prepare(config)
+  from micse_jax.training import program, run_inputs
+  run = run_inputs.prepare(config)
   prog = program.of_runs(config, [run], mesh.devices.flat)  # the trainer's program on `mesh`'s devices
   return prog.lower().compile().as_text(), run.bert_config.hidden_size
 

@@ -43,7 +43,7 @@ def test_training_imports_no_cli_module(path):
 
 
 @pytest.mark.parametrize("path", _modules_under("evaluation") + _modules_under("encoder")
-                         + _modules_under("workdir") + _modules_under("evaluators"))
+                         + _modules_under("workdir"))
 def test_inference_side_imports_nothing_from_training(path):
   bad = {m for m in _imports(path) if m.startswith("micse_jax.training")}
   assert not bad, f"{path} imports {bad}"
@@ -126,7 +126,7 @@ LAYERS = (
      "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
     ("micse_jax.workdir", "micse_jax.encoder"),
     # config_checks reads the choice lists of their owners below it (configs/methods, configs/population, ...)
-    ("micse_jax.evaluators", "micse_jax.export", "micse_jax.config_checks"),
+    ("micse_jax.evaluation.evaluators", "micse_jax.export", "micse_jax.config_checks"),
     ("micse_jax.training",),
     # the deviceless compile of the trainer's program (training/program.py) and the reading of compiled programs
     ("micse_jax.aot",),

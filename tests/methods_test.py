@@ -12,7 +12,7 @@ import pytest
 
 from micse_jax.config_checks import MethodConfigError, check_methods
 from micse_jax.models.bert import BertModel
-from micse_jax.training import setup, terms
+from micse_jax.training import run_inputs, terms
 from micse_jax.training.infocse import infocse_term, lower_half_layers
 from micse_jax.training.step import make_loss_fn, step_keys
 from micse_jax.training.views import add_view, tokens_of
@@ -52,7 +52,7 @@ def _no_dropout(config):
   from micse_jax.training import program
   bert_config = loading.load_config(config.model.name_or_path).replace(hidden_dropout_prob=0.0,
                                                                        attention_probs_dropout_prob=0.0)
-  run = setup.prepare(config)
+  run = run_inputs.prepare(config)
   prog = program.build(config, bert_config, program.abstract_of(run.encoder_params), tokens=run.tokens)
   params, frozen = jax.tree.map(jnp.asarray, initial_params(prog, run))
   return prog.nets, run, params, frozen
@@ -232,9 +232,9 @@ def test_infocse_without_mlm_head_is_one_error_line_before_compiling(tmp_path, m
 
 @pytest.mark.slow
 def test_analysis_uniformity_matches_torch_embeddings(tmp_path, tiny_real_dir):
-  from micse_jax.evaluators.heldout import analysis_layers, analysis_metrics
+  from micse_jax.evaluation.evaluators.heldout import analysis_layers, analysis_metrics
   config = _config(tmp_path, tiny_real_dir, "simcse")
-  run = setup.prepare(config)
+  run = run_inputs.prepare(config)
   batch = _batch(run)
   layers = analysis_layers(config.ami.layers, 2)
   model = BertModel(run.bert_config, sow_attention_layers=layers)

@@ -72,9 +72,9 @@ def test_a_solo_program_is_the_solo_step_and_a_population_one_is_vmapped(tmp_pat
 
 
 def setup_state(config, bert_config, prog):
-  """The step-0 train state's shapes by `setup.new_train_state` (independently of the program's state)."""
-  from micse_jax.training import setup
-  return jax.eval_shape(lambda p: setup.new_train_state(config, bert_config.hidden_size, prog.tx, *p),
+  """The step-0 train state's shapes by `run_inputs.new_train_state` (independently of the program's state)."""
+  from micse_jax.training import run_inputs
+  return jax.eval_shape(lambda p: run_inputs.new_train_state(config, bert_config.hidden_size, prog.tx, *p),
                         prog.abstract_params)
 
 

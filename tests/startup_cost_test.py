@@ -188,7 +188,7 @@ def _compile_counter():
 def test_dev_selection_compiles_once_per_run(tiny_real_dir, senteval_dir):
   """Repeated dev evaluations reuse the programs of the first (one per bucket shape)."""
   from micse_jax.encoder import SentenceEncoder
-  from micse_jax.evaluators.dev_selection import DevSelection
+  from micse_jax.evaluation.evaluators.dev_selection import DevSelection
   base = SentenceEncoder.from_pretrained(tiny_real_dir)
   encoder = SentenceEncoder(base.model, None, base.tokenizer, model_dir=tiny_real_dir)
   eval_config = ml_collections.ConfigDict({"senteval_dir": senteval_dir, "batch_size": 256, "sickr_dev": False,

@@ -1,5 +1,5 @@
 """Run with XLA_FLAGS=--xla_force_host_platform_device_count=4: a test module's `compare(config,
-shard_state)` (update_step_test: the fused update vs the per-leaf optax update; compute_weights_test:
+shard_state)` (update_step_test: the fused update vs the per-leaf optax update; weight_copies_test:
 half-precision weight copies vs casts in the step) over 20 steps
 on 4 devices, state replicated and sharded, at `model.dtype` DTYPE (default: the config's float32);
 prints the differences.

@@ -11,7 +11,7 @@ import pytest
 from micse_jax import workdir as workdir_lib
 from micse_jax.errors import CheckpointError
 from micse_jax.losses.ami import resolve_layers
-from micse_jax.training import checkpoint, setup, trainer
+from micse_jax.training import checkpoint, run_inputs, trainer
 from micse_jax.training.momentum import Queue, ema_update
 from micse_jax.training.optim import learning_rate_schedule
 from tests.helpers import run_device_worker
@@ -162,7 +162,7 @@ def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   assert int(a.step) == int(b.step) == 6
   _leaves_equal(a, b)  # params, ema, opt state, queue, ids, pointer, rng, step (= data position)
   ids = np.asarray(b.queue.ids)  # 6 pushes of 8 into 12 slots: step 4's last 4 ids, step 5's 8, oldest at ptr
-  run = setup.prepare(config)
+  run = run_inputs.prepare(config)
   want = np.concatenate([run.batches.global_sentence_ids(s) for s in (4, 5)])
   np.testing.assert_array_equal(ids, np.roll(want[4:], int(b.queue.ptr)))
 

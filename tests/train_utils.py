@@ -116,17 +116,17 @@ def in_flat_layout(opt_state, members: bool = False):
 
 
 def prepared_program(config, devices=None):
-  """(program, runs) as the trainer builds them: each run prepared (`setup.prepare`: the run, or each
+  """(program, runs) as the trainer builds them: each run prepared (`run_inputs.prepare`: the run, or each
   population member), the program of `config` on them (`program.of_runs`, on `devices`)."""
-  from micse_jax.training import members, program, setup
-  runs = [setup.prepare(c) for c in members.run_configs(config)]
+  from micse_jax.training import program, run_inputs, run_views
+  runs = [run_inputs.prepare(c) for c in run_views.run_configs(config)]
   return program.of_runs(config, runs, devices), runs
 
 
 def initial_params(prog, run) -> tuple:
   """A run's step-0 (params, frozen params) on the program's networks, as the trainer starts it."""
-  from micse_jax.training import setup
-  return setup.initial_params(run.config, prog.nets, run.encoder_params)
+  from micse_jax.training import run_inputs
+  return run_inputs.initial_params(run.config, prog.nets, run.encoder_params)
 
 
 def program_steps(config, steps: int, devices=None):

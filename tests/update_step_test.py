@@ -17,14 +17,14 @@ import numpy as np
 import optax
 import pytest
 
-from micse_jax.training import compute_weights, update
+from micse_jax.training import update, weight_copies
 from micse_jax.training.momentum import ema_update
 from tests.helpers import run_device_worker
 from tests.methods_test import _config
 from tests.train_utils import program_steps
 
 STEPS = 20
-# Bounds that other step-equality tests (`compute_weights_test`) share, for changes
+# Bounds that other step-equality tests (`weight_copies_test`) share, for changes
 # that reorder float32 sums (a GEMM blocked otherwise, a reduction split otherwise): 20 Adam steps at lr
 # 1e-3 (a parameter moves by up to 2e-2) amplify a last-bit change of the clipping norm to at most 1e-5
 # in most configs and 3.3e-4 in ami_ct (two encoders; JAX's autodiff of the LayerNorm on CPU), as
@@ -62,7 +62,7 @@ def reference_apply(inner, grads, opt_state, params, *, max_norm, ema_params=Non
   new_params = optax.apply_updates(params, updates)
   new_ema = ema_update(new_params["encoder"], ema_params, ema_decay) if ema_decay is not None and ema_params \
       else ema_params
-  new_copies = compute_weights.of(new_params, new_ema, compute_weights.dtype_of(copies)) if copies else copies
+  new_copies = weight_copies.of(new_params, new_ema, weight_copies.dtype_of(copies)) if copies else copies
   keep = jnp.asarray(keep, bool) & (jnp.isfinite(norm) if skip_nonfinite else True)
   select = lambda new, old: jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
   return update.Result(select(new_params, params), select(new_state, opt_state), select(new_ema, ema_params),
@@ -92,7 +92,7 @@ def train(config, shard_state=False):
 
 
 def differences(new, ref) -> dict:
-  """Max |new − ref| per part: the state leaf by leaf (the copies: `tests/compute_weights_test.py`),
+  """Max |new − ref| per part: the state leaf by leaf (the copies: `tests/weight_copies_test.py`),
   the key bias apart, Adam's mu and nu."""
   drop = lambda s: s.replace(opt_state=None, compute_weights={})
   a, b = jax.tree_util.tree_leaves_with_path(drop(new)), jax.tree_util.tree_leaves_with_path(drop(ref))

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from micse_jax.training import compute_weights, legacy_checkpoints, optim, update
+from micse_jax.training import legacy_checkpoints, optim, update, weight_copies
 from micse_jax.training.momentum import ema_update
 
 B1, B2, EPS, WD, CLIP, DECAY = 0.9, 0.999, 1e-8, 0.1, 1.0, 0.99
@@ -50,7 +50,7 @@ def make_grads(params, step, scale):
 def initial(params):
   tx = optax.chain(optax.clip_by_global_norm(CLIP), inner())
   ema = jax.tree.map(lambda x: x * 0.5, params["encoder"])
-  return tx.init(params), ema, compute_weights.of(params, ema, jnp.bfloat16)
+  return tx.init(params), ema, weight_copies.of(params, ema, jnp.bfloat16)
 
 
 @jax.jit
@@ -117,13 +117,13 @@ def test_fused_update_equals_numpy_adamw_with_clipping_decay_ema_and_a_stopped_s
 
 def test_fused_update_is_optax_bit_for_bit():
   """The same formulas in the same order as optax's chain(clip_by_global_norm, adamw) → apply_updates,
-  then `momentum.ema_update` and `compute_weights.of`: equal bit for bit (clipped steps included)."""
+  then `momentum.ema_update` and `weight_copies.of`: equal bit for bit (clipped steps included)."""
   @jax.jit
   def reference(grads, opt_state, params, ema):
     updates, opt_state = optax.chain(optax.clip_by_global_norm(CLIP), inner()).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     ema = ema_update(params["encoder"], ema, DECAY)
-    return params, opt_state, ema, compute_weights.of(params, ema, jnp.bfloat16), optax.tree.norm(grads)
+    return params, opt_state, ema, weight_copies.of(params, ema, jnp.bfloat16), optax.tree.norm(grads)
 
   params = make_params(1)
   opt_state, ema, copies = initial(params)

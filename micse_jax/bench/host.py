@@ -15,7 +15,7 @@ corpus is read through once before its steps are timed, so its rows come from th
 they do for a corpus read before (an earlier epoch, or preparation on this host) or held in
 memory: the figures are the host's CPU work, not the storage's latency (`_read_through`).
 
-Dev selection: one STS-B dev evaluation (`evaluators.dev_selection.PlannedPairs`, tokenized once,
+Dev selection: one STS-B dev evaluation (`evaluation.evaluators.dev_selection.PlannedPairs`, tokenized once,
 compiled on a first untimed call) with the `--model` weights, against `eval_every` steps of the
 full miCSE train step at `--batch_size`, i.e. the fraction of training time selection adds.
 
@@ -117,7 +117,7 @@ def measure_dev_selection(model_dir: str, batch_size: int, dtype: str, eval_ever
   from micse_jax.bench import jax_step, timing
   from micse_jax.encoder import SentenceEncoder
   from micse_jax.evaluation import senteval_data
-  from micse_jax.evaluators.dev_selection import PlannedPairs
+  from micse_jax.evaluation.evaluators.dev_selection import PlannedPairs
   from micse_jax.models.bert import BertModel
   from micse_jax.tokenization import Tokenizer
   if not os.path.isdir(senteval_dir):

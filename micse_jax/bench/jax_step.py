@@ -1,6 +1,6 @@
 """The micse_jax side of the benchmark: the full jitted step, and where its time goes by phase.
 
-The step is the trainer's program (`training/program.py` on the set-up of `training/setup.py`),
+The step is the trainer's program (`training/program.py` on the set-up of `training/run_inputs.py`),
 lowered and compiled as the trainer's (`Program.lower`). Its breakdown is read from the step
 itself, not from separately jitted copies of its parts: `phase_ms` profiles a few full steps and
 adds up each XLA op's (XLA:CPU) or kernel's (GPU, the device's `XLA Ops` line) time under the
@@ -93,7 +93,7 @@ class JaxStep:
   def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None):
     from micse_jax.data.pipeline import ROW_MASK_KEY
     from micse_jax.models.loading import load_pretrained
-    from micse_jax.training import program, setup
+    from micse_jax.training import program, run_inputs
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)
@@ -102,7 +102,7 @@ class JaxStep:
     self.model_flops = step_flops_for(c, bert_config)   # MFU's numerator (bench/flops.py)
     self.program = program.build(c, bert_config, program.abstract_of(enc))  # the trainer's program
     self.nets, self.tx = self.program.nets, self.program.tx
-    self.state = self.program.place_state([setup.initial_state(c, self.nets, self.tx, enc)])
+    self.state = self.program.place_state([run_inputs.initial_state(c, self.nets, self.tx, enc)])
     self.batch = self.program.place_batch([{ROW_MASK_KEY: np.ones(n, np.int32), **batch}])  # every row real
     self.compiled = None
 

@@ -22,7 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from micse_jax.errors import CheckpointError
-from micse_jax.training import compute_weights
+from micse_jax.training import weight_copies
 from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, step_reader, unreadable_reason
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ UNREADABLE_DIR = "unreadable_checkpoints"
 def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
   """Asynchronous save of the full train state at its step (returns once the arrays are on the host;
   Orbax writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one)."""
-  manager.save(int(state.step), args=ocp.args.StandardSave(compute_weights.dropped(state)), metrics=metrics)
+  manager.save(int(state.step), args=ocp.args.StandardSave(weight_copies.dropped(state)), metrics=metrics)
 
 
 def on_current_devices(abstract_state):
@@ -52,11 +52,11 @@ Layouts = Sequence["Legacy"]  # the older layouts a restore tries, in order, whe
 def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, legacy: Layouts):
   """The state at `step` on `abstract_state`; a checkpoint in one of the `legacy` layouts is restored
   in it and converted (one warning line). Errors are those of the current layout's restore. The
-  half-precision weight copies, never saved, are rebuilt (`compute_weights.rebuilt`)."""
+  half-precision weight copies, never saved, are rebuilt (`weight_copies.rebuilt`)."""
   restore = lambda target: manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(target)))
-  with_copies = lambda state: compute_weights.rebuilt(state, on_current_devices(abstract_state))
+  with_copies = lambda state: weight_copies.rebuilt(state, on_current_devices(abstract_state))
   try:
-    return with_copies(restore(compute_weights.dropped(abstract_state)))
+    return with_copies(restore(weight_copies.dropped(abstract_state)))
   except Exception as current_error:
     for layout in legacy:
       try:
@@ -115,7 +115,7 @@ def check_layout(manager: ocp.CheckpointManager, abstract_state, legacy: Layouts
     return
   finally:
     reader.close()
-  wanted = state_layout(compute_weights.dropped(abstract_state))
+  wanted = state_layout(weight_copies.dropped(abstract_state))
   if saved != wanted and all(saved != state_layout(layout.abstract_state) for layout in legacy):
     raise CheckpointError(
         f"checkpoint step {step} in {manager.directory} has another train-state layout than this micse_jax "

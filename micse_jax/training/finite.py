@@ -121,7 +121,7 @@ class FiniteWatch:
 
 
 class Health:
-  """Which of the loop's runs (`members.RunView`s: a solo run, or each member) still train, read only
+  """Which of the loop's runs (`run_views.RunView`s: a solo run, or each member) still train, read only
   when the loop logs, evaluates or saves (one sync)."""
 
   def __init__(self, views: list, state):

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from micse_jax.training import compute_weights, population
 from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import population, weight_copies
 from micse_jax.training.momentum import Queue
 from micse_jax.training.state import TrainState
 
@@ -51,11 +51,11 @@ class Legacy:
 def layouts(program: Program) -> tuple[Legacy, ...]:
   """The older layouts a checkpoint of `program` may hold, in the order a restore tries them."""
   if program.members:
-    dropped = compute_weights.dropped(program.abstract_state).members
+    dropped = weight_copies.dropped(program.abstract_state).members
     found = [_population_flat(program, dropped)]
     copies = program.abstract_state.members.compute_weights
     if copies:
-      old = {name: copies[name] for name in ("encoder", compute_weights.EMA)}
+      old = {name: copies[name] for name in ("encoder", weight_copies.EMA)}
       found.append(_population_flat(program, dropped.replace(compute_weights=old)))
     return tuple(found)
   return _solo_layouts(program)
@@ -63,8 +63,8 @@ def layouts(program: Program) -> tuple[Legacy, ...]:
 
 def _solo_layouts(program: Program) -> tuple[Legacy, Legacy]:
   """A solo run's flat optimizer state, and its releases' before it (the queue as loose fields)."""
-  dropped, params, c = compute_weights.dropped(program.abstract_state), program.abstract_params[0], program.config
-  target = compute_weights.dropped(program.state_sharding)
+  dropped, params, c = weight_copies.dropped(program.abstract_state), program.abstract_params[0], program.config
+  target = weight_copies.dropped(program.state_sharding)
   flat = jax.eval_shape(lambda s: s.replace(opt_state=to_flat(s.opt_state)), dropped)
   to_per_leaf = jax.jit(lambda s: s.replace(opt_state=from_flat(s.opt_state, params)), out_shardings=target)
   from_fields = jax.jit(from_loose_fields, out_shardings=target)
@@ -86,7 +86,7 @@ def _population_flat(program: Program, members) -> Legacy:
     return state.replace(members=state.members.replace(opt_state=opt_state, compute_weights={}))
   name = "flat optimizer state" + (", the members' weight copies saved" if members.compute_weights else "")
   return Legacy(name, _placed(old, population.state_sharding(old, program.mesh)),
-                jax.jit(convert, out_shardings=compute_weights.dropped(program.state_sharding)))
+                jax.jit(convert, out_shardings=weight_copies.dropped(program.state_sharding)))
 
 
 def _placed(abstract, sharding):

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.data.packing import BatchLayout
-from micse_jax.training import compute_weights, finite
+from micse_jax.training import finite, weight_copies
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.finite import STOPPED
 
@@ -62,8 +62,8 @@ class PopulationState:
 # ---------------------------------------------------------------- state
 
 
-compute_weights.dropped.register(PopulationState, PopulationState.without_copies)
-compute_weights.rebuilt.register(PopulationState, PopulationState.with_copies)
+weight_copies.dropped.register(PopulationState, PopulationState.without_copies)
+weight_copies.rebuilt.register(PopulationState, PopulationState.with_copies)
 
 
 def stack(trees):

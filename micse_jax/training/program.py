@@ -35,7 +35,7 @@ from micse_jax.data.pipeline import batch_layout
 from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training import population, setup
+from micse_jax.training import population, run_inputs
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
@@ -49,7 +49,7 @@ class Program:
   tx: optax.GradientTransformation  # `optim.make_optimizer`: its init gives the optimizer state
   mesh: Mesh
   members: int                       # 0: a solo run; K: a population of K members
-  abstract_params: tuple             # (params, frozen params) of one run, as ShapeDtypeStructs (`setup.initial_params`)
+  abstract_params: tuple             # (params, frozen params) of one run, as ShapeDtypeStructs (`run_inputs.initial_params`)
   abstract_state: Any                # ShapeDtypeStructs placed on `state_sharding`
   state_sharding: Any
   layout: BatchLayout
@@ -98,9 +98,9 @@ class Program:
     return population.stacked_batch(packed, self.mesh) if self.members else mesh_lib.global_batch(packed[0], self.mesh)
 
   def initial_state(self, runs: list):
-    """The placed step-0 state of the prepared runs (`setup.prepare`: the run, or each member): each
-    run's checkpoint weights and seed through these networks (`setup.initial_state`)."""
-    return self.place_state([setup.initial_state(r.config, self.nets, self.tx, r.encoder_params) for r in runs])
+    """The placed step-0 state of the prepared runs (`run_inputs.prepare`: the run, or each member): each
+    run's checkpoint weights and seed through these networks (`run_inputs.initial_state`)."""
+    return self.place_state([run_inputs.initial_state(r.config, self.nets, self.tx, r.encoder_params) for r in runs])
 
   def place_state(self, member_states: list):
     """The step-0 state from the members' step-0 train states (one for a solo run), placed."""
@@ -127,8 +127,8 @@ def abstract_of(tree):
 
 def abstract_encoder(config: ml_collections.ConfigDict, bert_config: BertConfig):
   """The encoder params' shapes without any weights: the model's init, with BERT's MLM head where the
-  method reads the checkpoint's (`setup.needs_mlm_head`)."""
-  model = BertModel(bert_config, add_mlm_head=setup.needs_mlm_head(config))
+  method reads the checkpoint's (`run_inputs.needs_mlm_head`)."""
+  model = BertModel(bert_config, add_mlm_head=run_inputs.needs_mlm_head(config))
   ids = jnp.zeros((1, config.model.max_length), jnp.int32)
   return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"])
 
@@ -145,8 +145,8 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   if target is None:  # the kernels run on the rows of the mesh a member's step sees
     target = choice.target_of(devices, mesh=population.inner_mesh(mesh) if k else mesh)
   nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
-  params = jax.eval_shape(lambda e: setup.initial_params(shared, nets, e), encoder)
-  member = jax.eval_shape(lambda p: setup.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
+  params = jax.eval_shape(lambda e: run_inputs.initial_params(shared, nets, e), encoder)
+  member = jax.eval_shape(lambda p: run_inputs.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
   if k:
     abstract = population.abstract_state(member, k)
     sharding = population.state_sharding(abstract, mesh)
@@ -182,7 +182,7 @@ def compiled(prog: Program) -> Program:
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:
-  """The program of `config`'s prepared runs (`setup.prepare`: the run, or each member): the
+  """The program of `config`'s prepared runs (`run_inputs.prepare`: the run, or each member): the
   encoder's shapes and special tokens of the first, which all share."""
   first = runs[0]
   return build(config, first.bert_config, abstract_of(first.encoder_params), devices, first.tokens)

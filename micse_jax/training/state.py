@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from micse_jax.training import compute_weights
+from micse_jax.training import weight_copies
 from micse_jax.training.momentum import Queue
 
 Params = dict[str, Any]  # a Flax params tree: {'encoder': BERT params, 'head': MLP params, ...}
@@ -32,7 +32,7 @@ class TrainState:
   loss_scale: dict[str, jax.Array] = flax.struct.field(default_factory=dict)
   frozen_params: Params = flax.struct.field(default_factory=dict)  # never trained (InfoCSE's lower half)
   # half-precision compute only: {'encoder', ('encoder_b',) 'ema'} copies of the Dense kernels at the compute dtype,
-  # derived from params/ema_params and never checkpointed (`compute_weights.py`)
+  # derived from params/ema_params and never checkpointed (`weight_copies.py`)
   compute_weights: dict = flax.struct.field(default_factory=dict)
 
   def without_copies(self) -> "TrainState":
@@ -41,7 +41,7 @@ class TrainState:
 
   def with_copies(self, like: "TrainState") -> "TrainState":
     """A restored state with the copies `like` (its abstract state) holds, rebuilt from the weights."""
-    return self.replace(compute_weights=compute_weights.rebuilt_copies(self.params, self.ema_params,
+    return self.replace(compute_weights=weight_copies.rebuilt_copies(self.params, self.ema_params,
                                                                        like.compute_weights))
 
 
@@ -49,14 +49,14 @@ def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed
                        queue_size: int, dim: int, frozen_params: Params | None = None,
                        loss_scale: dict | None = None, compute_dtype=None) -> TrainState:
   """Step 0: the given params and optimizer state, an empty queue and EMA = online encoder (if momentum);
-  with a half-precision `compute_dtype`, the kernels' copies at that dtype (`compute_weights.py`)."""
+  with a half-precision `compute_dtype`, the kernels' copies at that dtype (`weight_copies.py`)."""
   ema_params = jax.tree.map(jnp.copy, params["encoder"]) if momentum else {}
   return TrainState(
       step=jnp.zeros((), jnp.int32), params=params, ema_params=ema_params,
       opt_state=tx.init(params), queue=Queue.empty(queue_size, dim) if momentum else None,
       rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {}, loss_scale=loss_scale or {},
-      compute_weights=compute_weights.of(params, ema_params, compute_dtype))
+      compute_weights=weight_copies.of(params, ema_params, compute_dtype))
 
 
-compute_weights.dropped.register(TrainState, TrainState.without_copies)
-compute_weights.rebuilt.register(TrainState, TrainState.with_copies)
+weight_copies.dropped.register(TrainState, TrainState.without_copies)
+weight_copies.rebuilt.register(TrainState, TrainState.with_copies)

@@ -25,7 +25,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import compute_weights, finite, infocse, optim, precision, terms, update
+from micse_jax.training import finite, infocse, optim, precision, terms, update, weight_copies
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training.momentum import Queue, momentum_embeddings
 from micse_jax.training.networks import Networks
@@ -113,14 +113,14 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
     copies = whole(state.compute_weights)  # half precision: the kernels cast once per update, not per forward
 
     def loss_on_copies(params, *args):
-      return loss_fn(compute_weights.read_through(params, copies), *args)
+      return loss_fn(weight_copies.read_through(params, copies), *args)
     grad_fn = precision.value_and_unscaled_grad(loss_on_copies, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
                                      state.step, hyper)
     new = state.replace(step=state.step + 1)
     if state.queue is not None:
       with jax.named_scope("momentum_forward"):
-        ema_params = compute_weights.substituted(whole(state.ema_params), copies.get(compute_weights.EMA))
+        ema_params = weight_copies.substituted(whole(state.ema_params), copies.get(weight_copies.EMA))
         embeddings = momentum_embeddings(nets, ema_params, whole(state.params["head"]), batch, keys["momentum"])
       with jax.named_scope("enqueue"):  # padding rows are never enqueued
         new = new.replace(queue=state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY)))

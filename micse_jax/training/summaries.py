@@ -19,7 +19,7 @@ def summary_writer(directory: str):
 
 def write_scalars(writer, step: int, scalars: dict) -> None:
   """Writes `scalars` at `step`: a name without "/" is a training value (`train/`); evaluators
-  tag their own (`DevSelection.PREFIX`, `evaluators/heldout.PREFIX`)."""
+  tag their own (`DevSelection.PREFIX`, `evaluation/evaluators/heldout.PREFIX`)."""
   if writer is None:
     return
   for k, v in scalars.items():

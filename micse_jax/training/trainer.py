@@ -2,11 +2,11 @@
 (`training/program.py`) → logs, evaluators, checkpoints.
 
 A population (`population.seeds`) is K runs stepped by one program; the loop sees a solo run as
-one run and a population as K (`training/members.py`: each run's folder, params, scalars and
+one run and a population as K (`training/run_views.py`: each run's folder, params, scalars and
 whether it still trains), with one set-up, one resume path (older releases' layouts converted,
 `training/legacy_checkpoints.py`), one evaluation, one logging path, one checkpoint-save site and one
 final evaluation. The trainer owns the rolling `checkpoints/` and each run's `best/`; the
-evaluators (`micse_jax/evaluators/`) only score params, on the steps `evaluators.is_due` names.
+evaluators (`micse_jax/evaluation/evaluators/`) only score params, on the steps `evaluation.evaluators.is_due` names.
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ from micse_jax.configs import population as population_fields
 from micse_jax.data.prefetch import Prefetcher
 from micse_jax.encoder import SentenceEncoder
 from micse_jax.errors import ConfigError, NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
-from micse_jax.evaluators import is_due
-from micse_jax.evaluators.dev_selection import DevSelection, final_evaluation
-from micse_jax.evaluators.heldout import HeldoutMetrics
+from micse_jax.evaluation.evaluators import is_due
+from micse_jax.evaluation.evaluators.dev_selection import DevSelection, final_evaluation
+from micse_jax.evaluation.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, finite, legacy_checkpoints, members, precision, program, summaries
-from micse_jax.training.members import RunView
-from micse_jax.training.setup import Run, prepare
+from micse_jax.training import checkpoint, finite, legacy_checkpoints, precision, program, run_views, summaries
+from micse_jax.training.run_inputs import Run, prepare
+from micse_jax.training.run_views import RunView
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -66,7 +66,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   if population_fields.enabled(config) and jax.process_count() > 1:
     raise ConfigError("population training runs on one host (several devices are fine)")
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
-  runs = [prepare(c) for c in members.run_configs(config)]  # all input validation before the workdir is touched
+  runs = [prepare(c) for c in run_views.run_configs(config)]  # all input validation before the workdir is touched
   precision.announce_dtype(requested_dtype, config.model.dtype)  # after the checks: nothing before an error line
   caches.announce_unusable()  # a cache folder that cannot be written: one line, the run goes on without it
   prog, first = program.compiled(program.of_runs(config, runs)), runs[0]
@@ -79,9 +79,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
     session.info["population"] = {"size": prog.members, "seeds": list(config.population.seeds),
                                   "placement": prog.mesh.axis_names[0]}
   if jax.process_index() == 0:
-    workdir_lib.write_run_config(workdir, members.config_json(first, config))
+    workdir_lib.write_run_config(workdir, run_views.config_json(first, config))
   with session.phase("eval"):  # the dev sets read and tokenised once
-    loop = _Loop(prog, members.create(config, runs, workdir), _Evaluators.create(first, prog), rolling)
+    loop = _Loop(prog, run_views.create(config, runs, workdir), _Evaluators.create(first, prog), rolling)
   try:
     with session.phase("train"):
       state = _train(loop, state)
@@ -89,7 +89,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   finally:
     with session.phase("save"):
       rolling.wait_until_finished()
-      members.close(loop.views)
+      run_views.close(loop.views)
   with session.phase("final_eval"):
     results = [_final_evaluation(loop, view, state) for view in loop.views]
   session.info["finished"] = True
@@ -109,7 +109,7 @@ def _start(prog: program.Program, runs: list[Run], rolling):
 def _timeline_files(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
   """`timeline.json` of the workdir and of each population member's folder (the same seconds:
   the members share them)."""
-  return [os.path.join(d, workdir_lib.TIMELINE_FILE) for d in [workdir, *members.folders(config, workdir)]]
+  return [os.path.join(d, workdir_lib.TIMELINE_FILE) for d in [workdir, *run_views.folders(config, workdir)]]
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ correction and ε sit where optax puts them), after global-norm clipping (Pascan
   m ← β1·m + (1−β1)·ĝ,   v ← β2·v + (1−β2)·ĝ²,   t ← t + 1
   θ ← θ − η_t·( (m/(1−β1^t)) / (√(v/(1−β2^t)) + ε) + λ·θ )
   θ̄ ← μ·θ̄ + (1−μ)·θ     (the momentum encoder's EMA, miCSE §2.1, `momentum.ema_update`)
-  copies ← cast(θ), cast(θ̄)   (`compute_weights.py`)
+  copies ← cast(θ), cast(θ̄)   (`weight_copies.py`)
 
 and θ, m, v, t, θ̄ and the copies all stay as they were where `keep` is false, and with `skip_nonfinite`
 where ‖g‖₂ is not finite (which steps apply no update: the non-finite policy, `training/finite.py`).
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from micse_jax.models.column_sums import variadic_sum
-from micse_jax.training import compute_weights
+from micse_jax.training import weight_copies
 from micse_jax.training.momentum import ema_update
 
 
@@ -97,7 +97,7 @@ def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_
   `optax.chain(clip_by_global_norm(max_norm), inner)`, or of `inner` when `max_norm` is None) by
   `grads`; `inner` must be elementwise per leaf (AdamW is). `scale` (a float32 scalar) multiplies
   `inner`'s updates (a population member's peak learning rate on a schedule that peaks at 1). With
-  `ema_decay`, `ema_params` follows `params["encoder"]`; `copies` (`compute_weights.of`) are recast
+  `ema_decay`, `ema_params` follows `params["encoder"]`; `copies` (`weight_copies.of`) are recast
   from the new weights.
 
   `keep` (a traced bool or True) leaves everything as it was where false; with `skip_nonfinite` a
@@ -127,7 +127,7 @@ def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_
     new_ema = _where(shared_keep, ema_update(new_params["encoder"], ema_params, ema_decay), ema_params)
   new_copies = copies
   if copies:
-    new_copies = compute_weights.of(new_params, new_ema, compute_weights.dtype_of(copies))
+    new_copies = weight_copies.of(new_params, new_ema, weight_copies.dtype_of(copies))
   return Result(new_params, new_state, new_ema, new_copies, norm, keep)
 
 

@@ -1,4 +1,4 @@
-"""Half-precision weight copies in the train state (`training/compute_weights.py`): exactly the
+"""Half-precision weight copies in the train state (`training/weight_copies.py`): exactly the
 Dense kernels, cast as the model casts them; the gradient through a copy is the cast's; bfloat16
 train steps reading the copies equal steps casting inside the step; checkpoints leave the copies
 out and a restore rebuilds them (so workdirs written with or without them resume either way)."""
@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.training import checkpoint, compute_weights, update
+from micse_jax.training import checkpoint, update, weight_copies
 from micse_jax.training.state import create_train_state
 from tests.helpers import run_device_worker
 from tests.update_step_test import differences, step_config, train
@@ -51,7 +51,7 @@ def test_ct_second_encoder_has_copies_and_is_read_through_them():
   assert sorted(copies) == ["ema", "encoder", "encoder_b"]
   expected = np.asarray(params["encoder_b"]["layer"]["dense"]["kernel"]).astype(jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(copies["encoder_b"]["layer"]["dense"]["kernel"]), expected)
-  read = compute_weights.read_through(params, copies)
+  read = weight_copies.read_through(params, copies)
   for name in ("encoder", "encoder_b"):
     assert read[name]["layer"]["dense"]["kernel"].dtype == jnp.bfloat16
   assert read["head"]["dense"]["kernel"].dtype == jnp.float32  # the heads cast in the step (documented)
@@ -59,7 +59,7 @@ def test_ct_second_encoder_has_copies_and_is_read_through_them():
 
 def test_the_gradient_through_a_copy_is_the_gradient_through_the_cast():
   params = _params()["encoder"]
-  copies = compute_weights.kernel_copies(params, jnp.bfloat16)
+  copies = weight_copies.kernel_copies(params, jnp.bfloat16)
   x = jax.random.normal(jax.random.PRNGKey(7), (3, 6)).astype(jnp.bfloat16)
 
   def loss(tree, cast):
@@ -68,7 +68,7 @@ def test_the_gradient_through_a_copy_is_the_gradient_through_the_cast():
     y = jnp.dot(x, kernel).astype(jnp.float32) * tree["layer"]["LayerNorm"]["scale"]
     return jnp.sum(jnp.sin(y)) + jnp.sum(tree["embeddings"]["embedding"] ** 2)
 
-  ours = jax.grad(lambda p: loss(compute_weights.substituted(p, copies), cast=False))(params)
+  ours = jax.grad(lambda p: loss(weight_copies.substituted(p, copies), cast=False))(params)
   reference = jax.grad(lambda p: loss(p, cast=True))(params)
   assert jax.tree.map(lambda g: g.dtype, ours) == jax.tree.map(lambda g: g.dtype, params)  # float32
   jax.tree.map(np.testing.assert_array_equal, ours, reference)
@@ -79,7 +79,7 @@ def test_a_stale_copy_is_what_the_forward_reads():
   change (`update.apply` does, from the new weights)."""
   params = {"dense": {"kernel": jnp.ones((2, 2))}}
   copies = {"dense": {"kernel": jnp.full((2, 2), 3.0, jnp.bfloat16)}}
-  used = compute_weights.substituted(params, copies)["dense"]["kernel"]
+  used = weight_copies.substituted(params, copies)["dense"]["kernel"]
   assert used.dtype == jnp.bfloat16 and float(used[0, 0]) == 3.0
   state = _state(jnp.bfloat16)
   moved = jax.tree.map(lambda p: p + 1.0, state.params)
@@ -91,13 +91,13 @@ def test_a_stale_copy_is_what_the_forward_reads():
 
 
 def _both(config, shard_state=False):
-  """20 steps with the copies and 20 casting in the step (`compute_weights.of` giving none)."""
+  """20 steps with the copies and 20 casting in the step (`weight_copies.of` giving none)."""
   with_copies, norms = train(config, shard_state)
-  with mock.patch.object(compute_weights, "of", lambda *args: {}):
+  with mock.patch.object(weight_copies, "of", lambda *args: {}):
     cast_in_step, ref_norms = train(config, shard_state)
   assert with_copies.compute_weights and not cast_in_step.compute_weights
   # after 20 steps the copies are still the weights cast (online encoder and EMA)
-  fresh = compute_weights.of(with_copies.params, with_copies.ema_params, config.model.dtype)
+  fresh = weight_copies.of(with_copies.params, with_copies.ema_params, config.model.dtype)
   jax.tree.map(np.testing.assert_array_equal, with_copies.compute_weights, fresh)
   return with_copies, norms, cast_in_step, ref_norms
 
@@ -116,12 +116,12 @@ def test_steps_reading_the_copies_equal_steps_casting_in_the_step(tmp_path, tiny
   config = step_config(tmp_path, tiny_real_dir, variant, arg, {"model.dtype": dtype})
   with_copies, norms, cast_in_step, ref_norms = _both(config)
   np.testing.assert_array_equal(norms, ref_norms)
-  jax.tree.map(np.testing.assert_array_equal, compute_weights.dropped(with_copies), cast_in_step)
+  jax.tree.map(np.testing.assert_array_equal, weight_copies.dropped(with_copies), cast_in_step)
 
 
 @pytest.mark.slow  # a 4-device subprocess: micse and simcse in bfloat16, shard_state on and off
 def test_steps_reading_the_copies_equal_steps_casting_in_the_step_on_four_devices(tmp_path, tiny_real_dir):
-  results = run_device_worker("tests.step_equality_worker", tmp_path, tiny_real_dir, "tests.compute_weights_test",
+  results = run_device_worker("tests.step_equality_worker", tmp_path, tiny_real_dir, "tests.weight_copies_test",
                               "bfloat16")
   assert results.pop("num_devices") == 4 and len(results) == 4
   print(results)

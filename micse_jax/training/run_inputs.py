@@ -1,6 +1,6 @@
-"""A run's set-up, shared by the trainer and the benchmark: the checkpoint's model, weights and
-tokenizer, the corpus batches; and the step-0 params and train state, given the program's networks
-(`training/program.py` builds those, once).
+"""What a run starts from, shared by the trainer and the benchmark: the checkpoint's model, weights
+and tokenizer, the corpus batches (`prepare`); and the step-0 params and train state, given the
+program's networks (`training/program.py` builds those, once).
 
 Everything is built and validated before anything is written to the workdir: the checks that
 need the checkpoint are here (`check_against_model`, `check_mlm_head`); `config_checks.check_config`

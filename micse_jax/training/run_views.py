@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from micse_jax import workdir as workdir_lib
 from micse_jax.configs import population as population_fields
 from micse_jax.training import population, summaries
-from micse_jax.training.setup import Run
+from micse_jax.training.run_inputs import Run
 
 
 @dataclasses.dataclass
