@@ -244,7 +244,7 @@ EVALUATE_CASES = {
 
 @pytest.mark.parametrize("case", sorted(EVALUATE_CASES))
 def test_evaluate_bad_input(case, base, tmp_path, capsys):
-  from micse_jax import evaluate
+  from micse_jax.evaluation import command as evaluate
   changes, fragments = EVALUATE_CASES[case]
   values = _eval_values(base, tmp_path, **changes(base, tmp_path))
   _exits_with_one_line(capsys, lambda: evaluate.evaluate_and_report(values), *fragments)

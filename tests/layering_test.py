@@ -11,7 +11,7 @@ from micse_jax import errors, paths
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout under test
 
 PACKAGE = os.path.join(REPO, "micse_jax")
-CLI_MODULES = {"micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep",
+CLI_MODULES = {"micse_jax.main", "micse_jax.evaluate", "micse_jax.evaluation.command", "micse_jax.convert", "micse_jax.sweep",
                "micse_jax.prepare_data", "micse_jax.analyze", "micse_jax.bench.__main__"}
 
 
@@ -131,7 +131,7 @@ LAYERS = (
     # the deviceless compile of the trainer's program (training/program.py) and the reading of compiled programs
     ("micse_jax.aot",),
     ("micse_jax.studies", "micse_jax.bench"),
-    ("micse_jax.main", "micse_jax.evaluate", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
+    ("micse_jax.main", "micse_jax.evaluate", "micse_jax.evaluation.command", "micse_jax.convert", "micse_jax.sweep", "micse_jax.prepare_data",
      "micse_jax.analyze", "micse_jax.bench.__main__"),
 )
 

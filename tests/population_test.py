@@ -147,8 +147,9 @@ def test_population_workdir_resumes_and_each_member_folder_is_a_workdir(tmp_path
   """Preempted after its first save and resumed; member 1's folder reads like the solo run of
   seed 2 (its config.json, its latest params = the solo run's), with its own dev selection
   (`best/`), results.json and timeline; micse-convert / micse-evaluate take `--member`."""
-  from micse_jax import convert, evaluate
+  from micse_jax import convert
   from micse_jax import workdir as workdir_lib
+  from micse_jax.evaluation import command as evaluate
   from micse_jax.training import checkpoint, trainer
   from tests.train_utils import train_preempted_after_first_save
   config = _population_config(tmp_path, minilm_dir, steps=6, seeds=(1, 2))

@@ -14,11 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from micse_jax import config_checks, convert, evaluate, jsonio
+from micse_jax import config_checks, convert, jsonio
 from micse_jax import workdir as workdir_lib
 from micse_jax.configs import population as population_fields
 from micse_jax.encoder import SentenceEncoder, load_encoder
 from micse_jax.errors import CheckpointError, ConfigError, NonFiniteLossError
+from micse_jax.evaluation import command as evaluate
 from micse_jax.training import checkpoint, program, run_inputs, trainer
 from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 

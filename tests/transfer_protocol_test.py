@@ -15,7 +15,7 @@ def test_markdown_table_names_the_protocol():
 
 
 def test_evaluate_rejects_unknown_protocol_in_one_line(tmp_path, capsys):
-  from micse_jax import evaluate
+  from micse_jax.evaluation import command as evaluate
   values = types.SimpleNamespace(
       model=str(tmp_path), senteval_dir=str(tmp_path), tasks="MR", pooler="cls_before_pooler",
       output=str(tmp_path / "out.json"), fast=False, batch_size=8, max_length=16,

@@ -1,4 +1,6 @@
-"""SentEval evaluation: data readers, STS (Spearman) and transfer (logistic regression) protocols.
+"""Evaluation in one package: SentEval's data readers, the STS (Spearman) and transfer (logistic
+regression) protocols; the evaluators that run during training (`evaluators/`); the `micse-evaluate`
+command (`command.py`, run as `python -m micse_jax.evaluate`).
 
 The readers import eagerly (NumPy only); the protocol functions load on first use, so that
 reading or validating data does not import JAX, scipy or scikit-learn.

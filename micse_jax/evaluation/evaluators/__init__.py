@@ -1,4 +1,5 @@
-"""Evaluators run during training, in the spirit of big_vision's `evaluators/`.
+"""Evaluators run during training, in the spirit of big_vision's `evaluators/` (the protocols they
+run: the `micse_jax.evaluation` package around them).
 
 Each is built once from an encoder (`micse_jax.encoder.SentenceEncoder`: model, tokenizer) and
 the config, and is then called on explicit params; none writes checkpoints (the trainer owns
