@@ -13,10 +13,9 @@ from micse_jax.aot import collectives
 
 def run(config, run_inputs):
   """(final state on the host, compiled HLO, {leaf: per-device shape}) of 3 steps of the trainer's program."""
-  from micse_jax.training import program, trainer
-  prog = program.compiled(program.build(config, run_inputs.bert_config, program.abstract_of(
-      (run_inputs.initial_params, run_inputs.frozen_params)), jax.devices(), run_inputs.nets.tokens))
-  state = prog.place_state([jax.tree.map(np.array, trainer.initial_state(run_inputs, prog.tx))])
+  from micse_jax.training import program
+  prog = program.compiled(program.of_runs(config, [run_inputs], jax.devices()))
+  state = prog.initial_state([run_inputs])
   for i in range(3):
     state, _ = prog.step(*prog.inputs(state, prog.place_batch([run_inputs.batches.batch(i)])))
   local = {jax.tree_util.keystr(k): list(v.addressable_shards[0].data.shape)
