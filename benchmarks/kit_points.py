@@ -169,13 +169,13 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   from micse_jax.bench import hardware, timing
   from micse_jax.bench import population as pop_bench
   from micse_jax.configs import population as population_fields
-  from micse_jax.training import program, setup
+  from micse_jax.training import program, run_inputs
   corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
   config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)
   config.model.attention = attention
-  runs = [setup.prepare(c) for c in population_fields.member_configs(config)]
+  runs = [run_inputs.prepare(c) for c in population_fields.member_configs(config)]
   prog = program.of_runs(config, runs)
-  state = prog.place_state([setup.initial_state(r, prog.tx) for r in runs])
+  state = prog.initial_state(runs)
   batch = prog.place_batch([r.batches.batch(0) for r in runs])
   start = time.perf_counter()
   prog = program.compiled(prog)  # the trainer's compile: kernels, else the explicit path

@@ -31,6 +31,7 @@ import tarfile
 import tempfile
 import time
 
+from benchmarks import kit_kernels
 from micse_jax import jsonio
 from micse_jax.bench import timing
 
@@ -133,7 +134,7 @@ def summary(rows: list[dict]) -> dict:
   s = {"device": setup.get("device_kind"), "date": setup.get("date"), "commit": setup.get("commit"),
        "dry": any(r.get("dry") for r in rows), "software": setup, "timing": timing_text(points),
        "ceilings": ceilings["result"] if ceilings and ceilings["ok"] else None, "points": points}
-  return dict(s, kernels=kernels_line(s, last))
+  return dict(s, kernels=kit_kernels.kernels_line(s, last))
 
 
 def _f(x, fmt: str) -> str:
@@ -230,29 +231,6 @@ def summary_markdown(s: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def kernels_line(s: dict, last: dict) -> str:
-  """What `gpu_tests` said of our dropout-attention kernels, which points ran them and which the
-  explicit path (a point takes them only once `gpu_tests` passed, or its compile fell back), and
-  their measured gain at batch 50 (b50 against b50_explicit, the same machine)."""
-  tests = last.get("gpu_tests")
-  verdict = ("a CPU dry run" if s["dry"] else "`gpu_tests` passed" if tests and tests["ok"]
-             else f"**`gpu_tests` {'failed' if tests else 'did not run'}: the kit's points train on the explicit path**")
-  ran = [p for p in s["points"] if p["ok"]]
-  with_kernels = [p["name"] for p in ran if p.get("own_kernels") and p.get("dropout_kernel_calls")]
-  without = [p["name"] for p in ran if p["name"] not in with_kernels]
-  line = (f"dropout-attention kernels: {verdict}; points with the kernels: {', '.join(with_kernels) or 'none'}; "
-          f"on the explicit path: {', '.join(without) or 'none'}")
-  ab = {p["name"]: p for p in ran}
-  if "b50" in with_kernels and "b50_explicit" in ab:
-    with_k, plain = ab["b50"], ab["b50_explicit"]
-    line += (f". Batch 50, the same machine: {with_k['pipelined_step_ms']:.2f} ms with the kernels, "
-             f"{plain['pipelined_step_ms']:.2f} ms without: {plain['pipelined_step_ms'] / with_k['pipelined_step_ms']:.3f}x")
-    gpu = lambda p: (p.get("profile") or {}).get("gpu_ms_per_step")
-    if gpu(with_k) and gpu(plain):
-      line += f" ({gpu(with_k):.2f} against {gpu(plain):.2f} ms of GPU op time per step)"
-  return line
-
-
 def kit_markdown(rows: list[dict], steps) -> str:
   """kit.md: each of `steps`' ((name, planned s), ...) state and time, the caches, `pytest -m gpu`,
   failures; then the calibration point."""
@@ -270,24 +248,7 @@ def kit_markdown(rows: list[dict], steps) -> str:
     failed = caches["import_failures"]
     lines += ["", f"- model caches on the image: {listing or 'none'}",
               f"- the kit's packages import: {'ok' if not failed else 'FAILED: ' + json.dumps(failed)}"]
-  tests = (last.get("gpu_tests") or {}).get("result")
-  if tests:
-    lines.append(f"- `pytest -m gpu` ({', '.join(tests['files'])}): {tests['tests']} run, {tests['failures']} failed, "
-                 f"{tests['errors']} errors, {tests['skipped']} skipped, exit {tests['returncode']}")
-    failed = [name for name, outcome in tests.get("outcomes", {}).items() if outcome in ("failed", "error")]
-    if failed:
-      lines.append(f"- failed: {', '.join(failed)}")
-    if tests.get("timed_out"):
-      lines.append(f"- cut at its time-out after: {', '.join(tests.get('outcomes', {})) or 'no test'}")
-    if not tests["passed"]:
-      lines += ["", "```", tests["tail"][-1500:], "```"]
-    trial = tests.get("trial")
-    if trial:
-      outcomes = ", ".join(f"{name} {outcome}" for name, outcome in trial.get("outcomes", {}).items())
-      lines.append(f"- trial GPU tests (kernel uses not taken yet; they decide nothing): {outcomes or 'none ran'}"
-                   + (" (cut at the time-out)" if trial.get("timed_out") else ""))
-      if not trial["passed"]:
-        lines += ["", "```", trial["tail"][-1500:], "```"]
+  lines += kit_kernels.gpu_tests_lines((last.get("gpu_tests") or {}).get("result"))
   for r in (r for r in last.values() if not r["ok"] and r.get("tail")):
     lines += ["", f"## {r['step']} failed", "", "```", r["tail"][-1500:], "```"]
   return "\n".join(lines) + "\n\n" + summary_markdown(s)

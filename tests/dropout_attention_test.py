@@ -313,7 +313,7 @@ def _loss_and_grads(tmp_path, tokenizer_dir, target, batch_size, heads, hidden, 
   """The miCSE loss (dropout, AMI on layer 0, momentum encoder, queue) and every gradient of a random
   BERT whose heads are `hidden // heads` wide, computed in `dtype`, its encoders' kernels chosen for
   `target`."""
-  from micse_jax.training import networks, trainer
+  from micse_jax.training import networks, run_inputs, trainer
   from micse_jax.training.optim import make_optimizer
   from micse_jax.training.step import make_loss_fn, step_keys
   from tests.helpers import write_tiny_hf_checkpoint
@@ -324,8 +324,8 @@ def _loss_and_grads(tmp_path, tokenizer_dir, target, batch_size, heads, hidden, 
   config = tiny_training_config(tmp_path, tokenizer_dir, batch_size=batch_size, **{
       "model.max_length": T, "model.dtype": dtype, "ami.layers": (0,)})
   run = trainer.prepare(config)
-  state = trainer.initial_state(run, make_optimizer(config))
-  nets = networks.build_networks(config, run.bert_config, run.nets.tokens, target)
+  nets = networks.build_networks(config, run.bert_config, run.tokens, target)
+  state = run_inputs.initial_state(config, nets, make_optimizer(config), run.encoder_params)
   batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}
   args = (state.frozen_params, batch, state.queue, step_keys(state.rng, state.step), state.step)
   with jax.default_matmul_precision("highest"):  # float32 GEMMs in float32 (not TF32 on a GPU)

@@ -60,7 +60,7 @@ def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
 
   Each output column is the same dot product and bias add as in its own `nn.Dense`. The
   parameters are cast to `dtype` before the concatenation (the cast `nn.Dense` makes: the same
-  values; a no-op where the step passes the half-precision copies, `training/compute_weights.py`).
+  values; a no-op where the step passes the half-precision copies, `training/weight_copies.py`).
   XLA places the concatenation itself: holding it in a kernel of its own (an optimization barrier)
   predicted a slower H100 step (BENCHMARKS.md, step cuts). The bias is added plainly: the gradient
   arrives in the attention's head layout, where XLA already sums it in two stages (tokens, then

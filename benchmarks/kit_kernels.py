@@ -1,0 +1,49 @@
+"""What the GPU kit reports of our own kernels: whether `gpu_tests` proved them, which points ran them,
+their measured gain (b50 against b50_explicit), and the GPU tests' outcomes (gating and trial)."""
+from __future__ import annotations
+
+
+def kernels_line(s: dict, last: dict) -> str:
+  """What `gpu_tests` said of our dropout-attention kernels, which points ran them and which the
+  explicit path (a point takes them only once `gpu_tests` passed, or its compile fell back), and
+  their measured gain at batch 50 (b50 against b50_explicit, the same machine)."""
+  tests = last.get("gpu_tests")
+  verdict = ("a CPU dry run" if s["dry"] else "`gpu_tests` passed" if tests and tests["ok"]
+             else f"**`gpu_tests` {'failed' if tests else 'did not run'}: the kit's points train on the explicit path**")
+  ran = [p for p in s["points"] if p["ok"]]
+  with_kernels = [p["name"] for p in ran if p.get("own_kernels") and p.get("dropout_kernel_calls")]
+  without = [p["name"] for p in ran if p["name"] not in with_kernels]
+  line = (f"dropout-attention kernels: {verdict}; points with the kernels: {', '.join(with_kernels) or 'none'}; "
+          f"on the explicit path: {', '.join(without) or 'none'}")
+  ab = {p["name"]: p for p in ran}
+  if "b50" in with_kernels and "b50_explicit" in ab:
+    with_k, plain = ab["b50"], ab["b50_explicit"]
+    line += (f". Batch 50, the same machine: {with_k['pipelined_step_ms']:.2f} ms with the kernels, "
+             f"{plain['pipelined_step_ms']:.2f} ms without: {plain['pipelined_step_ms'] / with_k['pipelined_step_ms']:.3f}x")
+    gpu = lambda p: (p.get("profile") or {}).get("gpu_ms_per_step")
+    if gpu(with_k) and gpu(plain):
+      line += f" ({gpu(with_k):.2f} against {gpu(plain):.2f} ms of GPU op time per step)"
+  return line
+
+
+def gpu_tests_lines(tests: dict | None) -> list[str]:
+  """kit.md's lines on `pytest -m gpu`: counts, failures, where a time-out cut it, the trial tests."""
+  if not tests:
+    return []
+  lines = [f"- `pytest -m gpu` ({', '.join(tests['files'])}): {tests['tests']} run, {tests['failures']} failed, "
+               f"{tests['errors']} errors, {tests['skipped']} skipped, exit {tests['returncode']}"]
+  failed = [name for name, outcome in tests.get("outcomes", {}).items() if outcome in ("failed", "error")]
+  if failed:
+    lines.append(f"- failed: {', '.join(failed)}")
+  if tests.get("timed_out"):
+    lines.append(f"- cut at its time-out after: {', '.join(tests.get('outcomes', {})) or 'no test'}")
+  if not tests["passed"]:
+    lines += ["", "```", tests["tail"][-1500:], "```"]
+  trial = tests.get("trial")
+  if trial:
+    outcomes = ", ".join(f"{name} {outcome}" for name, outcome in trial.get("outcomes", {}).items())
+    lines.append(f"- trial GPU tests (kernel uses not taken yet; they decide nothing): {outcomes or 'none ran'}"
+                 + (" (cut at the time-out)" if trial.get("timed_out") else ""))
+    if not trial["passed"]:
+      lines += ["", "```", trial["tail"][-1500:], "```"]
+  return lines
