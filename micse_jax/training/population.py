@@ -156,7 +156,8 @@ def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | No
   """The pure population step (PopulationState, packed [K, rows, cols], hyper) → (PopulationState,
   metrics [K]) of the members' pure train step `step_fn` (built on `inner_mesh(mesh)`); `hyper`
   holds the per-member step inputs (arrays [K], `configs/population.step_inputs`)."""
-  members_step = _one_member_unbatched(jax.vmap(member_step_fn(step_fn, layout)), member_step_fn(step_fn, layout))
+  member_step = member_step_fn(step_fn, layout)
+  members_step = _one_member_unbatched(jax.vmap(member_step), member_step)
   if mesh is not None and _spread(mesh):  # each device steps its own members: nothing crosses devices
     # Every input and output is split by member, so there is no replication for the check to track;
     # unchecked, the members' program may hold Pallas calls (the dropout-attention kernels), whose
@@ -175,9 +176,9 @@ def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | No
 def _one_member_unbatched(batched: Callable, single: Callable) -> Callable:
   """`batched` (the vmapped member step), but where a program steps one member (a population spread
   one member per device, or K = 1) the member step itself on that member, its axis dropped and put
-  back: the solo step's program, where `vmap` costs the forward its fused normalisations (XLA's
-  Triton softmax/norm fusions do not take the batched LayerNorm; deviceless H100, batch 50: 11.38
-  against 9.14 ms). The same values (the member's own step either way)."""
+  back: the solo step's program, where `vmap` would cost the forward its fused normalisations (XLA's
+  Triton softmax/norm fusions do not take the batched LayerNorm; BENCHMARKS.md has the times). The
+  same values (the member's own step either way)."""
   def step(*args):
     if jax.tree.leaves(args)[0].shape[0] != 1:  # the member count here (per device under shard_map): static
       return batched(*args)
