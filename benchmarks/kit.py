@@ -222,8 +222,10 @@ def _interruptible(command: list[str], timeout_s: float, grace_s: float = 20.0) 
   group of its own: at the time-out pytest gets SIGINT (it then reports the failures so far and
   writes its JUnit XML), and after `grace_s` the whole group is killed, so that no child outlives
   the step to load the machine the timed points run on."""
+  # A job started in the background inherits SIGINT ignored, and Python then never raises
+  # KeyboardInterrupt: the child gets SIGINT's default back so that the time-out can reach pytest.
   proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
+                          start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   try:
     out = proc.communicate(timeout=timeout_s)[0]
     return proc.returncode, out
@@ -236,7 +238,32 @@ def _interruptible(command: list[str], timeout_s: float, grace_s: float = 20.0) 
     out = proc.communicate()[0]
   with contextlib.suppress(ProcessLookupError):  # children pytest left behind
     os.killpg(proc.pid, signal.SIGKILL)
+  _wait_for_group_gone(proc.pid, grace_s)
   return None, out
+
+
+def _live_members(group: int) -> list[int]:
+  """Process ids of the live (not zombie) processes of process group `group`, read from /proc."""
+  members = []
+  for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+      continue  # gone while listed
+    if int(fields[2]) == group and fields[0] not in ("Z", "X"):
+      members.append(int(entry))
+  return members
+
+
+def _wait_for_group_gone(group: int, timeout_s: float) -> None:
+  """Wait until the killed group has died: SIGKILL is delivered when a process is next scheduled,
+  so a loaded machine can show it running for a moment after `killpg` returns."""
+  deadline = time.monotonic() + timeout_s
+  while _live_members(group) and time.monotonic() < deadline:
+    time.sleep(0.05)
 
 
 def measure(kit: Kit, name: str) -> dict:

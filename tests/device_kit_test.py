@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -344,6 +345,19 @@ def test_kit_runs_in_an_image_like_venv_with_only_the_kits_wheels_added(tmp_path
                         capture_output=True, text=True, timeout=3600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   _check_dry_run(out)
+
+
+def test_a_killed_group_is_waited_for_until_no_member_runs():
+  """The kit's wait after `killpg` sees a live member of the group and returns once it has died."""
+  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+  try:
+    assert kit._live_members(sleeper.pid) == [sleeper.pid]
+    os.killpg(sleeper.pid, signal.SIGKILL)
+    kit._wait_for_group_gone(sleeper.pid, timeout_s=10)
+    assert kit._live_members(sleeper.pid) == []
+  finally:
+    sleeper.kill()
+    sleeper.wait()
 
 
 def test_gpu_tests_cut_at_their_time_out_say_what_ran_and_leave_no_process_behind(tmp_path):
