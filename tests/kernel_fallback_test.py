@@ -60,8 +60,13 @@ def test_a_failing_kernel_is_replaced_by_the_explicit_path_with_one_warning(tmp_
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_program_without_our_kernels_keeps_its_own_error(tmp_path, tiny_real_dir, monkeypatch, caplog):
-  prog, _ = _program(_config(tmp_path, tiny_real_dir), choice.Target())
+@pytest.mark.parametrize("target, overrides", [
+    (choice.Target(), {}),                                                       # no kernels on this CPU
+    (INTERPRET, {"model.attention": "explicit"}),                                # the kernels turned off
+    (choice.Target(platform="cuda", compute_capability=(9, 0)), {"model.remat": "layer"})])  # remat: explicit on GPUs
+def test_a_program_without_our_kernels_keeps_its_own_error(tmp_path, tiny_real_dir, monkeypatch, caplog, target,
+                                                            overrides):
+  prog, _ = _program(_config(tmp_path, tiny_real_dir, **overrides), target)
   monkeypatch.setattr(program.Program, "lower", lambda self: _refusing())
   with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="injected"):
     program.compiled(prog)

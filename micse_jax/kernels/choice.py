@@ -137,6 +137,13 @@ def cudnn_takes(q_shape: tuple, k_shape: tuple, mask_shape: tuple, dtype: str) -
   return True
 
 
+def kernels_allowed(target: Target, *, explicit: bool, remat: str) -> bool:
+  """Whether a model under `model.attention` (`explicit` or not) and `model.remat` may hold the
+  dropout-attention kernels on `target`; each layer that trains with dropout then takes them where
+  `kernel_takes` its shape."""
+  return target.pallas and not explicit and (target.interpret or target.trial or remat in KERNEL_REMAT)
+
+
 def attention_path(target: Target | None, *, explicit: bool, reads_probabilities: bool, dropout: bool,
                    q_shape: tuple, k_shape: tuple, dtype, random_bits: int = 32, rng_impl: str = "threefry",
                    remat: str = "none") -> str:
@@ -150,8 +157,7 @@ def attention_path(target: Target | None, *, explicit: bool, reads_probabilities
     return "explicit"
   if dropout:
     takes = kernel_takes(k_shape[1], k_shape[-1], dtype, random_bits, rng_impl)
-    proven = target.interpret or target.trial or remat in KERNEL_REMAT
-    return "dropout_kernel" if target.pallas and takes and proven else "explicit"
+    return "dropout_kernel" if kernels_allowed(target, explicit=False, remat=remat) and takes else "explicit"
   mask_shape = (q_shape[0], 1, q_shape[1], k_shape[1])
   if target.ampere_or_newer and cudnn_takes(tuple(q_shape), tuple(k_shape), mask_shape, jnp.dtype(dtype).name):
     return "cudnn"

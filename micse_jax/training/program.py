@@ -57,8 +57,8 @@ class Program:
   hyper: dict                        # the members' step inputs, float32 [K] each ({} for a solo run)
   jitted: Callable                   # the jitted, donated step: `step(*program.inputs(state, packed))`
   target: choice.Target              # what it is compiled for: the kernels its layers may take
+  rebuild: Callable                  # (target) -> this program for another target (`compiled`'s fallback)
   executable: Any = None             # the compiled step, once `compiled` has run
-  rebuild: Callable | None = None    # (target) -> this program for another target (`compiled`'s fallback)
 
   @property
   def step(self) -> Callable:
@@ -159,7 +159,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   return Program(shared, nets, tx, mesh, k, params, _placed(abstract, sharding), sharding, layout,
                  mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
                  _jitted_step(shared, nets, mesh, sharding, layout, k), target,
-                 rebuild=functools.partial(build, config, bert_config, encoder, devices, tokens))
+                 functools.partial(build, config, bert_config, encoder, devices, tokens))
 
 
 def compiled(prog: Program) -> Program:
@@ -170,7 +170,8 @@ def compiled(prog: Program) -> Program:
   try:
     return dataclasses.replace(prog, executable=prog.lower().compile())
   except Exception as error:  # noqa: BLE001  (any failure of the kernels' program: the plain one follows)
-    if not prog.target.pallas or prog.rebuild is None:
+    model = prog.config.model
+    if not choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat):
       raise
     plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False))
     reason = (str(error).strip().splitlines() or [""])[0][:300]
