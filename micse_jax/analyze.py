@@ -18,6 +18,7 @@ flags.DEFINE_string("checkpoint", "best", "For a workdir: best | latest | a step
 flags.DEFINE_string("output", None, "Directory for the PNGs and analysis.json.")
 flags.DEFINE_string("senteval_dir", None, "SentEval data (default: $MICSE_DATA_DIR/senteval, "
                     "else shared/data/senteval in or above the working directory).")
+flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
 flags.DEFINE_boolean("allow_stopped", False, "Analyze a population member that stopped (a non-finite update) "
                      "anyway, in its state from before it stopped.")
 flags.DEFINE_integer("num_sentences", 64, "STS-B test sentences whose attention is histogrammed.")
@@ -33,7 +34,7 @@ def main(argv):
   require("matplotlib", "drawing figures (analyze)")  # before any file is written
   import numpy as np
 
-  from micse_jax import paths
+  from micse_jax import paths, workdir
   from micse_jax.encoder import load_encoder
   from micse_jax.evaluation import report, senteval_data
   from micse_jax.evaluation.sts import cosine_rows, encode_unique
@@ -42,7 +43,9 @@ def main(argv):
   with cli.input_errors_as_one_line():  # bad input only (MicseError); anything else keeps its traceback
     stsb = senteval_data.load_stsb(senteval_dir)["test"]
     checkpoint = int(FLAGS.checkpoint) if FLAGS.checkpoint.isdigit() else FLAGS.checkpoint
-    encoder = load_encoder(FLAGS.model, checkpoint, allow_stopped=FLAGS.allow_stopped)
+    model = FLAGS.model if FLAGS.member is None else workdir.member_workdir(FLAGS.model, FLAGS.member,
+                                                                             FLAGS.allow_stopped)
+    encoder = load_encoder(model, checkpoint, allow_stopped=FLAGS.allow_stopped)
   os.makedirs(FLAGS.output, exist_ok=True)
   encode = lambda s: encoder.encode(s, FLAGS.pooler)
   sentences = list(dict.fromkeys(stsb.sentences1 + stsb.sentences2))

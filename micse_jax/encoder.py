@@ -135,7 +135,6 @@ def load_encoder(path_or_name: str, checkpoint: str | int = "best", dtype=jnp.fl
   is no trained one unless `allow_stopped`: each is a one-line `CheckpointError` (`workdir.one_run`)."""
   if not workdir.is_workdir(path_or_name):
     return SentenceEncoder.from_pretrained(path_or_name, dtype=dtype)
-  workdir.one_run(path_or_name, allow_stopped)
   if checkpoint == "best" and not workdir.best_manager(path_or_name, read_only=True).all_steps():
     checkpoint = "latest"  # a run without dev evaluation has no best checkpoint
   restored = workdir.restore_trained_weights(path_or_name, checkpoint, allow_stopped)

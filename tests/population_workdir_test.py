@@ -1,7 +1,7 @@
 """A population's workdir says only what is true: a half-precision checkpoint holds no weight copies
 and resumes to the uninterrupted run (also from the older layout that saved them); a stopped member
 is reported once, recorded in its folder and named by the run summary in the same words, and refused
-by micse-convert / micse-evaluate however it is named (`--member i` or its folder) unless asked; the
+by micse-convert / micse-evaluate / micse-analyze however it is named (`--member i` or its folder) unless asked; the
 population workdir itself is named as such, with the `--member` values it has; a member field given
 on the command line that the population replaces is one error line; a run whose every member
 diverged before its first save does not claim a checkpoint."""
@@ -146,7 +146,8 @@ def test_a_stopped_member_is_reported_once_and_in_the_same_words_everywhere(stop
     ["micse_jax.convert", "--workdir", "{workdir}", "--member", "1", "--output", "{out}"],
     ["micse_jax.evaluate", "--model", "{member}", "--tasks", "STSBenchmark", "--output", "{out}"],
     ["micse_jax.evaluate", "--model", "{workdir}", "--member", "1", "--tasks", "STSBenchmark", "--output", "{out}"],
-], ids=["convert-folder", "convert-member", "evaluate-folder", "evaluate-member"])
+    ["micse_jax.analyze", "--model", "{workdir}", "--member", "1", "--output", "{out}"],
+], ids=["convert-folder", "convert-member", "evaluate-folder", "evaluate-member", "analyze-member"])
 def test_a_stopped_member_is_refused_however_it_is_named(stopped_population, tmp_path, command):
   workdir, stopped, _ = stopped_population
   names = {"member": workdir_lib.member_dir(workdir, 1), "workdir": workdir, "out": str(tmp_path / "out")}
@@ -160,7 +161,8 @@ def test_a_stopped_member_is_refused_however_it_is_named(stopped_population, tmp
 @pytest.mark.parametrize("command", [
     ["micse_jax.convert", "--workdir", "{workdir}", "--output", "{out}"],
     ["micse_jax.evaluate", "--model", "{workdir}", "--tasks", "STSBenchmark", "--output", "{out}"],
-], ids=["convert", "evaluate"])
+    ["micse_jax.analyze", "--model", "{workdir}", "--output", "{out}"],
+], ids=["convert", "evaluate", "analyze"])
 def test_a_population_workdir_without_member_is_named_with_its_members(stopped_population, tmp_path, command):
   workdir, _, _ = stopped_population
   done = _program(*[part.format(workdir=workdir, out=str(tmp_path / "out")) for part in command])

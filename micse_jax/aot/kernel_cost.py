@@ -313,10 +313,9 @@ def fusion_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> C
               **_traits(program, body))
 
 
-# Measured time over this model's price of each dropout-attention kernel (H200, 2026-11-27, BERT-base
-# batch 50, docs/calibration/h200-2026-11-27-7843083): the forward as priced (6.9 against 6.7 us);
-# with its keep mask, 12.8 against 9.8 us; the backward, whose five dependent tile GEMMs per
-# (sentence, head) run far below the GEMM rate its FLOPs are priced at, 30.1 against 14.2 us.
+# Measured time over this model's price of each dropout-attention kernel, from the H200 calibration
+# point docs/calibration/h200-2026-11-27-7843083 (the times: BENCHMARKS.md): the backward's five
+# dependent tile GEMMs per (sentence, head) run far below the GEMM rate its FLOPs are priced at.
 MEASURED_FACTOR = {"forward": 1.0, "forward_keep": 1.30, "backward": 2.13}
 
 

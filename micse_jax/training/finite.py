@@ -50,7 +50,7 @@ def rest_kept(keep: jax.Array, new, old):
   scale, ...) taken from `old` where `keep` is false: the select over the small rest of the state,
   `apply` having kept its own fields in the same pass (no select over params, moments, EMA and copies)."""
   rest = lambda state: state.replace(**{name: None for name in update.WRITTEN})
-  kept = jax.tree.map(lambda n, o: jnp.where(jnp.asarray(keep, bool), n, o), rest(new), rest(old))
+  kept = update.where(jnp.asarray(keep, bool), rest(new), rest(old))
   return kept.replace(**{name: getattr(new, name) for name in update.WRITTEN})
 
 

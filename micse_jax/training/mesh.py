@@ -138,3 +138,8 @@ def rows_per_device(mesh: Mesh | None):
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS))(*rows, *shared)
 
   return map_rows
+
+
+def placed(abstract, sharding):
+  """`abstract` (ShapeDtypeStructs) with each leaf on its `sharding`."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, sharding)

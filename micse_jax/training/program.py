@@ -156,7 +156,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
                                        shared.mesh.shard_update)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
-  return Program(shared, nets, tx, mesh, k, params, _placed(abstract, sharding), sharding, layout,
+  return Program(shared, nets, tx, mesh, k, params, mesh_lib.placed(abstract, sharding), sharding, layout,
                  mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
                  _jitted_step(shared, nets, mesh, sharding, layout, k), target,
                  functools.partial(build, config, bert_config, encoder, devices, tokens))
@@ -187,10 +187,6 @@ def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Prog
   encoder's shapes and special tokens of the first, which all share."""
   first = runs[0]
   return build(config, first.bert_config, abstract_of(first.encoder_params), devices, first.tokens)
-
-
-def _placed(abstract, sharding):
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, sharding)
 
 
 def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, members: int) -> Callable:

@@ -86,7 +86,8 @@ def clipped(grads, norm: jax.Array, max_norm: float):
   return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads)
 
 
-def _where(keep: jax.Array, new, old):
+def where(keep: jax.Array, new, old):
+  """`new` where `keep`, else `old`, leaf by leaf."""
   return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
 
 
@@ -119,12 +120,12 @@ def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_
   updates, new_inner = inner.update(grads, inner_state, params)
   if scale is not None:
     updates = jax.tree.map(lambda u: u * shared[2].astype(u.dtype), updates)
-  new_params = _where(shared_keep, optax.apply_updates(params, updates), params)
-  new_inner = _where(shared_keep, new_inner, inner_state)
+  new_params = where(shared_keep, optax.apply_updates(params, updates), params)
+  new_inner = where(shared_keep, new_inner, inner_state)
   new_state = new_inner if max_norm is None else (opt_state[0], new_inner)
   new_ema = ema_params
   if ema_decay is not None and ema_params:
-    new_ema = _where(shared_keep, ema_update(new_params["encoder"], ema_params, ema_decay), ema_params)
+    new_ema = where(shared_keep, ema_update(new_params["encoder"], ema_params, ema_decay), ema_params)
   new_copies = copies
   if copies:
     new_copies = weight_copies.of(new_params, new_ema, weight_copies.dtype_of(copies))
