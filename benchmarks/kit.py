@@ -194,26 +194,26 @@ def gpu_tests(timeout_s: float) -> dict:
   our kernels, then (`trial`, reported, never deciding) those of kernel uses not taken yet, in what
   is left of `timeout_s`. Counts, each test's outcome and the output's tail of the first; the
   second's under "trial"."""
-  start = time.monotonic()
-  gate = _pytest("gpu and not trial", timeout_s)
+  start, files = time.monotonic(), gpu_test_files()
+  gate = _pytest("gpu and not trial", files, timeout_s)
   left = timeout_s - (time.monotonic() - start)
-  return dict(gate, trial=_pytest("gpu and trial", left) if left > 20 else None)
+  return dict(gate, trial=_pytest("gpu and trial", files, left) if left > 20 else None)
 
 
-def _pytest(markers: str, timeout_s: float) -> dict:
-  """`pytest -m MARKERS -v` on `gpu_test_files()`: counts and outcomes from its JUnit XML, or from its
+def _pytest(markers: str, files: list[str], timeout_s: float) -> dict:
+  """`pytest -m MARKERS -v` on `files`: counts and outcomes from its JUnit XML, or from its
   live output where the time-out cut it short."""
   junit = os.path.join(tempfile.mkdtemp(prefix="micse_kit_pytest_"), "gpu.xml")
   returncode, output = _interruptible([sys.executable, "-m", "pytest", "-m", markers, "-v", "--tb=short", "-p",
                                        "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}",
-                                       *gpu_test_files()], timeout_s)
+                                       *files], timeout_s)
   counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
   outcomes = {name.split("::", 1)[1]: outcome.lower() for name, outcome in _LIVE_OUTCOME.findall(output)}
   if os.path.isfile(junit):
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts, outcomes = {k: int(suite.get(k, 0)) for k in counts}, {**outcomes, **_test_outcomes(suite)}
-  return {"returncode": returncode, **counts, "outcomes": outcomes, "files": gpu_test_files(),
+  return {"returncode": returncode, **counts, "outcomes": outcomes, "files": files,
           "passed": returncode == 0, "timed_out": returncode is None, "tail": output[-3000:]}
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compatibility check on another Python / dependency set, from nothing (issue 16).
+# Compatibility check on another Python / dependency set, from nothing.
 #
 #   scripts/compat_check.sh PYTHON SET [pytest args...]
 #

@@ -1,6 +1,6 @@
 """Transfer-task agreement check: SimCSE's `evaluation.py` + SentEval beside our `senteval` protocol.
 
-Reproduces the comparison table of docs/transfer-protocol.md (issue 29). Needs torch,
+Reproduces the comparison table of docs/transfer-protocol.md. Needs torch,
 transformers, scikit-learn and prettytable, and a checkout of princeton-nlp/SimCSE (which vendors
 SentEval); it is not part of the test suite (tens of minutes per model and seed on 2 CPU cores).
 
@@ -28,7 +28,7 @@ temporary folder (the checkout is not modified):
   seed's score does not depend on the seeds run before it in the process).
 Each reference process runs one CPU thread (`OMP_NUM_THREADS=1`; SentEval's minibatches are too
 small to gain from more), `--jobs` of them at a time.
-The agreement rule (issue 29): for every task, |ours - SentEval| (means over the seeds) must be
+The agreement rule (docs/transfer-protocol.md): for every task, |ours - SentEval| (means over the seeds) must be
 at most max(spread of SentEval's seeds (max - min), 0.5) points.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A host batch is five int32 arrays (`input_ids`, `attention_mask`, `token_type_ids` `[rows, T]`,
 `sentence_ids`, `row_mask` `[rows]`). Placing them one by one costs a host→device call each
-(about 0.1 ms apiece on a CPU host); `BatchLayout.pack` puts them side by side as
+(BENCHMARKS.md, "One transfer per step"); `BatchLayout.pack` puts them side by side as
 columns of one `[rows, 3T + 2]` array, placed with one call and row-sharded like the batch it
 holds, and `BatchLayout.unpack` slices the columns back inside the jitted step (free: column
 slices of a row-sharded array stay on their devices, no communication).

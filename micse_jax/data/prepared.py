@@ -142,7 +142,7 @@ def _deterministic(record: bytes) -> bytes:
 
 # One record per chunk (random reads decode only the rows asked for) and no chunk compression:
 # the token bytes are already zlib-compressed by TFDS, and decompressing a zstd chunk per row
-# made a random read of 50 rows 3-4 times slower.
+# slowed random reads down (BENCHMARKS.md, "No chunk compression in prepared shards").
 WRITER_OPTIONS = "group_size:1,uncompressed"
 
 

@@ -12,14 +12,12 @@ of optimiser settings.
 Why JAX rather than scikit-learn: one 10x10-fold task is 410 fits. They are stacked as sample
 weights `[fits, N]` over one shared feature matrix and solved together by `vmap` under one `jit`,
 so every step is one wide matrix product `[N, D] x [D, fits * classes]` (on CPU in chunks of
-about 1M `fits * N * classes` entries; beyond that XLA:CPU slows down sharply). On MR with
-384-d features that is ~3x faster than 410 sequential sklearn lbfgs fits on 2 CPU cores, and it
-runs unchanged on GPU/TPU. The solver is a small L-BFGS written here rather than
-`optax.lbfgs`: under `vmap` the zoom line search's branches all execute, which measured ~13x the
-cost of one objective evaluation per step. Re-measured with optax 0.2.8
-(docs/transfer-protocol.md): on MR's 10-fold x 4 L2 fits, this solver took 176 s (compile and
-8 fits, then 40 fits) where `optax.lbfgs` in the same loop had not finished after ~800 s. scikit-learn's `LogisticRegression` (same objective
-with `C = 1 / (n * l2)`) is the independent check in the tests.
+about 1M `fits * N * classes` entries; beyond that XLA:CPU slows down sharply), faster than
+sequential scikit-learn lbfgs fits on CPU and unchanged on GPU/TPU. The solver is a small L-BFGS
+written here rather than `optax.lbfgs`: under `vmap` the zoom line search's branches all execute,
+so each step costs many objective evaluations (measured: docs/transfer-protocol.md, "The
+`logreg` protocol's solver"). scikit-learn's `LogisticRegression` (same objective with
+`C = 1 / (n * l2)`) is the independent check in the tests.
 """
 from __future__ import annotations
 
