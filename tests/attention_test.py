@@ -61,6 +61,9 @@ def test_cudnn_is_never_asked_for_float32_odd_head_dims_or_pre_ampere_gpus():
 
 @pytest.mark.gpu
 def test_on_gpu_bfloat16_attention_is_cudnn_and_correct():
+  target = choice.local_target()
+  if target.compute_capability and not target.ampere_or_newer:
+    pytest.skip(f"cuDNN's flash attention needs an Ampere-or-newer GPU, not {target.describe()}")
   path = choice.attention_path(None, explicit=False, reads_probabilities=False, dropout=False,
                                q_shape=(3, 12, 2, 64), k_shape=(3, 12, 2, 64), dtype=jnp.bfloat16)
   assert path == "cudnn"  # an Ampere-or-newer GPU with cuDNN

@@ -5,7 +5,6 @@ the reason, and the run trains exactly as one that never tried them."""
 import logging
 
 import jax
-import numpy as np
 import pytest
 
 from micse_jax.kernels import choice
@@ -13,6 +12,7 @@ from micse_jax.kernels import dropout_attention as da
 from micse_jax.training import program, trainer
 from micse_jax.workdir import restore_params
 from tests.helpers import write_tiny_hf_checkpoint
+from tests.train_test import _leaves_equal
 from tests.train_utils import tiny_training_config
 
 INTERPRET = choice.Target(interpret=True)
@@ -56,8 +56,7 @@ def test_a_failing_kernel_is_replaced_by_the_explicit_path_with_one_warning(tmp_
   batch = prog.place_batch([run.batches.batch(0)])
   got, _ = fell_back.step(*fell_back.inputs(state(fell_back), batch))
   want, _ = plain.step(*plain.inputs(state(plain), prog.place_batch([run.batches.batch(0)])))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _leaves_equal(got, want)
 
 
 @pytest.mark.parametrize("target, overrides", [
@@ -85,5 +84,4 @@ def test_the_trainer_trains_on_when_the_kernels_fail(tmp_path, tiny_real_dir, mo
     trainer.train_and_evaluate(config, str(tmp_path / "fell_back"))
   assert sum("dropout-attention kernels" in r.getMessage() for r in caplog.records) == 1
   (_, got), (_, want) = (restore_params(str(tmp_path / w)) for w in ("fell_back", "plain"))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _leaves_equal(got, want)
