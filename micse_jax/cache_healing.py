@@ -84,9 +84,14 @@ class VerifiedCache:
   def __getattr__(self, name):  # eviction_enabled, lock, path, ...: the base cache's
     return getattr(self._base, name)
 
+  @property
+  def folder(self) -> str:
+    """The cache's folder (a local path or a remote URL)."""
+    return str(getattr(self._base, "path", None) or self._base._path)
+
   def entry_file(self, key: str) -> str | None:
     """The local file of `key`'s entry; None for a remote cache folder."""
-    folder = str(getattr(self._base, "path", None) or self._base._path)
+    folder = self.folder
     return None if "://" in folder else os.path.join(folder, key + _suffix("_CACHE_SUFFIX", "-cache"))
 
   def get(self, key: str) -> bytes | None:
@@ -128,8 +133,7 @@ class VerifiedCache:
     """The rest of the run goes on without this cache folder, said in one line (not JAX's warning
     per program)."""
     self.failed = True
-    folder = str(getattr(self._base, "path", None) or self._base._path)
-    logging.warning(failed_line(folder, error))
+    logging.warning(failed_line(self.folder, error))
 
   def clear(self):
     """The base cache's `clear`, where it has one."""
@@ -157,11 +161,16 @@ class VerifiedCache:
     return True
 
 
+def go_on_without(what: str) -> str:
+  """The end of every line that says a run goes on without a cache folder: what happens, what to do."""
+  return (f"this run goes on without {what} (nothing cached, nothing read); make it a writable folder, or point "
+          "--config.cache.dir at one")
+
+
 def failed_line(folder: str, error: OSError) -> str:
   """The one line for a compilation-cache folder that cannot be used from some point of a run on."""
   reason = f"{error.strerror or type(error).__name__}: {error.filename or folder}"
-  return (f"the compilation cache {folder} cannot be used ({reason}): this run goes on without it (nothing "
-          "cached, nothing read); make it a writable folder, or point --config.cache.dir at one "
+  return (f"the compilation cache {folder} cannot be used ({reason}): {go_on_without('it')} "
           "(--config.cache.compilation=False turns it off)")
 
 

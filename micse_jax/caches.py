@@ -157,8 +157,7 @@ def unusable_line(unusable: dict[str, str]) -> str:
   for folder, reason in unusable.items():
     by_reason.setdefault(reason, []).append(f"the {CACHE_NAMES.get(os.path.basename(folder), 'cache')} {folder}")
   what = "; ".join(f"{' and '.join(folders)} cannot be written ({reason})" for reason, folders in by_reason.items())
-  return (f"{what}: this run goes on without {'it' if len(unusable) == 1 else 'them'} (nothing cached, nothing "
-          "read); make it a writable folder, or point --config.cache.dir at one "
+  return (f"{what}: {cache_healing.go_on_without('it' if len(unusable) == 1 else 'them')} "
           "(--config.cache.compilation=False / --config.cache.tokenized=False turn a cache off)")
 
 

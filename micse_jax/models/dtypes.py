@@ -37,9 +37,9 @@ def device_dtype(device=None) -> str:
   return auto_dtype(device.platform, getattr(device, "compute_capability", None))
 
 
-def dtype_name(config) -> str:
-  """`config.model.dtype`, with "auto" resolved for this process's devices."""
+def dtype_name(config, device=None) -> str:
+  """`config.model.dtype`, with "auto" resolved for `device` (default: this process's first)."""
   name = config.model.dtype
-  return device_dtype() if name == AUTO else name
+  return device_dtype(device) if name == AUTO else name
 
 

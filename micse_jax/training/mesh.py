@@ -84,12 +84,17 @@ def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: in
   of every leaf per device (`split_for_update`). Checkpoints store the global arrays, so they
   restore onto any other mesh (`training/checkpoint.py`).
   """
-  split = lambda leaf: NamedSharding(mesh, leaf_partition(tuple(leaf.shape), mesh.size, min_elements))
+  split = _split(mesh, min_elements)
   whole = lambda leaf: NamedSharding(mesh, P())
   placed = jax.tree.map(split if shard_state else whole, state_shapes)
   if shard_update and not shard_state:
     placed = placed.replace(opt_state=jax.tree.map(split, state_shapes.opt_state))
   return placed
+
+
+def _split(mesh: Mesh, min_elements: int):
+  """leaf -> its `leaf_partition` over `mesh` (1/N of the leaf per device, small leaves whole)."""
+  return lambda leaf: NamedSharding(mesh, leaf_partition(tuple(leaf.shape), mesh.size, min_elements))
 
 
 def split_for_update(tree, mesh: Mesh | None, on: bool, min_elements: int = MIN_SHARDED_ELEMENTS):
@@ -100,8 +105,7 @@ def split_for_update(tree, mesh: Mesh | None, on: bool, min_elements: int = MIN_
   the replicated update up to the order of the gradient sums. No-op unless `on` on several devices."""
   if not on or mesh is None or mesh.size == 1:
     return tree
-  spec = lambda leaf: NamedSharding(mesh, leaf_partition(tuple(leaf.shape), mesh.size, min_elements))
-  return jax.lax.with_sharding_constraint(tree, jax.tree.map(spec, tree))
+  return jax.lax.with_sharding_constraint(tree, jax.tree.map(_split(mesh, min_elements), tree))
 
 
 def gathered_for_compute(tree, mesh: Mesh | None, sharded: bool):

@@ -42,7 +42,7 @@ def with_resolved_dtype(config, announce: bool = True, device=None):
   unless the caller does so later."""
   resolved = config.copy_and_resolve_references()
   with resolved.unlocked():
-    resolved.model.dtype = device_dtype(device) if config.model.dtype == AUTO else config.model.dtype
+    resolved.model.dtype = dtype_name(config, device)
   if announce:
     announce_dtype(config.model.dtype, resolved.model.dtype)
   return resolved
