@@ -12,13 +12,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import types
 
 import pytest
 
 from micse_jax import workdir as workdir_lib
+from tests.helpers import run_module
 from tests.train_utils import tiny_training_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,21 +303,15 @@ def test_convert_truncated_checkpoint(base, tmp_path, capsys):
 
 # ------------------------------------------------------------------ the real programs
 
-def _program(module, *args):
-  env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600, check=False)
-
-
 @pytest.mark.parametrize("override,status,fragments", [
     ("--config.batch_sise=3", 2, ["unknown field 'batch_sise'", "batch_size"]),   # bad key
     ("--config.batch_size=abc", 2, ["--config.batch_size=abc"]),                 # bad type
     ("--config.data.corpus=/nonexistent/corpus.txt", 1, ["corpus file not found"]),  # bad file
 ])
-def test_main_program(override, status, fragments, base, tmp_path):
+def test_mainrun_module(override, status, fragments, base, tmp_path):
   workdir = _existing_workdir(tmp_path)
   before = _snapshot(workdir)
-  proc = _program("micse_jax.main", "--config", "configs/micse.py", "--workdir", workdir,
+  proc = run_module("micse_jax.main", "--config", "configs/micse.py", "--workdir", workdir,
                   f"--config.model.name_or_path={base['model']}", "--config.eval_every=0",
                   "--config.eval.final_tasks=", "--config.ami.layers=(0,1)", override)
   assert proc.returncode == status, proc.stderr
@@ -331,7 +324,7 @@ def test_convert_program_workdir_without_checkpoint(base, tmp_path):
   workdir_lib.write_run_config(workdir, {"model_dir": base["model"], "bert_config": {}})
   os.makedirs(os.path.join(workdir, workdir_lib.ROLLING_DIR))
   out = tmp_path / "export"
-  proc = _program("micse_jax.convert", "--workdir", workdir, "--output", str(out))
+  proc = run_module("micse_jax.convert", "--workdir", workdir, "--output", str(out))
   assert proc.returncode == 1, proc.stderr
   _assert_one_line(proc.stderr, "no rolling checkpoint")
   assert not out.exists()

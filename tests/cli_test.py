@@ -13,6 +13,7 @@ import pytest
 
 from micse_jax import cli, config_checks, errors
 from micse_jax import workdir as workdir_lib
+from tests.helpers import REPO, run_module
 from tests.train_utils import set_dotted
 
 
@@ -162,19 +163,12 @@ def test_workdir_from_before_the_numpy_shuffle_is_refused_on_resume(tmp_path):
 
 # ------------------------------------------------------------------ the programs' command lines
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = ["main", "evaluate", "convert", "sweep", "prepare_data", "analyze"]
-
-
-def _program(module, *args, env=None):
-  env = env or {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=300)
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_help_prints_the_flags_and_exits_0(program):
-  done = _program(f"micse_jax.{program}", "--help")
+  done = run_module(f"micse_jax.{program}", "--help")
   assert done.returncode == 0 and done.stderr == "", done.stderr
   assert "--" in done.stdout and "Try --helpfull" in done.stdout
 
@@ -199,7 +193,7 @@ def tiny_run(tmp_path_factory, minilm_dir):
     (["--config.batch_size=1", "--config.batch_size=8"], "corpus file not found"),  # a scalar: the same rule
 ], ids=["tuple", "tuple-spaced", "tuple-same-twice", "scalar"])
 def test_a_repeated_override_replaces_the_earlier_one(tiny_run, overrides, expected):
-  done = _program(*tiny_run, *overrides)
+  done = run_module(*tiny_run, *overrides)
   assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
   assert done.stderr.splitlines() == [done.stderr.strip()] and expected in done.stderr, done.stderr
 
@@ -244,6 +238,6 @@ def test_cpu_machine_with_the_tpu_and_aot_extras_starts_quietly(tiny_run):
     pytest.skip("an accelerator is here")
   env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
   env.pop("JAX_PLATFORMS", None)
-  done = _program(*tiny_run, "--config.batch_size=-3", env=env)
+  done = run_module(*tiny_run, "--config.batch_size=-3", env=env)
   assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
   assert done.stderr.splitlines() == ["error: invalid config: batch_size must be >= 2, got -3"], done.stderr

@@ -7,6 +7,16 @@ import sys
 
 import numpy as np
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tests live in
+
+
+def run_module(module: str, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+  """`python -m module args...` from the checkout, with the checkout first on PYTHONPATH (unless `env`)."""
+  env = env or {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=timeout, check=False)
+
+
 SENTENCES = [
     "A man is playing a guitar.",
     "The quick brown fox jumps over the lazy dog near the river bank.",

@@ -21,6 +21,7 @@ from micse_jax.encoder import SentenceEncoder, load_encoder
 from micse_jax.errors import CheckpointError, ConfigError, NonFiniteLossError
 from micse_jax.evaluation import command as evaluate
 from micse_jax.training import checkpoint, program, run_inputs, trainer
+from tests.helpers import run_module
 from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,12 +104,6 @@ def test_a_population_checkpoint_of_an_older_layout_resumes_converted(tmp_path, 
   _assert_equal_trees(_saved_members(straight, 4), _saved_members(old, 4))
 
 
-def _program(*args, timeout=300):
-  env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def stopped_population(tmp_path_factory, minilm_dir):
   """A population of 2 trained by `micse-train` (4 steps, a checkpoint per step) whose member 1
@@ -120,7 +115,7 @@ def stopped_population(tmp_path_factory, minilm_dir):
   command = [*_train_command(config, workdir)[2:], "--config.population.seeds=(1,2)",
              "--config.population.learning_rates=(1e-3,1e12)", "--config.optim.grad_clip_norm=0.0",
              "--config.optim.warmup_steps=0", "--config.checkpoint_every=1", "--config.num_train_steps=4"]
-  done = _program(*command, timeout=600)
+  done = run_module(*command, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   stopped = workdir_lib.member_stopped(workdir_lib.member_dir(workdir, 1))
   assert stopped is not None and 0 <= stopped < 4
@@ -151,7 +146,7 @@ def test_a_stopped_member_is_reported_once_and_in_the_same_words_everywhere(stop
 def test_a_stopped_member_is_refused_however_it_is_named(stopped_population, tmp_path, command):
   workdir, stopped, _ = stopped_population
   names = {"member": workdir_lib.member_dir(workdir, 1), "workdir": workdir, "out": str(tmp_path / "out")}
-  done = _program(*[part.format(**names) for part in command])
+  done = run_module(*[part.format(**names) for part in command])
   assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
   assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith("error: member 1 of ")
   assert f"stopped at step {stopped}" in done.stderr and "--allow_stopped" in done.stderr
@@ -165,7 +160,7 @@ def test_a_stopped_member_is_refused_however_it_is_named(stopped_population, tmp
 ], ids=["convert", "evaluate", "analyze"])
 def test_a_population_workdir_without_member_is_named_with_its_members(stopped_population, tmp_path, command):
   workdir, _, _ = stopped_population
-  done = _program(*[part.format(workdir=workdir, out=str(tmp_path / "out")) for part in command])
+  done = run_module(*[part.format(workdir=workdir, out=str(tmp_path / "out")) for part in command])
   assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
   assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr
   assert f"{workdir} is a population workdir (2 members" in done.stderr and "--member 0 or 1" in done.stderr
@@ -174,7 +169,7 @@ def test_a_population_workdir_without_member_is_named_with_its_members(stopped_p
 
 def test_a_stopped_member_folder_exports_when_asked_and_a_population_is_no_one_encoder(stopped_population, tmp_path):
   workdir, stopped, _ = stopped_population
-  done = _program("micse_jax.convert", "--workdir", workdir_lib.member_dir(workdir, 1), "--allow_stopped",
+  done = run_module("micse_jax.convert", "--workdir", workdir_lib.member_dir(workdir, 1), "--allow_stopped",
                   "--output", str(tmp_path / "export1"))
   assert done.returncode == 0, done.stderr
   assert f"member 1 stopped at step {stopped}" in done.stdout and os.path.isfile(tmp_path / "export1" / "config.json")

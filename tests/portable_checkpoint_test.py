@@ -146,8 +146,8 @@ def _float_leaves_close(a, b, atol):
 
 
 def _restore_on_one_device(workdir, config):
-  from tests.train_utils import step0_shapes
-  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), step0_shapes(config))
+  from tests.train_utils import restore_latest
+  return restore_latest(config, workdir)
 
 
 def _assert_exports_equal(a, b, atol):

@@ -121,7 +121,8 @@ def test_cli_writes_dataset_and_refuses_existing_output(tmp_path, tiny_real_dir)
 
 def test_training_on_prepared_resumes_bit_identical_to_text(tmp_path, minilm_dir, monkeypatch):
   from micse_jax.training import checkpoint, trainer
-  from tests.train_test import _leaves_equal, _restore_latest
+  from tests.train_test import _leaves_equal
+  from tests.train_utils import restore_latest
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=4, checkpoint_every=2)
   prepared_dir = str(tmp_path / "prepared")
   prepare_corpus(config.data.corpus, Tokenizer.from_pretrained(config.model.name_or_path), "tiny",
@@ -133,6 +134,6 @@ def test_training_on_prepared_resumes_bit_identical_to_text(tmp_path, minilm_dir
   # stopped after the step-2 checkpoint
   train_preempted_after_first_save(trainer, checkpoint, monkeypatch, prep_config, prep_run)
   trainer.train_and_evaluate(prep_config, prep_run)    # resumes at step 2 from the prepared rows
-  a, b = _restore_latest(text_run, config), _restore_latest(prep_run, prep_config)
+  a, b = restore_latest(config, text_run), restore_latest(prep_config, prep_run)
   assert int(a.step) == int(b.step) == 4
   _leaves_equal(a, b)

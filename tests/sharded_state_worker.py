@@ -18,10 +18,8 @@ def flat_state(state) -> dict:
 def final_state(config, workdir):
   """The workdir's latest state restored onto this process's devices with the trainer's shardings
   (`config.mesh.shard_state`: replicated or sharded)."""
-  from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint
-  from tests.train_utils import prepared_program
-  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), prepared_program(config)[0].abstract_state)
+  from tests.train_utils import restore_latest
+  return restore_latest(config, workdir)
 
 
 def main(tmp, tokenizer_dir):

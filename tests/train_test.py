@@ -17,8 +17,8 @@ from micse_jax.training.optim import learning_rate_schedule
 from tests.helpers import run_device_worker
 from tests.train_utils import (
   in_flat_layout,
-  prepared_program,
   program_steps,
+  restore_latest,
   rewrite_in_old_layout,
   tiny_training_config,
   train_preempted_after_first_save,
@@ -143,10 +143,6 @@ def _leaves_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _restore_latest(workdir, config):
-  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), prepared_program(config)[0].abstract_state)
-
-
 def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   # Few-shot (n = 16 < Q + B = 20): the queue's sentence ids matter and must survive the resume.
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=6, checkpoint_every=3,
@@ -158,7 +154,7 @@ def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   assert workdir_lib.rolling_manager(resumed, 2).latest_step() == 3
   trainer.train_and_evaluate(config, resumed)  # restarts from step 3, data position included
 
-  a, b = _restore_latest(straight, config), _restore_latest(resumed, config)
+  a, b = restore_latest(config, straight), restore_latest(config, resumed)
   assert int(a.step) == int(b.step) == 6
   _leaves_equal(a, b)  # params, ema, opt state, queue, ids, pointer, rng, step (= data position)
   ids = np.asarray(b.queue.ids)  # 6 pushes of 8 into 12 slots: step 4's last 4 ids, step 5's 8, oldest at ptr
@@ -173,7 +169,7 @@ def test_a_workdir_of_an_unknown_state_layout_is_refused_in_one_line(tmp_path, m
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=2, checkpoint_every=2)
   workdir = str(tmp_path / "old")
   trainer.train_and_evaluate(config, workdir)
-  state = _restore_latest(workdir, config)
+  state = restore_latest(config, workdir)
   rewrite_in_old_layout(workdir, state.replace(opt_state=in_flat_layout(state.opt_state)))
   config.num_train_steps = 4
   with pytest.raises(CheckpointError) as error:
@@ -199,5 +195,5 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_d
   assert not [t for t in threading.enumerate() if t.name == "micse-prefetch"]  # the prefetch thread ended
   last = workdir_lib.rolling_manager(workdir, 2).latest_step()
   assert last is not None and last < 8
-  state = _restore_latest(workdir, config)
+  state = restore_latest(config, workdir)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

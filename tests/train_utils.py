@@ -158,3 +158,11 @@ def step0_shapes(config, sharding=None):
   if sharding is None:
     return abstract
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
+
+
+
+def restore_latest(config, workdir, sharding=None):
+  """The workdir's latest (rolling) checkpoint restored onto `step0_shapes(config, sharding)`."""
+  from micse_jax import workdir as workdir_lib
+  from micse_jax.training import checkpoint
+  return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), step0_shapes(config, sharding))
