@@ -44,8 +44,9 @@ def _transfer_protocol(values) -> str:
   return getattr(values, "transfer_protocol", "senteval")
 
 
-def _check_inputs(flags_values) -> tuple[list[str], str]:
-  """Validates tasks, pooler, checkpoint, output folder and data dir; returns (tasks, dir)."""
+def _check_inputs(flags_values) -> tuple[list[str], str, str]:
+  """Validates tasks, pooler, checkpoint, output folder, model and data dir; returns (tasks, data
+  dir, the model's path: `_model_path`)."""
   try:
     tasks = senteval_data.resolve_tasks(flags_values.tasks)
   except ValueError as e:
@@ -69,13 +70,13 @@ def _check_inputs(flags_values) -> tuple[list[str], str]:
     raise ConfigError("--model is required (a HF model directory, hub name or training workdir)")
   if _looks_local(model) and not os.path.exists(model):
     raise ModelLoadError(f"model path not found: {model}")
-  _model_path(flags_values)  # --member names an existing member
+  model_path = _model_path(flags_values)  # --member names an existing member
   senteval_dir = flags_values.senteval_dir or paths.senteval_dir()
   if flags_values.download and not os.path.isdir(senteval_dir):
     print(f"downloading SentEval data to {senteval_dir} ...", file=sys.stderr)
     senteval_data.download_senteval(senteval_dir)
   senteval_data.validate_tasks(senteval_dir, tasks)  # data errors before the model loads
-  return tasks, senteval_dir
+  return tasks, senteval_dir, model_path
 
 
 def _model_path(flags_values) -> str:
@@ -95,12 +96,12 @@ def _allow_stopped(flags_values) -> bool:
   return getattr(flags_values, "allow_stopped", False)
 
 
-def _encode_fn(flags_values):
-  """Loads the encoder and returns its encode function."""
+def _encode_fn(flags_values, model_path: str):
+  """Loads the encoder at `model_path` (`_check_inputs`) and returns its encode function."""
   from micse_jax.encoder import load_encoder
   checkpoint = flags_values.checkpoint
   checkpoint = int(checkpoint) if checkpoint.isdigit() else checkpoint
-  encoder = load_encoder(_model_path(flags_values), checkpoint=checkpoint, allow_stopped=_allow_stopped(flags_values))
+  encoder = load_encoder(model_path, checkpoint=checkpoint, allow_stopped=_allow_stopped(flags_values))
   return lambda sentences: encoder.encode(sentences, pooler=flags_values.pooler,
                                           batch_size=flags_values.batch_size,
                                           max_length=flags_values.max_length)
@@ -119,8 +120,8 @@ def evaluate_and_report(values) -> dict:
   tables; bad input is one `error:` line and exit 1 (nothing written)."""
   from micse_jax.evaluation import report
   with cli.input_errors_as_one_line():
-    tasks, senteval_dir = _check_inputs(values)
-    results = run_evaluation(_encode_fn(values), senteval_dir, tasks, fast=values.fast,
+    tasks, senteval_dir, model_path = _check_inputs(values)
+    results = run_evaluation(_encode_fn(values, model_path), senteval_dir, tasks, fast=values.fast,
                              seed=values.seed, transfer_protocol=_transfer_protocol(values))
   document = report.build_report(
       results, model=values.model, pooler=values.pooler,
