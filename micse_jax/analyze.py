@@ -18,9 +18,7 @@ flags.DEFINE_string("checkpoint", "best", "For a workdir: best | latest | a step
 flags.DEFINE_string("output", None, "Directory for the PNGs and analysis.json.")
 flags.DEFINE_string("senteval_dir", None, "SentEval data (default: $MICSE_DATA_DIR/senteval, "
                     "else shared/data/senteval in or above the working directory).")
-flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
-flags.DEFINE_boolean("allow_stopped", False, "Analyze a population member that stopped (a non-finite update) "
-                     "anyway, in its state from before it stopped.")
+cli.define_member_flags("Analyze")
 flags.DEFINE_integer("num_sentences", 64, "STS-B test sentences whose attention is histogrammed.")
 flags.DEFINE_integer("seed", 0, "Dropout / sampling seed.")
 flags.DEFINE_string("pooler", "cls_before_pooler", "Embedding pooler.")

@@ -223,6 +223,15 @@ def flags_parser(materialize: Callable[[], object] | None = None):
   return parse
 
 
+def define_member_flags(verb: str) -> None:
+  """`--member` and `--allow_stopped`: which run of a population workdir a command reads, and whether
+  a member that stopped (a non-finite update) may be read (`workdir.member_workdir`, `one_run`)."""
+  from absl import flags
+  flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
+  flags.DEFINE_boolean("allow_stopped", False, f"{verb} a population member that stopped (a non-finite update) "
+                       "anyway, in its state from before it stopped.")
+
+
 def reject_extra_args(argv: Sequence[str]) -> None:
   """Positional arguments after the flags are a usage error (one line, exit 2)."""
   if len(argv) > 1:

@@ -34,9 +34,7 @@ def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "Training workdir to export from.")
   flags.DEFINE_string("model", None,
                       "Hugging Face directory or hub name to export from (instead of --workdir).")
-  flags.DEFINE_integer("member", None, "Population workdir: export this member (0-based, order of population.seeds).")
-  flags.DEFINE_boolean("allow_stopped", False, "Export a population member that stopped (a non-finite update) "
-                       "anyway, in its state from before it stopped.")
+  cli.define_member_flags("Export")
   flags.DEFINE_integer("step", None, "Export the checkpoint of this step (default: the latest).")
   flags.DEFINE_boolean("best", False, "Export the best (STS-B dev) checkpoint.")
   flags.DEFINE_string("output", None, "Output directory for the Hugging Face export.")

@@ -153,9 +153,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_length", 512, "Token limit per sentence (longer ones are truncated).")
   flags.DEFINE_boolean("download", False, "Download SentEval data if --senteval_dir is missing.")
   flags.DEFINE_string("checkpoint", "best", "For a training workdir: best, latest or a step.")
-  flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
-  flags.DEFINE_boolean("allow_stopped", False, "Evaluate a population member that stopped (a non-finite "
-                       "update) anyway, in its state from before it stopped.")
+  cli.define_member_flags("Evaluate")
   flags.DEFINE_integer("seed", SEED, "Seed of the transfer-task folds (SentEval: 1111).")
 
 
