@@ -23,6 +23,32 @@ def test_chunk_count(rows, columns, expected):
   assert cs.chunks(rows, columns) == expected
 
 
+@pytest.mark.parametrize("rows, columns, devices, expected", [
+    (8 * 4096, 768, 8, 8 * 64),   # a device's 4096 rows: R_d >= 43; 43..63 do not divide 4096
+    (8 * 4096, 3072, 8, 8 * 16),  # R_d >= 11: 16
+    (2 * 3200, 768, 2, 2 * 50),   # each device as one device at 3200 rows
+    (4 * 64, 768, 4, 1),          # 64 rows a device: too few to chunk
+    (3200, 768, 3, 50),           # rows 3 devices do not divide: chunked as one device's
+])
+def test_chunks_are_fitted_to_each_devices_rows(rows, columns, devices, expected):
+  assert cs.chunks(rows, columns, devices) == expected
+  if expected > 1 and rows % devices == 0:  # whole chunks on every device, each as one device would cut
+    assert expected % devices == 0 and expected // devices == cs.chunks(rows // devices, columns)
+
+
+def test_on_four_devices_each_sums_its_own_rows_into_as_many_chunks_as_one_device():
+  """The two stages of a batch split over 4 devices (the compiled program's per-device shapes): fitted
+  to a device's 4096 rows, each device's first stage writes 64 chunks of 768 sums; fitted to the
+  whole batch's rows (16384: 64 chunks), each device would hold 16, a narrow reduction. Either way
+  the only collective is the final all-reduce and the sums equal NumPy's."""
+  from tests.helpers import run_device_worker
+  out = run_device_worker("tests.column_sums_devices_worker", devices=4)
+  assert out["per_device"]["partial_rows"] == [64] and out["whole_batch"]["partial_rows"] == [16]
+  for fit in out.values():
+    assert fit["collectives"] == ["all-reduce"]
+    assert fit["max_error"] <= 1e-6 * fit["max_sum"] * 64  # float32 sums of 64 and 256 terms
+
+
 def _values(shape, dtype=jnp.float32, seed=0):
   return (jax.random.normal(jax.random.PRNGKey(seed), shape) * 3.0 + 1.0).astype(dtype)
 
@@ -70,3 +96,32 @@ def test_cuda_lowers_two_stages_and_cpu_one_sum():
   assert "64x768" not in cpu and "optimization_barrier" not in cpu and reduces(cpu) == 1
   # too few rows to chunk: one sum on CUDA too
   assert reduces(_lowered("cuda", (64, 768))) == 1
+
+
+def _bert_gradient_lowered_for_cuda(row_split: int) -> str:
+  """A one-layer BERT-base-wide model's parameter gradient at 512 sentences of 32 tokens, lowered for
+  CUDA with its rows split over `row_split` devices (a V100-like target: the explicit attention path)."""
+  from types import SimpleNamespace
+
+  from micse_jax.kernels.choice import Target
+  from micse_jax.models.bert import BertConfig, BertModel
+  from micse_jax.models.policy import Policy
+  config = BertConfig(vocab_size=100, hidden_size=768, num_hidden_layers=1, num_attention_heads=12,
+                      intermediate_size=3072)
+  mesh = SimpleNamespace(size=row_split) if row_split > 1 else None  # what Policy.row_split reads
+  target = Target(platform="cuda", compute_capability=(7, 0), devices=row_split, mesh=mesh)
+  model = BertModel(config, dtype=jnp.bfloat16, policy=Policy(target=target))
+  ids = jnp.zeros((512, 32), jnp.int32)
+  params = jax.eval_shape(lambda: BertModel(config).init(jax.random.PRNGKey(0), ids[:1], ids[:1])["params"])
+  loss = lambda p: jnp.sum(model.apply({"params": p}, ids, jnp.ones_like(ids)).last_hidden_state.astype(jnp.float32))
+  return jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_bert_fits_its_bias_and_layer_norm_chunks_to_each_devices_rows():
+  """16384 rows over 4 devices: the LayerNorms' dγ, dβ in 4 · 64 chunks of 64 rows and the FFN bias
+  in 4 · 16 chunks of 256 (each device's 4096 rows cut as one device's); on one device the whole
+  batch's 16384 rows in 64 chunks of 256 and 16 of 1024."""
+  split, whole = _bert_gradient_lowered_for_cuda(4), _bert_gradient_lowered_for_cuda(1)
+  assert "tensor<256x64x768xf32>" in split and "tensor<64x256x3072xf32>" in split
+  assert "tensor<64x256x768xf32>" in whole and "tensor<16x1024x3072xf32>" in whole
+  assert "tensor<256x64x768xf32>" not in whole

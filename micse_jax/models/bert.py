@@ -40,13 +40,14 @@ class BertOutput:
   mlm_logits: Array | None = None               # [B, T, vocab]
 
 
-def _dense(features: int, config: BertConfig, dtype, name: str) -> Dense:
-  return Dense(features, nn.initializers.normal(stddev=config.initializer_range), dtype, name=name)
+def _dense(features: int, config: BertConfig, dtype, name: str, row_split: int = 1) -> Dense:
+  """`row_split`: the devices the rows are split over (`Policy.row_split`)."""
+  return Dense(features, nn.initializers.normal(stddev=config.initializer_range), dtype, row_split, name=name)
 
 
-def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> LayerNorm:
+def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm", row_split: int = 1) -> LayerNorm:
   """flax `nn.LayerNorm`'s parameters and values in fewer kernels (`models/layer_norm.py`)."""
-  return LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, name=name)
+  return LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, row_split=row_split, name=name)
 
 
 def _dropout(config: BertConfig, rate: float) -> Dropout:
@@ -66,6 +67,7 @@ class BertEmbeddings(nn.Module):
   """Word + position + token-type embeddings, LayerNorm, dropout (HF `BertEmbeddings`); `attend` ties the MLM decoder."""
   config: BertConfig
   dtype: Any = jnp.float32
+  row_split: int = 1  # `Policy.row_split`
 
   def setup(self):
     c = self.config
@@ -75,7 +77,7 @@ class BertEmbeddings(nn.Module):
                                      embedding_init=init, dtype=self.dtype)
     self.token_type_embeddings = Embed(c.type_vocab_size, c.hidden_size,
                                        embedding_init=init, dtype=self.dtype)
-    self.LayerNorm = _layer_norm(c, self.dtype)
+    self.LayerNorm = _layer_norm(c, self.dtype, row_split=self.row_split)
     self.dropout = _dropout(c, c.hidden_dropout_prob)
 
   def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool):
@@ -125,14 +127,15 @@ class BertResidualOutput(nn.Module):
   """dense → dropout → LayerNorm(x + residual): HF BertSelfOutput / BertOutput."""
   config: BertConfig
   dtype: Any = jnp.float32
+  row_split: int = 1  # `Policy.row_split`
 
   @nn.compact
   def __call__(self, x: Array, residual: Array, deterministic: bool, draw_shape=None) -> Array:
     """`draw_shape`: x is the leading part of an activation of this shape (`Dropout`)."""
-    x = _dense(self.config.hidden_size, self.config, self.dtype, "dense")(x)
+    x = _dense(self.config.hidden_size, self.config, self.dtype, "dense", self.row_split)(x)
     x = _dropout(self.config, self.config.hidden_dropout_prob)(x, deterministic=deterministic,
                                                                draw_shape=draw_shape)
-    return _layer_norm(self.config, self.dtype)(x + residual)
+    return _layer_norm(self.config, self.dtype, row_split=self.row_split)(x + residual)
 
 
 class BertAttention(nn.Module):
@@ -148,7 +151,7 @@ class BertAttention(nn.Module):
   def __call__(self, x, key_mask, deterministic: bool):
     ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.policy, self.query_rows,
                             name="self")(x, key_mask, deterministic)
-    return BertResidualOutput(self.config, self.dtype, name="output")(
+    return BertResidualOutput(self.config, self.dtype, self.policy.row_split, name="output")(
         ctx, x[:, :ctx.shape[1]], deterministic, draw_shape=x.shape)
 
 
@@ -166,19 +169,21 @@ class BertLayer(nn.Module):
     c = self.config
     attn = BertAttention(c, self.sow_probs, self.dtype, self.policy, 1 if self.cls_only else None,
                          name="attention")(x, key_mask, deterministic)
-    inner = BertIntermediate(c, self.dtype, name="intermediate")(attn)
-    return BertResidualOutput(c, self.dtype, name="output")(inner, attn, deterministic, draw_shape=x.shape)
+    inner = BertIntermediate(c, self.dtype, self.policy.row_split, name="intermediate")(attn)
+    return BertResidualOutput(c, self.dtype, self.policy.row_split, name="output")(inner, attn, deterministic,
+                                                                               draw_shape=x.shape)
 
 
 class BertIntermediate(nn.Module):
   """The feed-forward block's expansion: dense to `intermediate_size`, then the activation."""
   config: BertConfig
   dtype: Any = jnp.float32
+  row_split: int = 1  # `Policy.row_split`
 
   @nn.compact
   def __call__(self, x):
     c = self.config
-    return ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, c, self.dtype, "dense")(x))
+    return ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, c, self.dtype, "dense", self.row_split)(x))
 
 
 class BertEncoder(nn.Module):
@@ -266,7 +271,7 @@ class BertModel(nn.Module):
     for i in self.sow_attention_layers:
       if not 0 <= i < self.config.num_hidden_layers:
         raise ValueError(f"attention layer {i} out of range for {self.config.num_hidden_layers} layers")
-    self.embeddings = BertEmbeddings(self.config, self.dtype)
+    self.embeddings = BertEmbeddings(self.config, self.dtype, self.policy.row_split)
     self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.policy,
                                self.cls_only)
     if self.add_pooler:

@@ -11,15 +11,21 @@ it streams at about a quarter of peak bandwidth where other reductions reach mor
 
   p_kc = Σ_{n<N} g_(kN+n)c   (R·C outputs: R times the blocks),   dβ_c = Σ_k p_kc,
 
-float32 partial sums, the second stage reading R·C values instead of rows·C. The sum is the same
-up to the order of float32 additions. Only where it pays (`jax.lax.platform_dependent`: a program
+float32 partial sums, the second stage reading R·C values instead of rows·C. Under data
+parallelism the step sees the whole batch's rows while each device sums its own 1/D of them: the
+chunks are fitted to a device's rows (`devices`, the model's `Policy.row_split`), R = D·R_d, so
+every device's first stage writes R_d·C sums and its chunks never cross into another device's
+rows; R fitted to the whole batch would leave each device R/D, a narrow reduction again. The sum
+is the same up to the order of float32 additions. Only where it pays (`jax.lax.platform_dependent`: a program
 lowered for CUDA here, for a GPU that is not here, gets it too): XLA:CPU sums rows in loops that
 chunks do not speed up, and keeps one plain sum in the values' own dtype, as autodiff computes it.
 
-`add_bias(y, bias)` is `y + bias` whose bias gradient is `column_sums`; `column_sums(*values)`
-sums several arrays of one shape in one (variadic) reduction.
+`add_bias(y, bias, devices)` is `y + bias` whose bias gradient is `column_sums`;
+`column_sums(*values, devices=D)` sums several arrays of one shape in one (variadic) reduction.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +36,16 @@ CHUNK_OUTPUTS = 32768  # partial sums to aim for: twice the outputs below which 
 MIN_CHUNK_ROWS = 16    # shorter chunks make the second stage the larger read
 
 
-def chunks(rows: int, columns: int) -> int:
-  """R: the smallest divisor of `rows` with R · `columns` >= CHUNK_OUTPUTS and chunks of at least
-  MIN_CHUNK_ROWS rows; 1 (a plain sum) when no divisor qualifies."""
-  for r in range(2, rows // MIN_CHUNK_ROWS + 1):
-    if rows % r == 0 and r * columns >= CHUNK_OUTPUTS:
-      return r
+def chunks(rows: int, columns: int, devices: int = 1) -> int:
+  """R = D·R_d for `rows` split evenly over D = `devices`: R_d the smallest divisor of a device's rows
+  with R_d · `columns` >= CHUNK_OUTPUTS and chunks of at least MIN_CHUNK_ROWS rows; 1 (a plain sum)
+  when no divisor qualifies. Rows the devices do not divide are chunked as one device's."""
+  if devices < 1 or rows % devices:
+    devices = 1
+  local = rows // devices
+  for r in range(2, local // MIN_CHUNK_ROWS + 1):
+    if local % r == 0 and r * columns >= CHUNK_OUTPUTS:
+      return r * devices
   return 1
 
 
@@ -50,10 +60,10 @@ def _plain(*values: Array) -> tuple[Array, ...]:
   return variadic_sum(values, tuple(range(values[0].ndim - 1)))
 
 
-def _two_stage(*values: Array) -> tuple[Array, ...]:
+def _two_stage(*values: Array, devices: int = 1) -> tuple[Array, ...]:
   columns = values[0].shape[-1]
   rows = values[0].size // max(columns, 1)
-  r = chunks(rows, columns)
+  r = chunks(rows, columns, devices)
   if r == 1:
     return _plain(*values)
   wide = tuple(v.astype(jnp.float32).reshape(r, rows // r, columns) for v in values)
@@ -62,24 +72,25 @@ def _two_stage(*values: Array) -> tuple[Array, ...]:
   return tuple(s.astype(v.dtype) for s, v in zip(variadic_sum(partial, (0,)), values))
 
 
-def column_sums(*values: Array) -> tuple[Array, ...]:
-  """Σ over every axis but the last of each of `values` (one shape), as the module docstring says:
-  in two float32 stages when lowered for CUDA, one plain reduction elsewhere."""
-  return jax.lax.platform_dependent(*values, cuda=_two_stage, default=_plain)
+def column_sums(*values: Array, devices: int = 1) -> tuple[Array, ...]:
+  """Σ over every axis but the last of each of `values` (one shape, rows split over `devices`), as
+  the module docstring says: in two float32 stages when lowered for CUDA, one plain reduction elsewhere."""
+  return jax.lax.platform_dependent(*values, cuda=functools.partial(_two_stage, devices=devices), default=_plain)
 
 
-@jax.custom_vjp
-def add_bias(y: Array, bias: Array) -> Array:
-  """y + bias (broadcast over y's leading axes); the bias's gradient by `column_sums`."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def add_bias(y: Array, bias: Array, devices: int = 1) -> Array:
+  """y + bias (broadcast over y's leading axes); the bias's gradient by `column_sums` (y's rows split
+  over `devices`)."""
   return y + bias
 
 
-def _add_bias_forward(y, bias):
+def _add_bias_forward(y, bias, devices):
   return y + bias, None
 
 
-def _add_bias_backward(_, g):
-  return g, column_sums(g)[0]
+def _add_bias_backward(devices, _, g):
+  return g, column_sums(g, devices=devices)[0]
 
 
 add_bias.defvjp(_add_bias_forward, _add_bias_backward)

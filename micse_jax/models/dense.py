@@ -7,6 +7,7 @@ key and value) as one GEMM over their HF-named parameter sets.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Sequence
 
@@ -34,14 +35,17 @@ def dense(x: Array, params: dict, dtype, bias_add=add_bias) -> Array:
 
 
 class Dense(nn.Module):
-  """`nn.Dense(features, dtype=dtype, kernel_init=kernel_init)`: its parameters and values (`dense`)."""
+  """`nn.Dense(features, dtype=dtype, kernel_init=kernel_init)`: its parameters and values (`dense`);
+  `row_split`: the devices x's rows are split over (`Policy.row_split`, for the bias gradient's sum)."""
   features: int
   kernel_init: Any
   dtype: Any = jnp.float32
+  row_split: int = 1
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    return dense(x, _dense_params(self, x.shape[-1], self.features, self.kernel_init), self.dtype)
+    return dense(x, _dense_params(self, x.shape[-1], self.features, self.kernel_init), self.dtype,
+                 bias_add=functools.partial(add_bias, devices=self.row_split))
 
 
 class DenseParams(nn.Module):

@@ -52,13 +52,15 @@ def _normalise(x: Array, epsilon: float) -> tuple[Array, Array]:
   return centred * rstd, rstd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any) -> Array:
-  """x̂ · γ + β over the last axis, computed in float32, returned as `dtype`."""
-  return _layer_norm_forward(x, scale, bias, epsilon, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any, row_split: int = 1) -> Array:
+  """x̂ · γ + β over the last axis, computed in float32, returned as `dtype` (x's rows split over
+  `row_split` devices: how dγ and dβ are summed, `column_sums`)."""
+  return _layer_norm_forward(x, scale, bias, epsilon, dtype, row_split)[0]
 
 
-def _layer_norm_forward(x, scale, bias, epsilon, dtype):
+def _layer_norm_forward(x, scale, bias, epsilon, dtype, row_split):
+  del row_split
   return (_normalise(x, epsilon)[0] * scale + bias).astype(dtype), (x, scale)
 
 
@@ -73,13 +75,13 @@ def _input_gradient(x: Array, scale: Array, dy: Array, epsilon: float) -> tuple[
   return rstd * (g - g_mean - normalised * (gx_mean - mean * g_mean) * rstd), normalised
 
 
-def _layer_norm_backward(epsilon, dtype, residuals, dy):
+def _layer_norm_backward(epsilon, dtype, row_split, residuals, dy):
   """dx, dγ, dβ of the module docstring's equations."""
   del dtype
   x, scale = residuals
   dx, normalised = _input_gradient(x, scale, dy, epsilon)
   dy = dy.astype(jnp.float32)
-  dscale, dbias = column_sums(dy * normalised, dy)
+  dscale, dbias = column_sums(dy * normalised, dy, devices=row_split)
   return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(scale.dtype)
 
 
@@ -87,16 +89,18 @@ layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 class LayerNorm(nn.Module):
-  """`flax.linen.LayerNorm(epsilon, dtype)`'s parameters and values (two-pass variance) via `platform_layer_norm`."""
+  """`flax.linen.LayerNorm(epsilon, dtype)`'s parameters and values (two-pass variance) via
+  `platform_layer_norm`; `row_split`: the devices x's rows are split over (`Policy.row_split`)."""
   epsilon: float = 1e-6
   dtype: Any = jnp.float32
+  row_split: int = 1
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     features = (x.shape[-1],)
     scale = self.param("scale", nn.initializers.ones_init(), features, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), features, jnp.float32)
-    return platform_layer_norm(x, scale, bias, self.epsilon, self.dtype)
+    return platform_layer_norm(x, scale, bias, self.epsilon, self.dtype, self.row_split)
 
 
 def _autodiff_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any) -> Array:
@@ -104,10 +108,10 @@ def _autodiff_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dt
   return (_normalise(x, epsilon)[0] * scale + bias).astype(dtype)
 
 
-def platform_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any) -> Array:
+def platform_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any, row_split: int = 1) -> Array:
   """`layer_norm` (its own VJP) when lowered for CUDA; elsewhere the same forward differentiated by
   JAX, because XLA:CPU runs the variadic reductions of the hand-written backward as scalar loops
   (the CPU step 1.9x slower) and keeps more under `model.remat=full` (BENCHMARKS.md)."""
-  own = lambda x, scale, bias: layer_norm(x, scale, bias, epsilon, dtype)
+  own = lambda x, scale, bias: layer_norm(x, scale, bias, epsilon, dtype, row_split)
   plain = lambda x, scale, bias: _autodiff_layer_norm(x, scale, bias, epsilon, dtype)
   return jax.lax.platform_dependent(x, scale, bias, cuda=own, default=plain)

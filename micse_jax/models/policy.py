@@ -43,3 +43,9 @@ class Policy:
   def mesh(self):
     """The mesh a step's rows are split over (the kernels run per device under it), or None."""
     return self.target.mesh if self.target else None
+
+  @property
+  def row_split(self) -> int:
+    """How many devices the rows are split over (1 without a mesh): each device sums its own rows'
+    bias and LayerNorm gradients (`models/column_sums.py`)."""
+    return self.mesh.size if self.mesh is not None else 1
