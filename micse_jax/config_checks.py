@@ -110,7 +110,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "model.loss_scale_period": _int(1),
     "model.attention": _choice(*ATTENTION_MODES),
     "model.remat": _choice(*REMAT_POLICIES),
-    "mesh.shard_state": _bool,
+    "mesh.shard_state": lambda v: None if v is None else _bool(v),  # None: chosen by the devices
     "mesh.shard_update": _bool,
     "mesh.shard_min_elements": _int(1),
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",

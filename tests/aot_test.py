@@ -74,6 +74,17 @@ def test_h100_step_kernels_memory_and_encode_attention(h100):
   assert h100["encode_cudnn_attention_calls"] == (LAYERS if with_cudnn else 0)  # one per layer in eval mode
 
 
+def test_one_run_over_several_h100s_shards_its_state_by_default(h100):
+  """`mesh.shard_state` unset: one GPU keeps the state whole, four split it (FSDP, `mesh.shards_state`):
+  each device holds about a quarter of the state (the word embeddings and every matrix; only small
+  leaves stay whole), the gradients reach their quarters by reduce-scatter."""
+  jax.config.update("jax_platforms", "cpu")
+  four = aot.run("h100", 4, "tiny", 8, 16, "bfloat16", encode=False)
+  assert h100["state_layout"] == "replicated" and four["state_layout"] == "sharded"
+  assert four["memory_per_device"]["arguments"] < 0.4 * h100["memory_per_device"]["arguments"]
+  assert four["collectives"]["reduce-scatter"]["count"] > 0 and four["collectives"]["all-gather"]["count"] > 0
+
+
 def test_h100_float32_encode_never_uses_cudnn_attention():
   pytest.importorskip("jax_cuda13_plugin", reason="needs the extra 'aot'")
   jax.config.update("jax_platforms", "cpu")
@@ -97,6 +108,7 @@ def test_h100_population_step_is_one_program_holding_every_member(h100):
 def test_tpu_v5e_four_chips_step_has_gradient_collectives(v5e):
   check_step(v5e)
   assert v5e["num_devices"] == 4 and "v5" in v5e["device_kind"].lower()
+  assert v5e["state_layout"] == "replicated"  # no calibrated TPU prices to choose FSDP by
   assert v5e["encode_cudnn_attention_calls"] == 0
   reduced = v5e["collectives"]["all-reduce"]["bytes"] + v5e["collectives"]["reduce-scatter"]["bytes"]
   assert reduced >= 4 * tiny_bert_parameters() / 4  # the float32 gradients leave each chip (at least a shard)

@@ -1,6 +1,6 @@
-"""Sharded train state (FSDP / ZeRO-3, `mesh.shard_state`): the per-leaf placement rule, the
-sharded run equal to the replicated one on 4 devices, and its checkpoints resumed and exported
-on 1 device."""
+"""Sharded train state (FSDP / ZeRO-3, `mesh.shard_state`): the per-leaf placement rule, which layout
+an unset field chooses, the sharded run equal to the replicated one on 4 devices, and its
+checkpoints resumed and exported on 1 device."""
 import shutil
 
 import jax
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from micse_jax.training.mesh import DATA_AXIS, leaf_partition
+from micse_jax.training.mesh import DATA_AXIS, leaf_partition, shards_state
 from tests.helpers import run_device_worker
 from tests.portable_checkpoint_test import drop_steps_after
 from tests.train_utils import tiny_training_config
@@ -37,6 +37,39 @@ def run_config(tmp_path, tokenizer_dir, shard_state: bool):
 def test_leaf_partition(shape, devices, expected):
   assert leaf_partition(shape, devices) == expected  # default threshold 2**14 elements
   assert leaf_partition((64, 32), 4, min_elements=1024) == P(DATA_AXIS)
+
+@pytest.mark.parametrize("field, devices, platform, members, shard_update, expected", [
+    (None, 8, "cuda", 0, False, True),     # one run over several GPUs: sharded
+    (None, 4, "cuda", 0, False, True),
+    (None, 2, "cuda", 0, False, False),    # two GPUs: replicated (the sharded update's re-layouts cost more)
+    (None, 1, "cuda", 0, False, False),    # one GPU: nothing to split
+    (None, 8, "cuda", 8, False, False),    # a population keeps each member's state whole
+    (None, 8, "cuda", 0, True, False),     # ZeRO-1/2 asked for instead
+    (None, 4, "cpu", 0, False, False),     # CPU and TPU: replicated
+    (None, 8, "tpu", 0, False, False),
+    (True, 4, "cpu", 0, False, True),      # a value given is kept
+    (False, 8, "cuda", 0, False, False),
+])
+def test_an_unset_shard_state_is_chosen_for_the_devices(field, devices, platform, members, shard_update, expected):
+  mesh_config = {"shard_state": field, "shard_update": shard_update}
+  assert shards_state(mesh_config, devices, platform, members) is expected
+
+
+def test_the_program_decides_the_layout_on_a_copy_of_the_config():
+  from types import SimpleNamespace
+
+  from micse_jax.configs import micse
+  from micse_jax.kernels.choice import Target
+  from micse_jax.training.program import _with_state_layout
+  config = micse.get_config()
+  assert config.mesh.shard_state is None  # the default: chosen by the devices
+  gpus = Target(platform="cuda", compute_capability=(9, 0), devices=8)
+  chosen = _with_state_layout(config, SimpleNamespace(size=8), gpus, 0)
+  assert chosen.mesh.shard_state is True and config.mesh.shard_state is None
+  assert _with_state_layout(config, SimpleNamespace(size=8), Target(devices=8), 0).mesh.shard_state is False
+  config.mesh.shard_state = False
+  assert _with_state_layout(config, SimpleNamespace(size=8), gpus, 0) is config
+
 
 
 def _local_shape(shape, devices=4):

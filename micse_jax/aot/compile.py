@@ -37,14 +37,20 @@ def lower_program(config: ml_collections.ConfigDict, bert_config: BertConfig, de
   return build_program(config, bert_config, devices, tokens).lower()
 
 
-def compile_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
-  """(compiled step, lowering + compile seconds) of `build_program`, compiled as the trainer compiles
-  it (`program.compiled`: our kernels, else the explicit path)."""
+def compiled_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
+  """(program, lowering + compile seconds): `build_program`'s, compiled as the trainer compiles it
+  (`program.compiled`: our kernels, else the explicit path); its config holds the layout chosen."""
   from micse_jax.training import program
   prog = build_program(config, bert_config, devices, tokens)
   start = time.perf_counter()
   prog = program.compiled(prog)
-  return prog.executable, time.perf_counter() - start
+  return prog, time.perf_counter() - start
+
+
+def compile_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
+  """(compiled step, lowering + compile seconds) of `compiled_program`."""
+  prog, seconds = compiled_program(config, bert_config, devices, tokens)
+  return prog.executable, seconds
 
 
 def compile_encode(device, bert_config: BertConfig, batch_size: int, max_length: int, dtype: str):

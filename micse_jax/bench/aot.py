@@ -49,14 +49,15 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
   bert_config = bert_config_for(model)
   config = step_config(model, bert_config, batch_size, max_length, dtype, population)
   try:
-    compiled, compile_s = aot_compile.compile_program(config, bert_config, devices)
+    prog, compile_s = aot_compile.compiled_program(config, bert_config, devices)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
   result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
             "jax_version": jax.__version__, "compile_s": compile_s,
-            **aot_compile.report(compiled, len(devices), population)}
-  result.update(time_model.predict(compiled.as_text(), target, members=population or 1))  # aot/time_model.py
+            "state_layout": "sharded" if prog.config.mesh.shard_state else "replicated",
+            **aot_compile.report(prog.executable, len(devices), population)}
+  result.update(time_model.predict(prog.executable.as_text(), target, members=population or 1))  # aot/time_model.py
   if encode:
     enc, enc_s = aot_compile.compile_encode(devices[0], bert_config, batch_size, max_length, dtype)
     enc_kernels = hlo.summary(enc.as_text())
@@ -74,6 +75,8 @@ def report_lines(r: dict) -> list[str]:
            f"{r['max_length']} tokens, {r['dtype']}, {r['num_devices']} x {r['device_kind']} "
            f"(compiled deviceless, jax {r['jax_version']})",
            f"  train step compile time      {r['compile_s']:.1f} s",
+           f"  train state                  {r['state_layout']}"
+           + ("   (FSDP: mesh.shard_state)" if r["state_layout"] == "sharded" else ""),
            f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "
            f"{', '.join(hlo.UPDATE_PHASES)})", "  by kind:"]
   lines += [f"    {kind:<36} {n:6d}" for kind, n in r["by_kind"].items()]

@@ -5,6 +5,7 @@ AMI weight λ = 2.5e-3 over m = 150 sampled attention cells, momentum 0.995 with
 queue of 384 negatives. Variants: `get_config("demo")` runs offline on CPU in minutes.
 """
 import ml_collections
+from ml_collections import config_dict
 
 from micse_jax import paths
 from micse_jax.configs.methods import add_method_fields
@@ -43,7 +44,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.rng_impl = "threefry"       # dropout bits: threefry (flax's) | rbg | unsafe_rbg (XLA's RngBitGenerator)
 
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.shard_state = False          # FSDP/ZeRO-3: params, EMA, optimizer state, queue sharded over devices
+  c.mesh.shard_state = config_dict.placeholder(bool)  # FSDP/ZeRO-3: params, EMA, optimizer state, queue
+                                      # sharded over devices; unset: chosen by the devices (training/mesh.shards_state)
   c.mesh.shard_min_elements = 2 ** 14  # smaller state leaves stay replicated when shard_state/shard_update is on
   c.mesh.shard_update = False         # ZeRO-1/2: gradients reduce-scattered, 1/N of the update per device,
                                       # params/EMA all-gathered; moments sharded (docs/scaling-and-clusters.md)

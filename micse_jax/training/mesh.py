@@ -12,6 +12,9 @@ from micse_jax.losses.ami_cells import all_rows_here
 
 DATA_AXIS = "data"
 MIN_SHARDED_ELEMENTS = 2 ** 14  # smaller leaves stay replicated: gathering them costs more than it saves
+# An unset mesh.shard_state shards from this many GPUs: on two, at 64 sentences a device, the sharded
+# update re-lays out its gradients and is the slower step (BENCHMARKS.md).
+MIN_SHARDED_DEVICES = 4
 
 
 def maybe_initialize_distributed() -> None:
@@ -70,6 +73,23 @@ def leaf_partition(shape: tuple[int, ...], num_devices: int, min_elements: int =
     if shape[dim] % num_devices == 0:
       return P(*([None] * dim + [DATA_AXIS]))
   return P()
+
+
+def shards_state(mesh_config, num_devices: int, platform: str, members: int = 0) -> bool:
+  """Whether the train state is sharded (FSDP, `state_sharding`): `mesh.shard_state` when it is set;
+  unset (None, the default), where the time model predicts the faster step: one run (no population)
+  data parallel over `MIN_SHARDED_DEVICES` or more CUDA GPUs, without `mesh.shard_update`. There the
+  step gathers only what it computes with, the half-precision weight copies and the word embeddings,
+  under the forward, reduce-scatters the gradients instead of all-reducing them, and each device
+  updates 1/N of the state; replicated, every device updates the whole state after the gradients'
+  all-reduce (BENCHMARKS.md, docs/scaling-and-clusters.md). Elsewhere replicated: one device, a
+  population (members' states stay whole), CPU (nothing measured to choose by) and TPU (the time
+  model's TPU prices are not calibrated)."""
+  chosen = mesh_config.get("shard_state")
+  if chosen is not None:
+    return bool(chosen)
+  return (num_devices >= MIN_SHARDED_DEVICES and platform == "cuda" and not members
+          and not mesh_config.get("shard_update", False))
 
 
 def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS,

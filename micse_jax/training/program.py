@@ -144,6 +144,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
   if target is None:  # the kernels run on the rows of the mesh a member's step sees
     target = choice.target_of(devices, mesh=population.inner_mesh(mesh) if k else mesh)
+  shared = _with_state_layout(shared, mesh, target, k)
   nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
   params = jax.eval_shape(lambda e: run_inputs.initial_params(shared, nets, e), encoder)
   member = jax.eval_shape(lambda p: run_inputs.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
@@ -160,6 +161,21 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
                  mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
                  _jitted_step(shared, nets, mesh, sharding, layout, k), target,
                  functools.partial(build, config, bert_config, encoder, devices, tokens))
+
+
+def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: choice.Target,
+                       members: int) -> ml_collections.ConfigDict:
+  """`config` with `mesh.shard_state` decided (`mesh.shards_state`: an unset field chosen for the
+  devices), so the step, the shardings and the checkpoints read one value."""
+  chosen = mesh_lib.shards_state(config.mesh, mesh.size, target.platform, members)
+  if config.mesh.get("shard_state") == chosen:
+    return config
+  if chosen:
+    logging.info("mesh.shard_state unset: the train state is sharded over the %d devices (FSDP, the faster "
+                 "step on several GPUs); --config.mesh.shard_state=False keeps it replicated", mesh.size)
+  config = config.copy_and_resolve_references()
+  config.mesh.shard_state = chosen
+  return config
 
 
 def compiled(prog: Program) -> Program:
