@@ -71,6 +71,38 @@ def test_the_program_decides_the_layout_on_a_copy_of_the_config():
   assert _with_state_layout(config, SimpleNamespace(size=8), gpus, 0) is config
 
 
+@pytest.mark.parametrize("sharded, platform, expected", [
+    (True, "cuda", {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}),
+    (False, "cuda", {}),  # replicated: all-reduces, whose combining XLA's defaults already overlap
+    (True, "cpu", {}),
+    (True, "tpu", {}),
+])
+def test_the_sharded_step_on_gpus_combines_its_reduce_scatters_in_smaller_pieces(sharded, platform, expected):
+  from micse_jax.training.mesh import compiler_options
+  assert compiler_options(sharded, platform) == expected
+
+
+def test_the_program_compiles_its_step_with_its_options():
+  """`program.compiled` hands the program's `compiler_options` (its layout's, its target's) to XLA."""
+  import dataclasses
+  from types import SimpleNamespace
+
+  from micse_jax.configs import micse
+  from micse_jax.kernels.choice import Target
+  from micse_jax.training import program
+  seen = []
+  lowered = SimpleNamespace(compile=lambda options=None: seen.append(options) or "executable")
+  config = micse.get_config()
+  config.mesh.shard_state = True
+  fields = {f.name: None for f in dataclasses.fields(program.Program)}
+  prog = program.Program(**dict(fields, config=config, target=Target(platform="cuda", devices=8)))
+  prog = dataclasses.replace(prog, jitted=SimpleNamespace(lower=lambda *a: lowered))
+  object.__setattr__(prog, "lower", lambda: lowered)
+  assert program.compiled(prog).executable == "executable"
+  assert seen == [{"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}]
+
+
+
 
 def _local_shape(shape, devices=4):
   """Independent statement of the rule: the largest dimension divisible by the device count."""

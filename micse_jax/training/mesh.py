@@ -15,6 +15,9 @@ MIN_SHARDED_ELEMENTS = 2 ** 14  # smaller leaves stay replicated: gathering them
 # An unset mesh.shard_state shards from this many GPUs: on two, at 64 sentences a device, the sharded
 # update re-lays out its gradients and is the slower step (BENCHMARKS.md).
 MIN_SHARDED_DEVICES = 4
+# With the state sharded, gradient reduce-scatters are combined up to this size only: XLA's default
+# combines them into one large reduce-scatter late in the backward, exposed (BENCHMARKS.md).
+REDUCE_SCATTER_COMBINE_BYTES = 8 * 2 ** 20
 
 
 def maybe_initialize_distributed() -> None:
@@ -90,6 +93,15 @@ def shards_state(mesh_config, num_devices: int, platform: str, members: int = 0)
     return bool(chosen)
   return (num_devices >= MIN_SHARDED_DEVICES and platform == "cuda" and not members
           and not mesh_config.get("shard_update", False))
+
+
+def compiler_options(sharded: bool, platform: str) -> dict:
+  """The XLA options the step is compiled with: on CUDA GPUs with the state sharded, gradient
+  reduce-scatters combined up to `REDUCE_SCATTER_COMBINE_BYTES`, so they start under the backward;
+  none elsewhere."""
+  if sharded and platform == "cuda":
+    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": REDUCE_SCATTER_COMBINE_BYTES}
+  return {}
 
 
 def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS,

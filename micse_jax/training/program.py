@@ -85,6 +85,11 @@ class Program:
     """The step's arguments: (state, packed), a population's with its step inputs."""
     return (state, packed, self.placed_hyper) if self.members else (state, packed)
 
+  @property
+  def compiler_options(self) -> dict:
+    """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout and target)."""
+    return mesh_lib.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform)
+
   def lower(self):
     """The step lowered on the abstract state and batch (nothing placed: also for absent devices)."""
     hyper = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
@@ -184,7 +189,7 @@ def compiled(prog: Program) -> Program:
   were not tested on), it is built again without them, on the explicit path (the same values),
   after one warning line naming the kernels and the reason: a run never dies on our kernels."""
   try:
-    return dataclasses.replace(prog, executable=prog.lower().compile())
+    return dataclasses.replace(prog, executable=prog.lower().compile(prog.compiler_options))
   except Exception as error:  # noqa: BLE001  (any failure of the kernels' program: the plain one follows)
     model = prog.config.model
     if not choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat):
@@ -195,7 +200,7 @@ def compiled(prog: Program) -> Program:
                     "for %s (%s: %s); training on the explicit attention path, the same values "
                     "(--config.model.attention=explicit skips this attempt)", prog.target.describe(),
                     type(error).__name__, reason)
-    return dataclasses.replace(plain, executable=plain.lower().compile())
+    return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:
