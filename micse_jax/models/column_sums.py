@@ -16,9 +16,10 @@ parallelism the step sees the whole batch's rows while each device sums its own 
 chunks are fitted to a device's rows (`devices`, the model's `Policy.row_split`), R = D·R_d, so
 every device's first stage writes R_d·C sums and its chunks never cross into another device's
 rows; R fitted to the whole batch would leave each device R/D, a narrow reduction again. The sum
-is the same up to the order of float32 additions. Only where it pays (`jax.lax.platform_dependent`: a program
-lowered for CUDA here, for a GPU that is not here, gets it too): XLA:CPU sums rows in loops that
-chunks do not speed up, and keeps one plain sum in the values' own dtype, as autodiff computes it.
+is the same up to the order of float32 additions. Only where it pays
+(`jax.lax.platform_dependent`: a program lowered for CUDA here, for a GPU that is not here, gets it
+too): XLA:CPU sums rows in loops that chunks do not speed up, and keeps one plain sum in the
+values' own dtype, as autodiff computes it.
 
 `add_bias(y, bias, devices)` is `y + bias` whose bias gradient is `column_sums`;
 `column_sums(*values, devices=D)` sums several arrays of one shape in one (variadic) reduction.
