@@ -1,7 +1,8 @@
-"""`models/embed.py`: the small-table lookup whose gradient is summed per row on CUDA.
+"""`models/embed.py`: the small-table lookup whose gradient is summed per row on CUDA, and the lookup
+of a table split by features over several devices.
 
-Values against `take`, the table gradient against NumPy's `np.add.at` (the scatter-add it
-replaces), and which backward each platform lowers."""
+Values against `take`, the table gradient against NumPy's `np.add.at` (the scatter-add they
+replace), which backward each platform lowers, and when a table is looked up split."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,3 +43,30 @@ def test_module_uses_the_summed_gradient_for_small_tables_only():
   assert "scatter" not in lowered(small, "cuda")
   assert "scatter" in lowered(small, "cpu")
   assert "scatter" in lowered(large, "cuda")
+
+
+@pytest.mark.parametrize("rows, features, ids_shape, devices, itemsize, expected", [
+    (30522, 768, (1024, 32), 8, 2, True),   # BERT's vocabulary, 512 sentences' two views: 94 MB vs 8 kB ids
+    (512, 768, (1024, 32), 8, 2, False),    # the positions: 512 * 4 bytes a feature < 4096 ids * 2
+    (2048, 768, (1024, 32), 8, 2, False),   # 8192 bytes of table per feature = 8192 of rows: not fewer
+    (2049, 768, (1024, 32), 8, 2, True),
+    (30522, 768, (1024, 32), 1, 2, False),  # one device: nothing to split
+    (30522, 770, (1024, 32), 8, 2, False),  # features the devices do not divide
+    (30522, 768, (1020, 32), 8, 2, False),  # nor the batch
+    (30522, 768, (), 8, 2, False),          # a scalar id
+])
+def test_when_a_table_is_looked_up_split(rows, features, ids_shape, devices, itemsize, expected):
+  assert embed.splits_lookup(rows, features, ids_shape, devices, itemsize) is expected
+
+
+def test_split_lookup_on_four_devices_equals_take_and_never_gathers_the_table():
+  from tests.helpers import run_device_worker
+  out = run_device_worker("tests.embed_devices_worker", devices=4)
+  assert out["values_equal"] and out["output_spec"] == "P('data',)"
+  assert out["grad_error"] <= 1e-6 * out["grad_scale"]
+  assert out["grad_spec"] == "P(None, 'data')"  # the gradient lands where the sharded state holds the table
+  assert not out["table_gathered_in_grad"]
+  assert out["grad_collectives"] == ["all-gather", "all-to-all"]  # the ids gathered, the rows exchanged
+  assert out["module_collectives"] == ["all-gather", "all-to-all"]
+  assert out["small_table_collectives"] == ["all-gather"]  # a small table: gathered whole, no exchange
+  assert out["gathered_specs"] == {"dense": "P()", "word_embeddings": "P(None, 'data')"}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from micse_jax.training.mesh import DATA_AXIS, leaf_partition, shards_state
+from micse_jax.training.mesh import DATA_AXIS, is_table, leaf_partition, shards_state
 from tests.helpers import run_device_worker
 from tests.portable_checkpoint_test import drop_steps_after
 from tests.train_utils import tiny_training_config
@@ -23,26 +23,40 @@ def run_config(tmp_path, tokenizer_dir, shard_state: bool):
                               **{"mesh.shard_state": shard_state, "mesh.shard_min_elements": MIN_ELEMENTS})
 
 
-@pytest.mark.parametrize("shape, devices, expected", [
-    ((30522, 64), 4, P(None, DATA_AXIS)),       # vocab not divisible by 4: the hidden dimension
-    ((30520, 768), 8, P(DATA_AXIS)),            # largest divisible dimension first
-    ((768, 3072), 4, P(None, DATA_AXIS)),
-    ((256, 256), 4, P(DATA_AXIS)),              # a tie: the first dimension
-    ((128, 64), 4, P()),                        # 8192 elements: small, replicated
-    ((3, 5461), 4, P()),                        # nothing divisible
-    ((32768,), 4, P(DATA_AXIS)),
-    ((32768,), 1, P()),                         # one device: nothing to split
-    ((), 4, P()),
+@pytest.mark.parametrize("shape, devices, table, expected", [
+    ((30522, 64), 4, False, P(None, DATA_AXIS)),  # vocab not divisible by 4: the hidden dimension
+    ((30520, 768), 8, False, P(DATA_AXIS)),       # the first divisible dimension
+    ((768, 3072), 4, False, P(DATA_AXIS)),        # not the largest: rows stay contiguous
+    ((3072, 768), 4, False, P(DATA_AXIS)),
+    ((100, 3072), 8, False, P(None, DATA_AXIS)),  # 100 rows do not divide by 8
+    ((256, 256), 4, False, P(DATA_AXIS)),
+    ((128, 64), 4, False, P()),                   # 8192 elements: small, replicated
+    ((3, 5461), 4, False, P()),                   # nothing divisible
+    ((32768,), 4, False, P(DATA_AXIS)),
+    ((32768,), 1, False, P()),                    # one device: nothing to split
+    ((), 4, False, P()),
+    ((30522, 768), 2, True, P(None, DATA_AXIS)),  # a table by its features, though its rows divide
+    ((512, 768), 8, True, P(None, DATA_AXIS)),
+    ((30522, 770), 4, True, P()),                 # neither divides
+    ((30520, 770), 4, True, P(DATA_AXIS)),        # features do not divide: its rows
 ])
-def test_leaf_partition(shape, devices, expected):
-  assert leaf_partition(shape, devices) == expected  # default threshold 2**14 elements
+def test_leaf_partition(shape, devices, table, expected):
+  assert leaf_partition(shape, devices, table=table) == expected  # default threshold 2**14 elements
   assert leaf_partition((64, 32), 4, min_elements=1024) == P(DATA_AXIS)
+
+
+def test_tables_and_their_moments_are_found_by_their_key_path():
+  tree = {"params": {"word_embeddings": {"embedding": 1}, "dense": {"kernel": 2, "bias": 3}},
+          "mu": {"embeddings": {"position_embeddings": {"embedding": 4}}}, "queue": 5}
+  tables = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if is_table(path)]
+  assert sorted(tables) == [1, 4]
+  assert not is_table(())  # a bare array (the queue's embeddings)
 
 
 @pytest.mark.parametrize("field, devices, platform, members, shard_update, expected", [
     (None, 8, "cuda", 0, False, True),     # one run over several GPUs: sharded
     (None, 4, "cuda", 0, False, True),
-    (None, 2, "cuda", 0, False, False),    # two GPUs: replicated (the sharded update's re-layouts cost more)
+    (None, 2, "cuda", 0, False, True),     # two GPUs: sharded too
     (None, 1, "cuda", 0, False, False),    # one GPU: nothing to split
     (None, 8, "cuda", 8, False, False),    # a population keeps each member's state whole
     (None, 8, "cuda", 0, True, False),     # ZeRO-1/2 asked for instead
@@ -72,15 +86,18 @@ def test_the_program_decides_the_layout_on_a_copy_of_the_config():
   assert _with_state_layout(config, SimpleNamespace(size=8), gpus, 0) is config
 
 
-@pytest.mark.parametrize("sharded, platform, expected", [
-    (True, "cuda", {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}),
-    (False, "cuda", {}),  # replicated: all-reduces, whose combining XLA's defaults already overlap
-    (True, "cpu", {}),
-    (True, "tpu", {}),
+@pytest.mark.parametrize("sharded, platform, devices, expected", [
+    (True, "cuda", 8, {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}),
+    (True, "cuda", 16, {"xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * 2 ** 20}),  # 64 MiB read
+    (True, "cuda", 2, {"xla_gpu_reduce_scatter_combine_threshold_bytes": 32 * 2 ** 20}),
+    (False, "cuda", 8, {}),  # replicated: all-reduces, whose combining XLA's defaults already overlap
+    (True, "cpu", 4, {}),
+    (True, "tpu", 8, {}),
 ])
-def test_the_sharded_step_on_gpus_combines_its_reduce_scatters_in_smaller_pieces(sharded, platform, expected):
+def test_the_sharded_step_on_gpus_combines_its_reduce_scatters_in_smaller_pieces(sharded, platform, devices,
+                                                                                 expected):
   from micse_jax.training.mesh import compiler_options
-  assert compiler_options(sharded, platform) == expected
+  assert compiler_options(sharded, platform, devices) == expected
 
 
 def test_the_program_compiles_its_step_with_its_options():
@@ -102,15 +119,18 @@ def test_the_program_compiles_its_step_with_its_options():
   assert seen == [{"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}]
 
 
-def _local_shape(shape, devices=4):
-  """Independent statement of the rule: the largest dimension divisible by the device count."""
+def _local_shape(name, shape, devices=4):
+  """Independent statement of the rule: the first dimension divisible by the device count, an
+  embedding table's last one first."""
   if int(np.prod(shape)) < MIN_ELEMENTS:
     return list(shape)
-  divisible = [d for d in range(len(shape)) if shape[d] % devices == 0]
+  dims = list(range(len(shape)))
+  if name.endswith("['embedding']"):
+    dims = dims[::-1]
+  divisible = [d for d in dims if shape[d] % devices == 0]
   if not divisible:
     return list(shape)
-  d = max(divisible, key=lambda i: (shape[i], -i))
-  return [n // devices if i == d else n for i, n in enumerate(shape)]
+  return [n // devices if i == divisible[0] else n for i, n in enumerate(shape)]
 
 
 def _close(a: dict, b: dict, atol: float) -> float:
@@ -141,7 +161,7 @@ def test_sharded_state_equals_replicated_on_four_devices(four_device_runs):
   print("sharded vs replicated, 6 steps, max abs diff:",
         _close(dict(replicated.items()), dict(sharded.items()), ATOL))
   for name, (shape, local) in layout.items():
-    assert local == _local_shape(shape), name
+    assert local == _local_shape(name, shape), name
   word = ".params['encoder']['embeddings']['word_embeddings']['embedding']"
   assert layout[word][1][1] * 4 == layout[word][0][1]  # the embedding matrix really is split
   split = [name for name, (s, l) in layout.items() if s != l]
@@ -179,3 +199,22 @@ def test_sharded_checkpoint_resumes_and_exports_on_one_device(four_device_runs, 
   assert len(shared) > 10
   for k in shared:
     np.testing.assert_allclose(params[k], reference[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("shard_state", [True, False, None])
+def test_the_models_look_tables_up_split_only_where_the_state_splits_them(shard_state):
+  """`networks.model_options`: a sharded state (`mesh.shard_state`, decided before the networks are
+  built) gives the model `Policy.split_tables`, so its lookups take the tables as the state holds
+  them; replicated (or undecided), whole tables and no mesh for the lookups."""
+  from types import SimpleNamespace
+
+  from micse_jax.configs import micse
+  from micse_jax.kernels.choice import Target
+  from micse_jax.training.networks import model_options
+  config = micse.get_config()
+  config.mesh.shard_state = shard_state
+  mesh = SimpleNamespace(size=4)
+  policy = model_options(config, Target(platform="cuda", compute_capability=(9, 0), devices=4, mesh=mesh))["policy"]
+  assert policy.split_tables is bool(shard_state)
+  assert policy.table_mesh is (mesh if shard_state else None)
+  assert policy.mesh is mesh  # the kernels' rows are split either way

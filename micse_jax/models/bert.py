@@ -68,15 +68,15 @@ class BertEmbeddings(nn.Module):
   config: BertConfig
   dtype: Any = jnp.float32
   row_split: int = 1  # `Policy.row_split`
+  mesh: Any = None  # `Policy.table_mesh`
 
   def setup(self):
     c = self.config
     init = nn.initializers.normal(stddev=c.initializer_range)
-    self.word_embeddings = Embed(c.vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype)
-    self.position_embeddings = Embed(c.max_position_embeddings, c.hidden_size,
-                                     embedding_init=init, dtype=self.dtype)
-    self.token_type_embeddings = Embed(c.type_vocab_size, c.hidden_size,
-                                       embedding_init=init, dtype=self.dtype)
+    table = lambda rows: Embed(rows, c.hidden_size, embedding_init=init, dtype=self.dtype, mesh=self.mesh)
+    self.word_embeddings = table(c.vocab_size)
+    self.position_embeddings = table(c.max_position_embeddings)
+    self.token_type_embeddings = table(c.type_vocab_size)
     self.LayerNorm = _layer_norm(c, self.dtype, row_split=self.row_split)
     self.dropout = _dropout(c, c.hidden_dropout_prob)
 
@@ -271,7 +271,7 @@ class BertModel(nn.Module):
     for i in self.sow_attention_layers:
       if not 0 <= i < self.config.num_hidden_layers:
         raise ValueError(f"attention layer {i} out of range for {self.config.num_hidden_layers} layers")
-    self.embeddings = BertEmbeddings(self.config, self.dtype, self.policy.row_split)
+    self.embeddings = BertEmbeddings(self.config, self.dtype, self.policy.row_split, self.policy.table_mesh)
     self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.policy,
                                self.cls_only)
     if self.add_pooler:

@@ -10,15 +10,26 @@
   into two rows run one after another (every token adds into the same 768 addresses). On CUDA the
   gradient of row k is instead the column sum of the output gradient where the id is k, for every
   k in one pass (`models/column_sums.py`): dE_k = Σ_tokens [id = k] · g. Elsewhere the scatter-add.
+* Several devices with the train state sharded (`Embed.mesh` = `Policy.table_mesh`): the state holds
+  each table split by its features over the mesh (`training/mesh.leaf_partition`). Gathering the vocabulary whole for each
+  step's lookup moves the table (94 MB in float32 for BERT's) to every device; each device instead
+  looks its features up for the whole batch's ids and an all-to-all exchanges the rows
+  (`split_lookup`, a few MB), where that moves fewer bytes (`splits_lookup`). Small tables (the
+  positions) are gathered whole where they are used (`whole_on`), as is the table the MLM decoder
+  attends with. The same values either way.
 """
 from __future__ import annotations
 
 import functools
+import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from micse_jax.models.column_sums import column_sums
 
@@ -55,11 +66,58 @@ def small_table_lookup(table: Array, ids: Array) -> Array:
   return jax.lax.platform_dependent(table, ids, cuda=summed, default=_take)
 
 
+def splits_lookup(rows: int, features: int, ids_shape: tuple[int, ...], devices: int, itemsize: int) -> bool:
+  """Whether a table of `rows` float32 rows is looked up split over `devices` (`split_lookup`) rather
+  than gathered whole: its features and the ids' leading (batch) axis divide among the devices, and
+  gathering would move more: each device receives (D-1)/D of the table (4 bytes a value) gathered,
+  (D-1)/D of its own ids' rows (`itemsize` bytes a value) exchanged."""
+  own_ids = math.prod(ids_shape) // max(devices, 1)
+  return (devices > 1 and len(ids_shape) >= 1 and ids_shape[0] % devices == 0 and features % devices == 0
+          and rows * 4 > own_ids * itemsize)
+
+
+def split_lookup(table: Array, ids: Array, dtype, mesh) -> Array:
+  """take(table, ids).astype(dtype) with the table's features split over `mesh`'s axis and the ids'
+  leading (batch) axis over it: each device looks its features up for every id of the batch, and an
+  all-to-all hands each device its own ids' rows, whole. The table is never gathered; its gradient
+  comes back the same way and is scattered into each device's features (float32, as `_take`), where
+  the sharded state holds them (`training/mesh.leaf_partition`)."""
+  axis = mesh.axis_names[0]
+
+  def on_device(features, own_ids):
+    looked_up = _take(features, jax.lax.all_gather(own_ids, axis, tiled=True)).astype(dtype)
+    # Exchanged along the major axis (device j's features of my rows arrive as block j), then set
+    # side by side here: an exchange into the minor axis leaves XLA a transposed layout for the
+    # activations of the whole encoder.
+    blocks = jax.lax.all_to_all(looked_up, axis, 0, 0, tiled=True)
+    blocks = blocks.reshape(mesh.size, -1, *blocks.shape[1:])
+    return jnp.moveaxis(blocks, 0, -2).reshape(*blocks.shape[1:-1], -1)
+  return jax.shard_map(on_device, mesh=mesh, in_specs=(P(None, axis), P(axis)), out_specs=P(axis))(table, ids)
+
+
+def whole_on(table: Array, mesh) -> Array:
+  """`table` whole on every device of `mesh` (FSDP's gather where it is used); as is without a mesh."""
+  if mesh is None or mesh.size == 1:
+    return table
+  return jax.lax.with_sharding_constraint(table, NamedSharding(mesh, P()))
+
+
 class Embed(nn.Embed):
-  """`nn.Embed` (same parameter, same `attend`) whose lookup is `take(float32 table).astype(dtype)`."""
+  """`nn.Embed` (same parameter, same `attend`) whose lookup is `take(float32 table).astype(dtype)`;
+  `mesh`: the mesh the table arrives split over by features (`Policy.table_mesh`; None: whole), over
+  which a large table is looked up split (`split_lookup`), a small one gathered whole."""
+  mesh: Any = None
 
   def __call__(self, inputs: Array) -> Array:
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError("Input type must be an integer or unsigned integer.")
+    dtype = self.dtype or self.embedding.dtype
+    devices = 1 if self.mesh is None else self.mesh.size
+    if splits_lookup(self.num_embeddings, self.features, inputs.shape, devices, jnp.dtype(dtype).itemsize):
+      return split_lookup(self.embedding, inputs, dtype, self.mesh)
     lookup = small_table_lookup if self.num_embeddings <= SMALL_TABLE else _take
-    return lookup(self.embedding, inputs).astype(self.dtype or self.embedding.dtype)
+    return lookup(whole_on(self.embedding, self.mesh), inputs).astype(dtype)
+
+  def attend(self, query: Array) -> Array:
+    query, embedding = self.promote_dtype(query, whole_on(self.embedding, self.mesh), dtype=self.dtype)
+    return jnp.dot(query, embedding.T)

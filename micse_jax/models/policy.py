@@ -4,8 +4,10 @@
 computes its values on the program's target (`kernels/choice.py`), "explicit" keeps every layer
 on the explicit softmax (the A/B of the kernels). `remat` is `model.remat` (`models/remat.py`).
 `target` is what the program is compiled for (`kernels/choice.Target`: the trainer's program
-takes it from its devices); None means this process's default device. No choice changes the
-parameter tree or the function computed.
+takes it from its devices); None means this process's default device. `split_tables`: the train
+state holds the embedding tables split by features over the target's mesh (FSDP,
+`training/mesh.leaf_partition`), so the lookups take them as they are (`models/embed.py`). No
+choice changes the parameter tree or the function computed.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class Policy:
   attention: str = "fused"
   remat: str = "none"
   target: choice.Target | None = None
+  split_tables: bool = False
 
   def __post_init__(self):
     if self.attention not in ATTENTION_MODES:
@@ -43,6 +46,11 @@ class Policy:
   def mesh(self):
     """The mesh a step's rows are split over (the kernels run per device under it), or None."""
     return self.target.mesh if self.target else None
+
+  @property
+  def table_mesh(self):
+    """The mesh the embedding tables arrive split over (`split_tables`), or None: whole tables."""
+    return self.mesh if self.split_tables else None
 
   @property
   def row_split(self) -> int:

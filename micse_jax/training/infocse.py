@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.models.bert import BertConfig, BertLayer, BertModel, BertPredictionHeadTransform
+from micse_jax.models.embed import whole_on
 from micse_jax.models.policy import Policy
 from micse_jax.training.terms import masked_copy
 
@@ -117,7 +118,8 @@ def infocse_term(params, frozen, batch, cls_vector, key, nets, config, weight=No
                                  batch["token_type_ids"], deterministic=True)
   hidden = jax.lax.stop_gradient(out.last_hidden_state)
   hidden = hidden.at[:, 0].set(cls_vector.astype(hidden.dtype))
-  embeddings = jax.lax.stop_gradient(lower["embeddings"]["word_embeddings"]["embedding"])
+  table = lower["embeddings"]["word_embeddings"]["embedding"]  # whole: the FSDP gather leaves tables to their users
+  embeddings = jax.lax.stop_gradient(whole_on(table, nets.infocse.lower.policy.table_mesh))
   logits = nets.infocse.auxiliary.apply({"params": params[PARAMS_KEY]}, hidden, batch["attention_mask"],
                                         embeddings, deterministic=False, rngs={"dropout": k_drop})
   loss = mlm_loss(logits, labels, weights)

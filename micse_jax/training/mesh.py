@@ -12,12 +12,13 @@ from micse_jax.losses.ami_cells import all_rows_here
 
 DATA_AXIS = "data"
 MIN_SHARDED_ELEMENTS = 2 ** 14  # smaller leaves stay replicated: gathering them costs more than it saves
-# An unset mesh.shard_state shards from this many GPUs: on two, at 64 sentences a device, the sharded
-# update re-lays out its gradients and is the slower step (BENCHMARKS.md).
-MIN_SHARDED_DEVICES = 4
-# With the state sharded, gradient reduce-scatters are combined up to this size only: XLA's default
-# combines them into one large reduce-scatter late in the backward, exposed (BENCHMARKS.md).
-REDUCE_SCATTER_COMBINE_BYTES = 8 * 2 ** 20
+# An unset mesh.shard_state shards from this many GPUs: the time model predicts the sharded step the
+# faster one from two (BENCHMARKS.md).
+MIN_SHARDED_DEVICES = 2
+# With the state sharded, gradient reduce-scatters are combined up to this many gradient bytes only
+# (each device writing 1/N of them: XLA's threshold counts those): XLA's default combines them into
+# one large reduce-scatter late in the backward, exposed (BENCHMARKS.md).
+REDUCE_SCATTER_COMBINE_BYTES = 64 * 2 ** 20
 
 
 def maybe_initialize_distributed() -> None:
@@ -64,15 +65,31 @@ def global_batch(local, mesh: Mesh):
   return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sharding, v), local)
 
 
-def leaf_partition(shape: tuple[int, ...], num_devices: int, min_elements: int = MIN_SHARDED_ELEMENTS) -> P:
-  """FSDP placement of one state leaf: split its largest dimension that `num_devices` divides.
+TABLE_KEY = "embedding"  # the parameter name of an embedding table (`nn.Embed`, `models/embed.Embed`)
 
+
+def is_table(path) -> bool:
+  """Whether a state leaf at `path` (a key path) is an embedding table, or its moment or EMA."""
+  return bool(path) and getattr(path[-1], "key", None) == TABLE_KEY
+
+
+def leaf_partition(shape: tuple[int, ...], num_devices: int, min_elements: int = MIN_SHARDED_ELEMENTS,
+                   table: bool = False) -> P:
+  """FSDP placement of one state leaf: split its first (major-most) dimension that `num_devices`
+  divides; an embedding table (`table`) by its features (its last dimension) first.
+
+  The major-most dimension keeps each device's slice contiguous in the row-major layout the
+  update reads, so a gradient reduce-scattered into it needs no transpose (a [768, 3072] kernel
+  split by its 3072 columns came out of the reduce-scatter in a transposed layout and was
+  transposed back, with its moments, every step: BENCHMARKS.md). A table is split by features
+  because its lookup needs every row: each device looks up its own features (`models/embed.py`).
   Replicated (`P()`) when the leaf has fewer than `min_elements` elements, when no dimension
-  is divisible, or on one device. Ties between equal dimensions go to the first.
+  is divisible, or on one device.
   """
   if num_devices <= 1 or math.prod(shape) < min_elements:
     return P()
-  for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+  order = list(range(len(shape)))
+  for dim in (order[-1:] + order[:-1]) if table else order:
     if shape[dim] % num_devices == 0:
       return P(*([None] * dim + [DATA_AXIS]))
   return P()
@@ -82,10 +99,10 @@ def shards_state(mesh_config, num_devices: int, platform: str, members: int = 0)
   """Whether the train state is sharded (FSDP, `state_sharding`): `mesh.shard_state` when it is set;
   unset (None, the default), where the time model predicts the faster step: one run (no population)
   data parallel over `MIN_SHARDED_DEVICES` or more CUDA GPUs, without `mesh.shard_update`. There the
-  step gathers only what it computes with, the half-precision weight copies and the word embeddings,
-  under the forward, reduce-scatters the gradients instead of all-reducing them, and each device
-  updates 1/N of the state; replicated, every device updates the whole state after the gradients'
-  all-reduce (BENCHMARKS.md, docs/scaling-and-clusters.md). Elsewhere replicated: one device, a
+  step gathers only what it computes with, the half-precision weight copies, under the forward, looks
+  the word embeddings up split (`models/embed.py`), reduce-scatters the gradients instead of
+  all-reducing them, and each device updates 1/N of the state; replicated, every device updates the
+  whole state after the gradients' all-reduce (BENCHMARKS.md, docs/scaling-and-clusters.md). Elsewhere replicated: one device, a
   population (members' states stay whole), CPU (nothing measured to choose by) and TPU (the time
   model's TPU prices are not calibrated)."""
   chosen = mesh_config.get("shard_state")
@@ -95,12 +112,12 @@ def shards_state(mesh_config, num_devices: int, platform: str, members: int = 0)
           and not mesh_config.get("shard_update", False))
 
 
-def compiler_options(sharded: bool, platform: str) -> dict:
-  """The XLA options the step is compiled with: on CUDA GPUs with the state sharded, gradient
-  reduce-scatters combined up to `REDUCE_SCATTER_COMBINE_BYTES`, so they start under the backward;
-  none elsewhere."""
+def compiler_options(sharded: bool, platform: str, devices: int) -> dict:
+  """The XLA options the step is compiled with: on CUDA GPUs with the state sharded over `devices`,
+  gradient reduce-scatters combined up to `REDUCE_SCATTER_COMBINE_BYTES` of gradients, so they start
+  under the backward; none elsewhere."""
   if sharded and platform == "cuda":
-    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": REDUCE_SCATTER_COMBINE_BYTES}
+    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": REDUCE_SCATTER_COMBINE_BYTES // max(devices, 1)}
   return {}
 
 
@@ -118,15 +135,16 @@ def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: in
   """
   split = _split(mesh, min_elements)
   whole = lambda leaf: NamedSharding(mesh, P())
-  placed = jax.tree.map(split if shard_state else whole, state_shapes)
+  placed = jax.tree_util.tree_map_with_path(split, state_shapes) if shard_state else jax.tree.map(whole, state_shapes)
   if shard_update and not shard_state:
-    placed = placed.replace(opt_state=jax.tree.map(split, state_shapes.opt_state))
+    placed = placed.replace(opt_state=jax.tree_util.tree_map_with_path(split, state_shapes.opt_state))
   return placed
 
 
 def _split(mesh: Mesh, min_elements: int):
-  """leaf -> its `leaf_partition` over `mesh` (1/N of the leaf per device, small leaves whole)."""
-  return lambda leaf: NamedSharding(mesh, leaf_partition(tuple(leaf.shape), mesh.size, min_elements))
+  """(path, leaf) -> its `leaf_partition` over `mesh` (1/N of the leaf per device, small leaves whole)."""
+  return lambda path, leaf: NamedSharding(mesh, leaf_partition(tuple(leaf.shape), mesh.size, min_elements,
+                                                               table=is_table(path)))
 
 
 def split_for_update(tree, mesh: Mesh | None, on: bool, min_elements: int = MIN_SHARDED_ELEMENTS):
@@ -137,7 +155,7 @@ def split_for_update(tree, mesh: Mesh | None, on: bool, min_elements: int = MIN_
   the replicated update up to the order of the gradient sums. No-op unless `on` on several devices."""
   if not on or mesh is None or mesh.size == 1:
     return tree
-  return jax.lax.with_sharding_constraint(tree, jax.tree.map(_split(mesh, min_elements), tree))
+  return jax.lax.with_sharding_constraint(tree, jax.tree_util.tree_map_with_path(_split(mesh, min_elements), tree))
 
 
 def gathered_for_compute(tree, mesh: Mesh | None, sharded: bool):
@@ -145,10 +163,14 @@ def gathered_for_compute(tree, mesh: Mesh | None, sharded: bool):
   step computes with it. Without this, GSPMD propagates a parameter's split (e.g. on a weight's
   output dimension = the heads) into the activations and reshuffles them between devices
   (all-to-alls of attention maps); with it, the only collectives FSDP adds are the parameters'
-  all-gathers and the gradients' reduction to the owning shard. No-op unless `sharded`."""
+  all-gathers and the gradients' reduction to the owning shard. Embedding tables (`is_table`) are
+  left as they are: their lookups gather them, or look them up split, themselves (`models/embed.py`).
+  No-op unless `sharded`."""
   if not sharded or mesh is None or mesh.size == 1:
     return tree
-  return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: replicated(mesh), tree))
+  whole = replicated(mesh)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: leaf if is_table(path) else jax.lax.with_sharding_constraint(leaf, whole), tree)
 
 
 def padded_batch_size(batch_size: int, device_count: int) -> int:

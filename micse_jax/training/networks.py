@@ -62,9 +62,11 @@ def compute_dtype(config):
 
 def model_options(config, target: Target | None = None) -> dict:
   """BertModel keyword arguments from `config.model`: the compute dtype and the policy (attention
-  mode, remat) for programs compiled for `target` (`kernels/choice.py`; None: this process's device)."""
+  mode, remat, and whether the sharded state splits the tables: `mesh.shard_state`) for programs
+  compiled for `target` (`kernels/choice.py`; None: this process's device)."""
+  split_tables = bool(config.get("mesh", {}).get("shard_state"))
   return {"dtype": compute_dtype(config),
-          "policy": Policy(config.model.attention, config.model.remat, target)}
+          "policy": Policy(config.model.attention, config.model.remat, target, split_tables)}
 
 
 def build_networks(config, bert_config: BertConfig, tokens: SpecialTokens | None = None,

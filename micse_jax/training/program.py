@@ -88,7 +88,8 @@ class Program:
   @property
   def compiler_options(self) -> dict:
     """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout and target)."""
-    return mesh_lib.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform)
+    return mesh_lib.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
+                                     self.target.devices)
 
   def lower(self):
     """The step lowered on the abstract state and batch (nothing placed: also for absent devices)."""
