@@ -313,7 +313,7 @@ def _loss_and_grads(tmp_path, tokenizer_dir, target, batch_size, heads, hidden, 
   """The miCSE loss (dropout, AMI on layer 0, momentum encoder, queue) and every gradient of a random
   BERT whose heads are `hidden // heads` wide, computed in `dtype`, its encoders' kernels chosen for
   `target`."""
-  from micse_jax.training import networks, run_inputs, trainer
+  from micse_jax.training import networks, run_inputs
   from micse_jax.training.optim import make_optimizer
   from micse_jax.training.step import make_loss_fn, step_keys
   from tests.helpers import write_tiny_hf_checkpoint
@@ -323,7 +323,7 @@ def _loss_and_grads(tmp_path, tokenizer_dir, target, batch_size, heads, hidden, 
                              num_attention_heads=heads, intermediate_size=4 * hidden, num_hidden_layers=layers)
   config = tiny_training_config(tmp_path, tokenizer_dir, batch_size=batch_size, **{
       "model.max_length": T, "model.dtype": dtype, "ami.layers": (0,)})
-  run = trainer.prepare(config)
+  run = run_inputs.prepare(config)
   nets = networks.build_networks(config, run.bert_config, run.tokens, target)
   state = run_inputs.initial_state(config, nets, make_optimizer(config), run.encoder_params)
   batch = {k: jnp.asarray(v) for k, v in run.batches.batch(0).items()}

@@ -9,7 +9,7 @@ import pytest
 
 from micse_jax.kernels import choice
 from micse_jax.kernels import dropout_attention as da
-from micse_jax.training import program, trainer
+from micse_jax.training import program, run_inputs, trainer
 from micse_jax.workdir import restore_params
 from tests.helpers import write_tiny_hf_checkpoint
 from tests.train_test import _leaves_equal
@@ -31,7 +31,7 @@ def _refusing(*args, **kwargs):
 
 
 def _program(config, target):
-  run = trainer.prepare(config)
+  run = run_inputs.prepare(config)
   run.encoder_params = jax.device_get(run.encoder_params)  # host arrays: each placed state has fresh buffers
   return program.build(config, run.bert_config, program.abstract_of(run.encoder_params), jax.devices()[:1],
                        run.tokens, target), run

@@ -37,7 +37,7 @@ def run_steps(run, devices, steps, padded):
 
 
 def main():
-  from micse_jax.training import trainer
+  from micse_jax.training import run_inputs
   from tests.train_utils import set_dotted, tiny_training_config
   parser = argparse.ArgumentParser()
   parser.add_argument("tmp")
@@ -51,7 +51,7 @@ def main():
   for item in args.set:
     key, value = item.split("=", 1)
     set_dotted(config, key, json.loads(value))
-  run = trainer.prepare(config)
+  run = run_inputs.prepare(config)
   run.encoder_params = jax.device_get(run.encoder_params)  # host copy: each run donates its own
   s1, m1 = run_steps(run, jax.devices()[:1], args.steps, padded=False)
   s4, m4 = run_steps(run, jax.devices(), args.steps, padded=True)

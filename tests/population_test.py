@@ -220,3 +220,30 @@ def test_sweep_groups_runs_that_differ_only_in_seeds(tmp_path):
   assert spec.estimated_gpu_hours(launched, 10.0) == (400, pytest.approx((2 * 100 * 20 + 2 * 100 * 10) / 3.6e6))
   assert spec.estimated_gpu_hours(launched, 10.0, 1, None, {2: 12.0})[1] == pytest.approx(4400 / 3.6e6)
   assert spec.group_populations(runs, 1, str(tmp_path)) == (runs, runs)
+
+
+@pytest.mark.parametrize("k, devices, expected", [
+    (0, 8, 8),   # a solo run: its rows over every device
+    (8, 8, 1),   # spread one member a device: a member's rows stay whole, no padding
+    (16, 8, 1),  # two members a device
+    (2, 4, 4),   # members the devices do not divide: each member's rows split over all of them
+    (4, 1, 1),
+])
+def test_a_runs_batch_is_padded_to_the_devices_its_rows_are_split_over(k, devices, expected):
+  assert population.row_devices(k, devices) == expected
+
+
+def test_prepared_runs_pad_each_members_batches_as_the_program_pads_its_rows(monkeypatch):
+  """`program.prepared_runs` (the trainer's, the bench's, the tests') hands `run_inputs.prepare` the
+  padding multiple `program.build` pads the rows to (`population.row_devices`)."""
+  from micse_jax.configs import micse
+  from micse_jax.training import program, run_inputs
+  seen = []
+  monkeypatch.setattr(run_inputs, "prepare", lambda config, row_devices=None: seen.append(row_devices))
+  config = micse.get_config()
+  program.prepared_runs(config, devices=[object()] * 4)
+  config.population.seeds = (1, 2, 3, 4)
+  program.prepared_runs(config, devices=[object()] * 4)
+  config.population.seeds = (1, 2)
+  program.prepared_runs(config, devices=[object()] * 4)
+  assert seen == [4] + [1] * 4 + [4] * 2

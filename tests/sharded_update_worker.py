@@ -26,14 +26,14 @@ def run(config, run_inputs):
 
 
 def main(tmp, tokenizer_dir):
-  from micse_jax.training import trainer
+  from micse_jax.training import run_inputs
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
   out = {}
   for shard_update in (False, True):
     config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{
         "mesh.shard_update": shard_update, "mesh.shard_min_elements": 1024})
-    host, text, local = run(config, trainer.prepare(config))
+    host, text, local = run(config, run_inputs.prepare(config))
     out[str(shard_update)] = {"host": host, "collectives": collectives.collective_table(text), "local": local}
   plain, split = out["False"], out["True"]
   worst = max(float(np.max(np.abs(plain["host"][k].astype(np.float64) - split["host"][k])))

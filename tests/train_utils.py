@@ -118,8 +118,8 @@ def in_flat_layout(opt_state, members: bool = False):
 def prepared_program(config, devices=None):
   """(program, runs) as the trainer builds them: each run prepared (`run_inputs.prepare`: the run, or each
   population member), the program of `config` on them (`program.of_runs`, on `devices`)."""
-  from micse_jax.training import program, run_inputs, run_views
-  runs = [run_inputs.prepare(c) for c in run_views.run_configs(config)]
+  from micse_jax.training import program
+  runs = program.prepared_runs(config, devices)
   return program.of_runs(config, runs, devices), runs
 
 

@@ -59,9 +59,8 @@ def population_config(model_dir: str, batch_size: int, max_length: int, dtype: s
 def measure(config, steps: int, warmup: int) -> dict:
   """First call (compile), `warmup` steps, then `steps` timed steps of `config`'s population."""
   from micse_jax.bench import hardware
-  from micse_jax.configs import population as population_fields
-  from micse_jax.training import program, run_inputs
-  runs = [run_inputs.prepare(c) for c in population_fields.member_configs(config)]
+  from micse_jax.training import program
+  runs = program.prepared_runs(config)
   prog = program.of_runs(config, runs)  # the trainer's program
   members = len(runs)
   batches = [prog.place_batch([r.batches.batch(s) for r in runs]) for s in range(1 + warmup + steps)]

@@ -98,6 +98,14 @@ def spreads_members(k: int, num_devices: int) -> bool:
   return num_devices > 1 and k % num_devices == 0
 
 
+def row_devices(k: int, num_devices: int) -> int:
+  """The devices one run's rows are split over, the multiple its batch is padded to
+  (`mesh.padded_batch_size`): all of them for a solo run (k = 0) or data-parallel members, one where
+  the members are spread (each device steps whole members: padding 50 sentences to 56 for 8 devices
+  would add an eighth of each member's work)."""
+  return 1 if k and spreads_members(k, num_devices) else num_devices
+
+
 def population_mesh(k: int, devices=None) -> Mesh:
   """A 1-D mesh: axis `MEMBER_AXIS` when the devices divide the K members, else `DATA_AXIS`."""
   devices = np.asarray(jax.devices() if devices is None else devices)

@@ -35,7 +35,7 @@ from micse_jax.data.pipeline import batch_layout
 from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training import population, run_inputs
+from micse_jax.training import population, run_inputs, run_views
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
@@ -53,7 +53,7 @@ class Program:
   abstract_state: Any                # ShapeDtypeStructs placed on `state_sharding`
   state_sharding: Any
   layout: BatchLayout
-  rows: int                          # global rows of a run's batch (padded to the devices)
+  rows: int                          # global rows of a run's batch (padded to the devices it is split over)
   hyper: dict                        # the members' step inputs, float32 [K] each ({} for a solo run)
   jitted: Callable                   # the jitted, donated step: `step(*program.inputs(state, packed))`
   target: choice.Target              # what it is compiled for: the kernels its layers may take
@@ -164,7 +164,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
   return Program(shared, nets, tx, mesh, k, params, mesh_lib.placed(abstract, sharding), sharding, layout,
-                 mesh_lib.padded_batch_size(shared.batch_size, len(devices)), hyper,
+                 mesh_lib.padded_batch_size(shared.batch_size, population.row_devices(k, len(devices))), hyper,
                  _jitted_step(shared, nets, mesh, sharding, layout, k), target,
                  functools.partial(build, config, bert_config, encoder, devices, tokens))
 
@@ -202,6 +202,15 @@ def compiled(prog: Program) -> Program:
                     "(--config.model.attention=explicit skips this attempt)", prog.target.describe(),
                     type(error).__name__, reason)
     return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
+
+
+def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:
+  """Each run of `config` prepared (`run_inputs.prepare`: the run, or each population member), its
+  batches padded to the devices its rows are split over (`population.row_devices`), as `build` pads
+  the program's rows; validates all input (the trainer calls it before touching the workdir)."""
+  count = len(jax.devices() if devices is None else devices)
+  rows_over = population.row_devices(population_fields.size(config), count)
+  return [run_inputs.prepare(c, rows_over) for c in run_views.run_configs(config)]
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:

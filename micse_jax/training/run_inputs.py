@@ -42,8 +42,10 @@ class Run:
   tokens: SpecialTokens  # the tokenizer's special token ids (the views and masks that need them)
 
 
-def prepare(config: ml_collections.ConfigDict) -> Run:
+def prepare(config: ml_collections.ConfigDict, row_devices: int | None = None) -> Run:
   """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input.
+  `row_devices`: the devices the run's rows are split over, whose multiple its batches are padded
+  to (`population.row_devices`; default every device).
 
   Expects a config that passed `config_checks.check_config`; runs only the checks that need the model.
   """
@@ -59,7 +61,7 @@ def prepare(config: ml_collections.ConfigDict) -> Run:
         config.data.corpus, tokenizer, max_length=config.model.max_length,
         global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
         subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
-        padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, jax.device_count()),
+        padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, row_devices or jax.device_count()),
         cache_dir=caches.tokenized_cache_dir(config))
   with timeline.phase("load"):
     _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)

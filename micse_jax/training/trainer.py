@@ -30,7 +30,7 @@ from micse_jax.evaluation.evaluators.dev_selection import DevSelection, final_ev
 from micse_jax.evaluation.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
 from micse_jax.training import checkpoint, finite, legacy_checkpoints, precision, program, run_views, summaries
-from micse_jax.training.run_inputs import Run, prepare
+from micse_jax.training.run_inputs import Run
 from micse_jax.training.run_views import RunView
 
 
@@ -66,7 +66,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   if population_fields.enabled(config) and jax.process_count() > 1:
     raise ConfigError("population training runs on one host (several devices are fine)")
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
-  runs = [prepare(c) for c in run_views.run_configs(config)]  # all input validation before the workdir is touched
+  runs = program.prepared_runs(config)  # all input validation before the workdir is touched
   precision.announce_dtype(requested_dtype, config.model.dtype)  # after the checks: nothing before an error line
   caches.announce_unusable()  # a cache folder that cannot be written: one line, the run goes on without it
   prog, first = program.compiled(program.of_runs(config, runs)), runs[0]
