@@ -70,6 +70,7 @@ def _one_step(config):
   return init, state, metrics
 
 
+@pytest.mark.slow  # ~30 s on 2 cores (CI budget); float16 steps stay in the default run (overflow, loss-scale resume)
 def test_float16_and_float32_give_the_same_loss_on_a_fixed_batch(tmp_path, tiny_real_dir):
   """Same params, batch, dropout masks and AMI samples; only the compute dtype differs.
 

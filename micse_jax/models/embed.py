@@ -119,5 +119,6 @@ class Embed(nn.Embed):
     return lookup(whole_on(self.embedding, self.mesh), inputs).astype(dtype)
 
   def attend(self, query: Array) -> Array:
+    """`nn.Embed.attend` (query · tableᵀ) on the whole table (`whole_on`: gathered if it arrives split)."""
     query, embedding = self.promote_dtype(query, whole_on(self.embedding, self.mesh), dtype=self.dtype)
     return jnp.dot(query, embedding.T)
