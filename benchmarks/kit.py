@@ -18,6 +18,8 @@ Steps, in this order (`STEPS`, with the seconds each was planned at on an H100/H
                       steps summarised by phase, kind and kernel
   b50_explicit        b50 again on the explicit attention path (`model.attention=explicit`), on
                       the same warm machine: the kernels' measured gain
+  kernel_variants     our two dropout-attention kernels alone at the b50 step's shapes under each
+                      of Triton's warp counts: device time per call, values against the step's
   ceilings            the device's copy bandwidth, GEMM rate, launch cost, threefry rate
   b50_torch_eager ... both PyTorch peers (eager: the public code's way; compiled: torch.compile)
                       at batch 50 and 512, on the same weights and batch, timed alike
@@ -52,7 +54,8 @@ from benchmarks import kit_points, kit_report
 from micse_jax.bench.rows import append_json_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = (("gpu_tests", 180), ("caches", 15), ("b50", 80), ("b50_explicit", 60), ("b512", 80), ("ceilings", 10),
+STEPS = (("gpu_tests", 180), ("caches", 15), ("b50", 80), ("b50_explicit", 60), ("kernel_variants", 40),
+         ("b512", 80), ("ceilings", 10),
          ("k5", 140), ("b50_torch_eager", 15), ("b50_torch_compiled", 75), ("b512_torch_eager", 15),
          ("b512_torch_compiled", 80))
 DRY_STEP_S = 20  # on CPU every step is planned alike: the rehearsal runs them all
@@ -274,6 +277,8 @@ def measure(kit: Kit, name: str) -> dict:
     return gpu_tests(min(GPU_TESTS_TIMEOUT_S, max(kit.left_s(), 30)))
   if name == "ceilings":
     return kit_points.ceilings(kit.dry)
+  if name == "kernel_variants":
+    return kit_points.kernel_variants(kit.dry)
   point = name.split("_torch_")[0]
   batch, members, attention = (DRY_POINTS if kit.dry else POINTS)[point]
   length = DRY_MAX_LENGTH if kit.dry else MAX_LENGTH

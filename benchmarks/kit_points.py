@@ -6,7 +6,9 @@ optimized HLO of the program this device runs (autotuned), times it pipelined an
 steps of the same executable with `jax.profiler` and keeps the perfetto trace and its summary.
 A PyTorch point (`torch_point`) times one peer on the same weights and batch. `ceilings`
 measures what the time model needs of the device: a large copy's bandwidth, a bf16 GEMM's rate,
-the cost of a chain of tiny dependent kernels, threefry's hash rate.
+the cost of a chain of tiny dependent kernels, threefry's hash rate. `kernel_variants` times our
+dropout-attention kernels alone under each of Triton's warp counts, against the values of the one
+the step uses.
 
 One adapter, marked below, stands between the kit and code being rewritten elsewhere: the
 profile summary (`profile_summary`: phases and kinds from `micse_jax.bench.trace_summary`,
@@ -246,3 +248,69 @@ def ceilings(dry: bool) -> dict:
   return {"copy_bytes": 4 * n, "copy_tb_per_s": 4 * n / copy_s / 1e12, "gemm_square": m,
           "gemm_tflops": 2 * m ** 3 / gemm_s / 1e12, "chain_kernels": 100, "launch_us": chain_s / 100 * 1e6,
           "threefry_words": words, "threefry_gwords_per_s": words / bits_s / 1e9}
+
+
+# ---------------------------------------------------------------- our kernels' launch options
+
+KERNEL_WARPS = (4, 1, 2, 8)  # the step's choice first: the others' values are held against it
+KERNEL_CALLS = 20
+
+
+def _kernel_us(fn, args, calls: int) -> tuple[float, int]:
+  """(device microseconds per call of `fn(*args)`'s dropout-attention kernel, its events) in a
+  profile of `calls` back-to-back calls: the device's kernel time, not the host's dispatch. On a
+  device with no kernel named so (CPU, the interpreter), the time of every event in the trace."""
+  import jax
+
+  from micse_jax.kernels import dropout_attention as da
+  directory = tempfile.mkdtemp(prefix="micse_kit_kernels_")
+  jax.block_until_ready(fn(*args))
+  with jax.profiler.trace(directory, create_perfetto_trace=True):
+    out = None
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+  found = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "perfetto_trace.json.gz")))
+  durations, counts = _stream_durations(found[-1]) if found else (collections.Counter(), collections.Counter())
+  ours = [n for n in durations if da.KERNEL_NAME in n]
+  names = ours or list(durations)
+  shutil.rmtree(directory, ignore_errors=True)
+  return sum(durations[n] for n in names) / calls, sum(counts[n] for n in names)
+
+
+def kernel_variants(dry: bool) -> dict:
+  """Both dropout-attention kernels (the forward that saves its keep mask, the backward) at the
+  b50 step's shapes (100 rows: two views of 50, 32 tokens, BERT-base's 12 heads of 64, bfloat16),
+  launched with each of `KERNEL_WARPS`: device microseconds per call, and whether the values are
+  bit for bit those of the step's choice (the largest difference if not). Dry: the interpreter
+  at tiny shapes."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from micse_jax.kernels import dropout_attention as da
+  rows, length, heads, head_dim = (4, 16, 2, 8) if dry else (100, 32, 12, 64)
+  width, rate, dtype = 3 * heads * head_dim, 0.1, jnp.bfloat16
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  projection = jax.random.normal(keys[0], (rows, length, width), dtype)
+  biases = tuple(0.1 * jax.random.normal(k, (heads * head_dim,), dtype) for k in jax.random.split(keys[1], 3))
+  key_mask = (jnp.arange(length)[None, :] < jnp.arange(rows)[:, None] % length + length // 2).astype(jnp.int32)
+  words = jax.random.key_data(keys[2])
+  cotangent = jax.random.normal(keys[3], (rows, length, heads * head_dim), dtype)
+  rows_out, reference = [], {}
+  for warps in KERNEL_WARPS:
+    triton = dict(da.TRITON_OPTIONS, num_warps=warps)
+    forward = jax.jit(lambda p, triton=triton: da._pallas(p, biases, key_mask, words, rate, heads, save_keep=True,
+                                                          interpret=dry, triton=triton))
+    context, keep = forward(projection)
+    backward = jax.jit(lambda p, c, triton=triton: da._pallas_backward(p, biases, key_mask, keep, c, rate, heads,
+                                                                       interpret=dry, triton=triton))
+    for kernel, fn, args in (("forward", forward, (projection,)), ("backward", backward, (projection, cotangent))):
+      values = [np.asarray(v, np.float32) for v in jax.tree.leaves(fn(*args))]
+      first = reference.setdefault(kernel, values)
+      us, events = _kernel_us(fn, args, KERNEL_CALLS)
+      rows_out.append({"kernel": kernel, "num_warps": warps, "us_per_call": us, "events_per_call": events / KERNEL_CALLS,
+                       "bitwise_equal": all(np.array_equal(a, b) for a, b in zip(values, first)),
+                       "max_abs_difference": max(float(np.max(np.abs(a - b))) for a, b in zip(values, first))})
+  return {"rows": rows, "length": length, "heads": heads, "head_dim": head_dim, "dtype": "bfloat16",
+          "step_options": da.TRITON_OPTIONS, "variants": rows_out}

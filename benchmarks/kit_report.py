@@ -130,10 +130,11 @@ def summary(rows: list[dict]) -> dict:
         point[f"ratio_torch_{mode}"] = t["pipelined_step_ms"] / point["pipelined_step_ms"]
         point[f"ratio_torch_{mode}_blocked"] = t["blocked_step_ms"] / point["blocked_step_ms"]
     points.append(point)
-  ceilings = last.get("ceilings")
+  ceilings, variants = last.get("ceilings"), last.get("kernel_variants")
   s = {"device": setup.get("device_kind"), "date": setup.get("date"), "commit": setup.get("commit"),
        "dry": any(r.get("dry") for r in rows), "software": setup, "timing": timing_text(points),
-       "ceilings": ceilings["result"] if ceilings and ceilings["ok"] else None, "points": points}
+       "ceilings": ceilings["result"] if ceilings and ceilings["ok"] else None, "points": points,
+       "kernel_variants": variants["result"] if variants and variants["ok"] else None}
   return dict(s, kernels=kit_kernels.kernels_line(s, last))
 
 
@@ -208,6 +209,19 @@ def profile_lines(p: dict) -> list[str]:
   return lines + [""]
 
 
+def kernel_variant_lines(v: dict | None) -> list[str]:
+  """Our kernels alone under each warp count (`kit_points.kernel_variants`)."""
+  if not v:
+    return []
+  lines = ["", f"## The dropout-attention kernels alone ({v['rows']} rows x {v['length']} tokens, {v['heads']} heads "
+               f"of {v['head_dim']}, {v['dtype']}; the step launches them with {v['step_options']})", "",
+           "| kernel | num_warps | us per call | values |", "|---|---|---|---|"]
+  for r in v["variants"]:
+    values = "the step's, bit for bit" if r["bitwise_equal"] else f"differ by up to {r['max_abs_difference']:.3g}"
+    lines.append(f"| {r['kernel']} | {r['num_warps']} | {r['us_per_call']:.1f} | {values} |")
+  return lines
+
+
 def summary_markdown(s: dict) -> str:
   """summary.md: the calibration point as it is committed under docs/calibration/."""
   sw = s["software"]
@@ -225,6 +239,7 @@ def summary_markdown(s: dict) -> str:
     lines += ["", f"Device ceilings: copy {c['copy_tb_per_s']:.2f} TB/s (bytes read + written), bf16 "
                   f"{c['gemm_square']}^3 GEMM {c['gemm_tflops']:.0f} TFLOP/s, {c['chain_kernels']} dependent tiny "
                   f"kernels {c['launch_us']:.2f} us each, threefry {c['threefry_gwords_per_s']:.0f} G words/s."]
+  lines += kernel_variant_lines(s.get("kernel_variants"))
   lines += ["", "## GPU time by phase, by kind, and the largest kernels", ""]
   for p in (p for p in s["points"] if p["ok"]):
     lines += profile_lines(p)

@@ -92,6 +92,13 @@ def _rows():
           {"step": "b50_torch_compiled", "ok": True, "seconds": 70.0, "result": peer(40.0, 45.0)},
           {"step": "b512", "ok": False, "seconds": 5.0, "error": "RESOURCE_EXHAUSTED: out of memory", "tail": "Trace"},
           {"step": "k5", "ok": True, "seconds": 130.0, "result": population},
+          {"step": "kernel_variants", "ok": True, "seconds": 30.0, "result": {
+              "rows": 100, "length": 32, "heads": 12, "head_dim": 64, "dtype": "bfloat16",
+              "step_options": {"num_warps": 4, "num_stages": 1}, "variants": [
+                  {"kernel": "backward", "num_warps": 4, "us_per_call": 30.1, "events_per_call": 1.0,
+                   "bitwise_equal": True, "max_abs_difference": 0.0},
+                  {"kernel": "backward", "num_warps": 2, "us_per_call": 21.04, "events_per_call": 1.0,
+                   "bitwise_equal": False, "max_abs_difference": 0.0078125}]}},
           {"step": "ceilings", "ok": True, "seconds": 9.0, "result": {
               "copy_tb_per_s": 2.17, "gemm_square": 8192, "gemm_tflops": 642.5, "chain_kernels": 100,
               "launch_us": 3.0, "threefry_gwords_per_s": 182.0}}]
@@ -122,8 +129,10 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert "| encode (backward) | 7.500 | 75.0 | — |" in md and "| matrix multiply | 6.000 | 60.0 | — |" in md
   assert "| `loop_add_fusion_3` | 0.600 | 12 | loop_add_fusion.3, loop_add_fusion.9 (+10) | optimizer |" in md
   assert "copy 2.17 TB/s" in md and "3.00 us each" in md
+  assert "| backward | 4 | 30.1 | the step's, bit for bit |" in md
+  assert "| backward | 2 | 21.0 | differ by up to 0.00781 |" in md
   text = (out / "kit.md").read_text()
-  assert "kit: 8 of 11 steps done, 6 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b512_torch_eager, " \
+  assert "kit: 9 of 12 steps done, 7 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b512_torch_eager, " \
          "b512_torch_compiled" in text
   assert text.index("**`gpu_tests` failed: the kit's points train on the explicit path**") < text.index(
       "| step | state |")
@@ -196,7 +205,8 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
   state, out = tmp_path / "state", tmp_path / "out"
   kit_report_rows = lambda: kit_report.read_rows([str(state / kit_report.ROWS_FILE)])
   kit.main([str(out), "--state", str(state), "--budget_s", "79"])  # 80 s and longer steps do not fit
-  assert ran == ["caches", "b50_explicit", "ceilings", "b50_torch_eager", "b50_torch_compiled", "b512_torch_eager"]
+  assert ran == ["caches", "b50_explicit", "kernel_variants", "ceilings", "b50_torch_eager", "b50_torch_compiled",
+                 "b512_torch_eager"]
   with open(state / kit_report.ROWS_FILE, "a") as f:  # a process that died inside a step
     f.write(json.dumps({"step": "gpu_tests", "started": True}) + "\n")
   ran.clear()
@@ -208,7 +218,7 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
   ran.clear()
   kit.main([str(out), "--state", str(state), "--retry", "--steps", "b512,gpu_tests,b50"])
   assert ran == ["b512", "gpu_tests"]
-  assert "kit: 11 of 11 steps done, 10 ok, failed: b512\n" in (out / "kit.md").read_text()
+  assert "kit: 12 of 12 steps done, 11 ok, failed: b512\n" in (out / "kit.md").read_text()
 
 
 @pytest.mark.parametrize("tests_ok", [True, False, None])
@@ -312,6 +322,8 @@ def _check_dry_run(out):
     assert p["ratio_torch_eager"] == pytest.approx(p["torch_eager"]["pipelined_step_ms"] / p["pipelined_step_ms"])
     assert p["torch_compiled"]["pipelined_step_ms"] > 0
   assert s["ceilings"]["copy_tb_per_s"] > 0 and "CPU dry run" in (out / "summary.md").read_text()
+  variants = s["kernel_variants"]["variants"]  # the interpreter: warp counts change nothing
+  assert len(variants) == 8 and all(v["bitwise_equal"] and v["us_per_call"] > 0 for v in variants)
   names = subprocess.run(["tar", "tzf", str(out / "raw.tar.gz")], capture_output=True, text=True).stdout.split()
   assert sorted(names) == sorted(f"{p}.{k}" for p in ("b50", "b512", "k5") for k in ("hlo.txt.gz", "trace.json.gz"))
 

@@ -39,6 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 from micse_jax.kernels import explicit_attention as attention
 
+# Triton's launch options for both kernels; the kit times other choices (`benchmarks/kit_points.kernel_variants`)
+TRITON_OPTIONS = {"num_warps": 4, "num_stages": 1}
 KERNEL_NAME = "micse_dropout_attention"  # `aot/kernel_cost.py` prices the kernels by these names
 BACKWARD_KERNEL_NAME = "micse_dropout_attention_backward"
 _THREEFRY_KEY_PARITY = np.uint32(0x1BD11BDA)
@@ -164,7 +166,7 @@ def _divide(x, divisor: float):
 
 
 def _call(kernel, first_spec, projection, *, heads: int, rate: float, interpret: bool, name: str,
-          out_shape, out_specs, extra_specs=(), **options):
+          out_shape, out_specs, extra_specs=(), triton=None, **options):
   """A pallas_call of `kernel` over the (sentence, head) grid: `first_spec` (the key or the keep
   mask), the sentence's key mask, the head's Q, K and V blocks and their biases, `extra_specs`."""
   batch, length, width = projection.shape
@@ -176,7 +178,7 @@ def _call(kernel, first_spec, projection, *, heads: int, rate: float, interpret:
   return pl.pallas_call(
       functools.partial(kernel, heads=heads, rate=rate, head_dim=head_dim, **options), out_shape=out_shape,
       grid=(batch, heads), in_specs=in_specs, out_specs=out_specs,
-      compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=pallas_triton.CompilerParams(**(triton or TRITON_OPTIONS)),
       interpret=interpret, name=f"{name}_h{heads}")
 
 
@@ -185,7 +187,7 @@ def _keep_spec(length: int):
 
 
 def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_keep: bool = False,
-            interpret: bool = False, first_row=0):
+            interpret: bool = False, first_row=0, triton=None):
   """`reference` as one Pallas call (with `save_keep`, also its int8 keep mask) of rows that start at
   row `first_row` of the batch whose dropout draw it reproduces (a device's shard of it)."""
   batch, length, width = projection.shape
@@ -197,7 +199,7 @@ def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_kee
     out_specs.append(_keep_spec(length))
   call = _call(_forward_kernel, pl.BlockSpec((4,), lambda b, h: (0,)), projection, heads=heads, rate=rate,
                interpret=interpret, name=KERNEL_NAME, out_shape=tuple(out_shape), out_specs=tuple(out_specs),
-               save_keep=save_keep)
+               save_keep=save_keep, triton=triton)
   counter = jnp.concatenate([key.astype(jnp.uint32), jnp.stack([jnp.asarray(first_row).astype(jnp.uint32),
                                                                 jnp.uint32(0)])])  # 4: a power of two
   out = call(counter, key_mask.astype(jnp.int32), projection, projection, projection, *biases)
@@ -205,7 +207,7 @@ def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_kee
 
 
 def _pallas_backward(projection, biases, key_mask, keep, cotangent, rate: float, heads: int,
-                     interpret: bool = False):
+                     interpret: bool = False, triton=None):
   """(d projection, d biases) of `reference` at `cotangent` (d context) as one Pallas call: each
   (sentence, head) writes its Q, K, V gradient blocks into `[B, T, 3·heads·d]` and their column
   sums into `[B, 3·heads·d]` float32 partial bias sums, then added over sentences (and rounded to
@@ -217,7 +219,7 @@ def _pallas_backward(projection, biases, key_mask, keep, cotangent, rate: float,
                out_shape=(jax.ShapeDtypeStruct(projection.shape, projection.dtype),
                           jax.ShapeDtypeStruct((batch, width), jnp.float32)),
                out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)),
-               extra_specs=(pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h)),))
+               extra_specs=(pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h)),), triton=triton)
   d_projection, d_bias = call(keep, key_mask.astype(jnp.int32), projection, projection, projection, *biases,
                               cotangent)
   d_biases = jnp.split(jnp.sum(d_bias, axis=0), len(biases))
