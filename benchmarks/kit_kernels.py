@@ -27,7 +27,8 @@ def kernels_line(s: dict, last: dict) -> str:
 
 
 def gpu_tests_lines(tests: dict | None) -> list[str]:
-  """kit.md's lines on `pytest -m gpu`: counts, failures, where a time-out cut it, the trial tests."""
+  """kit.md's lines on `pytest -m gpu`: the gate's counts, failures, where a time-out cut it; the trial
+  tests' and the other files' outcomes."""
   if not tests:
     return []
   lines = [f"- `pytest -m gpu` ({', '.join(tests['files'])}): {tests['tests']} run, {tests['failures']} failed, "
@@ -39,11 +40,12 @@ def gpu_tests_lines(tests: dict | None) -> list[str]:
     lines.append(f"- cut at its time-out after: {', '.join(tests.get('outcomes', {})) or 'no test'}")
   if not tests["passed"]:
     lines += ["", "```", tests["tail"][-1500:], "```"]
-  trial = tests.get("trial")
-  if trial:
-    outcomes = ", ".join(f"{name} {outcome}" for name, outcome in trial.get("outcomes", {}).items())
-    lines.append(f"- trial GPU tests (kernel uses not taken yet; they decide nothing): {outcomes or 'none ran'}"
-                 + (" (cut at the time-out)" if trial.get("timed_out") else ""))
-    if not trial["passed"]:
-      lines += ["", "```", trial["tail"][-1500:], "```"]
+  for key, what in (("trial", "trial GPU tests (kernel uses not taken yet; they decide nothing)"),
+                    ("others", "the other files' GPU tests (they decide nothing)")):
+    run = tests.get(key)
+    if run:
+      outcomes = ", ".join(f"{name} {outcome}" for name, outcome in run.get("outcomes", {}).items())
+      lines.append(f"- {what}: {outcomes or 'none ran'}" + (" (cut at the time-out)" if run.get("timed_out") else ""))
+      if not run["passed"]:
+        lines += ["", "```", run["tail"][-1500:], "```"]
   return lines

@@ -140,15 +140,17 @@ def attention_facts(prog, text: str, attention: str) -> dict:
 
 
 def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype: str, raw: str,
-              timing_args: dict, attention: str = "fused") -> dict:
+              timing_args: dict, attention: str = "fused", cuda_graphs: str = "auto") -> dict:
   """A solo point: compile, HLO, blocked and pipelined times, profile (see the module docstring);
-  `attention` is `model.attention` ("explicit": without the dropout-attention kernels)."""
+  `attention` is `model.attention` ("explicit": without the dropout-attention kernels),
+  `cuda_graphs` `mesh.cuda_graphs`."""
   import transformers
 
   from micse_jax.bench import hardware, jax_step, timing
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype,
-                          lambda c: setattr(c.model, "attention", attention))
+  def overrides(config):
+    config.model.attention, config.mesh.cuda_graphs = attention, cuda_graphs
+  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype, overrides)
   compile_s, _ = step.compile()
   text = step.compiled.as_text()
   save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
@@ -158,14 +160,15 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
   trace_dir = profile(dispatch, wait, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   mfu = lambda ms: hardware.mfu(step.model_flops, ms / 1e3, dtype)
   return {"kind": "solo", "members": 1, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-          **attention_facts(step.program, text, attention), "timing": timing_args, "compile_s": compile_s, **t,
+          "cuda_graphs": step.program.cuda_graphs, **attention_facts(step.program, text, attention),
+          "timing": timing_args, "compile_s": compile_s, **t,
           "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
           "profile": profile_summary(trace_dir, text, steps)}
 
 
 def population_point(name: str, model_dir: str, members: int, batch_size: int, max_length: int, dtype: str,
-                     raw: str, timing_args: dict, attention: str = "fused") -> dict:
+                     raw: str, timing_args: dict, attention: str = "fused", cuda_graphs: str = "auto") -> dict:
   """A population of `members` at `batch_size`, measured as `jax_point` measures a solo step; its
   set-up is the trainer's (`training/program.py`: states stacked, the step vmapped)."""
   from micse_jax.bench import hardware, timing
@@ -174,7 +177,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   from micse_jax.training import program, run_inputs
   corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
   config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)
-  config.model.attention = attention
+  config.model.attention, config.mesh.cuda_graphs = attention, cuda_graphs
   runs = [run_inputs.prepare(c) for c in population_fields.member_configs(config)]
   prog = program.of_runs(config, runs)
   state = prog.initial_state(runs)
@@ -194,7 +197,8 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   steps = timing_args["profile_steps"]
   trace_dir = profile(dispatch, jax.block_until_ready, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   return {"kind": "population", "members": members, "batch_size": batch_size, "max_length": max_length,
-          "dtype": dtype, **attention_facts(prog, text, attention), "timing": timing_args, "compile_s": compile_s, **t,
+          "dtype": dtype, "cuda_graphs": prog.cuda_graphs, **attention_facts(prog, text, attention),
+          "timing": timing_args, "compile_s": compile_s, **t,
           "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
           "profile": profile_summary(trace_dir, text, steps)}

@@ -36,7 +36,7 @@ from micse_jax import jsonio
 from micse_jax.bench import timing
 
 ROWS_FILE = "kit.jsonl"
-POINT_NAMES = ("b50", "b50_explicit", "b512", "k5")  # the kit's JAX points, in order
+POINT_NAMES = ("b50", "b50_explicit", "b50_xla_graphs", "b512", "k5")  # the kit's JAX points, in order
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
 PREDICTED_KEYS = ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
                   "predicted_ms_by_kind", "predicted_ms_per_member_step", "predicted_collective_ms",
@@ -91,6 +91,7 @@ def label(p: dict) -> str:
     return p["name"]
   dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(p["dtype"], p["dtype"])
   path = "" if p.get("own_kernels", True) and p.get("dropout_kernel_calls", 1) else ", explicit attention"
+  path += ", cuBLAS in the CUDA graphs" if p.get("cuda_graphs") == "xla" else ""
   return (f"{dtype} population K={p['members']}, batch {p['batch_size']}{path}" if p["kind"] == "population"
           else f"{dtype} batch {p['batch_size']}{path}")
 
@@ -315,11 +316,12 @@ def predict(hlo_text: str, device_kind: str, point: dict, trace_path: str | None
   if target is None:
     return None
   members = point.get("members") or 1
-  result = {k: v for k, v in time_model.predict(hlo_text, target, top=0, members=members).items()
+  graphs = point.get("cuda_graphs", "xla")  # points measured before mesh.cuda_graphs ran XLA's default
+  result = {k: v for k, v in time_model.predict(hlo_text, target, top=0, members=members, cuda_graphs=graphs).items()
             if k in PREDICTED_KEYS}
   if trace_path and os.path.isfile(trace_path):
     check = model_check.compare(hlo_text, trace_path, point["profile"]["profiled_steps"], target,
-                                point.get("pipelined_step_ms"), point.get("blocked_step_ms"))
+                                point.get("pipelined_step_ms"), point.get("blocked_step_ms"), graphs)
     result["model_check"] = check
   return result
 

@@ -73,9 +73,7 @@ def _real(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool 
   def check(v):
     if not _is_number(v):
       return f"must be a finite number, got {v!r}"
-    low_ok = v > lo if lo_open else v >= lo
-    high_ok = v < hi if hi_open else v <= hi
-    if low_ok and high_ok:
+    if (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi):
       return None
     if hi == math.inf:
       return f"must be {'>' if lo_open else '>='} {lo}, got {v}"
@@ -113,6 +111,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "mesh.shard_state": lambda v: None if v is None else _bool(v),  # None: chosen by the devices
     "mesh.shard_update": _bool,
     "mesh.shard_min_elements": _int(1),
+    "mesh.cuda_graphs": _choice("auto", "kernels", "xla"),  # training/mesh.CUDA_GRAPHS, cuda_graphs_for
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",
     "model.rng_impl": _choice(*RNG_IMPLS),
     "data.corpus": _text,

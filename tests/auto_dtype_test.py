@@ -63,13 +63,15 @@ def test_resume_compares_resolved_dtypes():
   assert config_checks.config_differences(saved, on_a100) == ["model.dtype ('float32' -> 'bfloat16')"]
   # memory layout options may change on resume (the same function is computed)
   relaid = dict(on_cpu, model=dict(on_cpu["model"], remat="full", attention="explicit"),
-                mesh=dict(on_cpu["mesh"], shard_state=True))
+                mesh=dict(on_cpu["mesh"], shard_state=True, cuda_graphs="xla"))
   assert config_checks.config_differences(saved, relaid) == []
+  older = dict(saved, mesh={k: v for k, v in saved["mesh"].items() if k != "cuda_graphs"})  # before the field
+  assert config_checks.config_differences(older, on_cpu) == []
 
 
 @pytest.mark.parametrize("field, value", [("model.dtype", "fp8"), ("model.remat", "all"),
                                           ("model.attention", "flash"),
-                                          ("mesh.shard_min_elements", 0)])
+                                          ("mesh.shard_min_elements", 0), ("mesh.cuda_graphs", "none")])
 def test_bad_memory_or_precision_option_is_a_config_error(field, value):
   from micse_jax.configs import micse
   from micse_jax.errors import ConfigError

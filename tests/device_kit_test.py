@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from benchmarks import kit, kit_points, kit_report
+from benchmarks import kit, kit_kernels, kit_points, kit_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_VENV = os.environ.get("MICSE_IMAGE_VENV", os.path.expanduser("~/.cache/micse_jax/image-venv-py312"))
@@ -132,8 +132,8 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert "| backward | 4 | 30.1 | the step's, bit for bit |" in md
   assert "| backward | 2 | 21.0 | differ by up to 0.00781 |" in md
   text = (out / "kit.md").read_text()
-  assert "kit: 9 of 12 steps done, 7 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b512_torch_eager, " \
-         "b512_torch_compiled" in text
+  assert "kit: 9 of 13 steps done, 7 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b50_xla_graphs, " \
+         "b512_torch_eager, b512_torch_compiled" in text
   assert text.index("**`gpu_tests` failed: the kit's points train on the explicit path**") < text.index(
       "| step | state |")
   assert "| b512_torch_compiled | not run yet | — (planned 80) |" in text
@@ -199,14 +199,15 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
     ran.append(name)
     if name == "b512":
       raise RuntimeError("simulated failure")
-    return results.get(name) or results["b50"] if name in ("b50", "b50_explicit", "k5") else results.get(name) or {}
+    return results.get(name) or results["b50"] if name in ("b50", "b50_explicit", "b50_xla_graphs", "k5") \
+        else results.get(name) or {}
   monkeypatch.setattr(kit, "measure", fake_measure)
   monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "NVIDIA H100 80GB HBM3", "date": "d"})
   state, out = tmp_path / "state", tmp_path / "out"
   kit_report_rows = lambda: kit_report.read_rows([str(state / kit_report.ROWS_FILE)])
   kit.main([str(out), "--state", str(state), "--budget_s", "79"])  # 80 s and longer steps do not fit
-  assert ran == ["caches", "b50_explicit", "kernel_variants", "ceilings", "b50_torch_eager", "b50_torch_compiled",
-                 "b512_torch_eager"]
+  assert ran == ["caches", "b50_explicit", "b50_xla_graphs", "kernel_variants", "ceilings", "b50_torch_eager",
+                 "b50_torch_compiled", "b512_torch_eager"]
   with open(state / kit_report.ROWS_FILE, "a") as f:  # a process that died inside a step
     f.write(json.dumps({"step": "gpu_tests", "started": True}) + "\n")
   ran.clear()
@@ -218,7 +219,7 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
   ran.clear()
   kit.main([str(out), "--state", str(state), "--retry", "--steps", "b512,gpu_tests,b50"])
   assert ran == ["b512", "gpu_tests"]
-  assert "kit: 12 of 12 steps done, 11 ok, failed: b512\n" in (out / "kit.md").read_text()
+  assert "kit: 13 of 13 steps done, 12 ok, failed: b512\n" in (out / "kit.md").read_text()
 
 
 @pytest.mark.parametrize("tests_ok", [True, False, None])
@@ -226,8 +227,8 @@ def test_the_points_train_with_the_kernels_only_once_gpu_tests_passed(tmp_path, 
   """`gpu_tests` first: passed, b50 / b512 / k5 take the kernels the device can run and b50_explicit
   is the A/B without them; failed or not run, every point trains on the explicit path."""
   asked = {}
-  monkeypatch.setattr(kit_points, "jax_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
-  monkeypatch.setattr(kit_points, "population_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
+  monkeypatch.setattr(kit_points, "jax_point", lambda name, *args: asked.setdefault(name, args[-2:]) and {})
+  monkeypatch.setattr(kit_points, "population_point", lambda name, *args: asked.setdefault(name, args[-2:]) and {})
   monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "NVIDIA H100 80GB HBM3", "date": "d"})
   the_kit = kit.Kit(kit.parse_args([str(tmp_path / "out"), "--state", str(tmp_path / "state")]))
   monkeypatch.setattr(kit.Kit, "model_dir", lambda self: "model")
@@ -235,10 +236,11 @@ def test_the_points_train_with_the_kernels_only_once_gpu_tests_passed(tmp_path, 
     the_kit.add({"step": "gpu_tests", "ok": tests_ok, "result": {
         "returncode": 1 - tests_ok, "tests": 1, "failures": 1 - tests_ok, "errors": 0, "skipped": 0, "files": [],
         "passed": tests_ok, "tail": ""}})
-  for name in ("b50", "b50_explicit", "b512", "k5"):
+  for name in ("b50", "b50_explicit", "b50_xla_graphs", "b512", "k5"):
     kit.measure(the_kit, name)
   fused = "fused" if tests_ok else "explicit"
-  assert asked == {"b50": fused, "b50_explicit": "explicit", "b512": fused, "k5": fused}
+  assert asked == {"b50": (fused, "auto"), "b50_explicit": ("explicit", "auto"), "b50_xla_graphs": (fused, "xla"),
+                   "b512": (fused, "auto"), "k5": (fused, "auto")}
 
 
 def test_the_report_says_which_path_ran_and_the_kernels_gain(tmp_path):
@@ -370,6 +372,32 @@ def test_a_killed_group_is_waited_for_until_no_member_runs():
   finally:
     sleeper.kill()
     sleeper.wait()
+
+
+def test_only_our_kernels_own_gpu_tests_decide_and_the_rest_run_in_what_is_left(monkeypatch):
+  """The gate is the kernels' file alone; the trial tests and the other files follow in what is left,
+  and a time-out or failure there leaves the kernels proven."""
+  calls, clock = [], [0.0]
+
+  def fake_pytest(markers, files, timeout_s):
+    calls.append((markers, files, round(timeout_s)))
+    clock[0] += 150 if files == list(kit.FIRST_GPU_TESTS) and "not trial" in markers else 10
+    cut = files != list(kit.FIRST_GPU_TESTS)
+    return {"returncode": None if cut else 0, "tests": 1, "failures": 0, "errors": 0, "skipped": 0,
+            "outcomes": {}, "files": files, "passed": not cut, "timed_out": cut, "tail": ""}
+  monkeypatch.setattr(kit, "_pytest", fake_pytest)
+  monkeypatch.setattr(kit.time, "monotonic", lambda: clock[0])
+  result = kit.gpu_tests(200)
+  others = [f for f in kit.gpu_test_files() if f not in kit.FIRST_GPU_TESTS]
+  assert others and calls == [("gpu and not trial", list(kit.FIRST_GPU_TESTS), 200),
+                              ("gpu and trial", list(kit.FIRST_GPU_TESTS), 50), ("gpu and not trial", others, 40)]
+  assert result["passed"] and result["files"] == list(kit.FIRST_GPU_TESTS) and result["others"]["timed_out"]
+  lines = kit_kernels.gpu_tests_lines(result)
+  assert "- the other files' GPU tests (they decide nothing): none ran (cut at the time-out)" in lines
+  clock[0] = 0.0
+  calls.clear()
+  kit.gpu_tests(160)  # the gate leaves 10 s: nothing else starts
+  assert [c[0] for c in calls] == ["gpu and not trial"]
 
 
 def test_gpu_tests_cut_at_their_time_out_say_what_ran_and_leave_no_process_behind(tmp_path):

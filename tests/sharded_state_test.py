@@ -86,22 +86,36 @@ def test_the_program_decides_the_layout_on_a_copy_of_the_config():
   assert _with_state_layout(config, SimpleNamespace(size=8), gpus, 0) is config
 
 
+KERNEL_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"}  # cuBLAS / cuDNN calls between graphs
+
+
 @pytest.mark.parametrize("sharded, platform, devices, expected", [
-    (True, "cuda", 8, {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}),
-    (True, "cuda", 16, {"xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * 2 ** 20}),  # 64 MiB read
-    (True, "cuda", 2, {"xla_gpu_reduce_scatter_combine_threshold_bytes": 32 * 2 ** 20}),
-    (False, "cuda", 8, {}),  # replicated: all-reduces, whose combining XLA's defaults already overlap
+    (True, "cuda", 8, {**KERNEL_GRAPHS, "xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}),
+    (True, "cuda", 16, {**KERNEL_GRAPHS, "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * 2 ** 20}),  # 64 MiB
+    (True, "cuda", 2, {**KERNEL_GRAPHS, "xla_gpu_reduce_scatter_combine_threshold_bytes": 32 * 2 ** 20}),
+    (False, "cuda", 8, KERNEL_GRAPHS),  # replicated: all-reduces, whose combining XLA's defaults already overlap
+    (False, "cuda", 1, KERNEL_GRAPHS),
     (True, "cpu", 4, {}),
     (True, "tpu", 8, {}),
 ])
-def test_the_sharded_step_on_gpus_combines_its_reduce_scatters_in_smaller_pieces(sharded, platform, devices,
-                                                                                 expected):
+def test_the_step_on_gpus_keeps_library_calls_out_of_its_graphs_and_combines_reduce_scatters_in_pieces(
+    sharded, platform, devices, expected):
   from micse_jax.training.mesh import compiler_options
   assert compiler_options(sharded, platform, devices) == expected
+  xla = compiler_options(sharded, platform, devices, cuda_graphs="xla")  # XLA's own default graphs
+  assert xla == {k: v for k, v in expected.items() if k not in KERNEL_GRAPHS}
+
+
+@pytest.mark.parametrize("mode, ampere_or_newer, resolved", [
+    ("auto", True, "kernels"), ("auto", False, "xla"), ("kernels", False, "kernels"), ("xla", True, "xla")])
+def test_auto_keeps_library_calls_out_of_the_graphs_of_ampere_or_newer_gpus(mode, ampere_or_newer, resolved):
+  from micse_jax.training.mesh import cuda_graphs_for
+  assert cuda_graphs_for(mode, ampere_or_newer) == resolved
 
 
 def test_the_program_compiles_its_step_with_its_options():
-  """`program.compiled` hands the program's `compiler_options` (its layout's, its target's) to XLA."""
+  """`program.compiled` hands the program's `compiler_options` (its layout's, its target's, its CUDA
+  graphs') to XLA."""
   import dataclasses
   from types import SimpleNamespace
 
@@ -113,10 +127,21 @@ def test_the_program_compiles_its_step_with_its_options():
   config = micse.get_config()
   config.mesh.shard_state = True
   fields = {f.name: None for f in dataclasses.fields(program.Program)}
-  prog = program.Program(**dict(fields, config=config, target=Target(platform="cuda", devices=8)))
-  object.__setattr__(prog, "lower", lambda: lowered)  # no state or batch to lower: the compile call is what is read
-  assert program.compiled(prog).executable == "executable"
-  assert seen == [{"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}]
+
+  def compiled_for(compute_capability=None):
+    target = Target(platform="cuda", devices=8, compute_capability=compute_capability)
+    prog = program.Program(**dict(fields, config=config, target=target))
+    object.__setattr__(prog, "lower", lambda: lowered)  # no state or batch to lower: the compile call is what is read
+    return program.compiled(prog).executable
+  combine = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2 ** 20}
+  assert compiled_for() == "executable" and seen == [combine]  # no compute capability known: XLA's graphs
+  compiled_for((9, 0))  # "auto" keeps library calls out of an H100's graphs
+  assert seen[-1] == {**KERNEL_GRAPHS, **combine}
+  compiled_for((7, 0))
+  assert seen[-1] == combine
+  config.mesh.cuda_graphs = "kernels"
+  compiled_for((7, 0))
+  assert seen[-1] == {**KERNEL_GRAPHS, **combine}
 
 
 def _local_shape(name, shape, devices=4):

@@ -153,6 +153,36 @@ def test_pipelined_step_is_device_or_host_time_and_blocked_pays_both():
   assert p["predicted_ms_by_phase"] == {"optimizer": pytest.approx(1e3 * kernel)}
 
 
+def _two_gemms(m: int) -> str:
+  return _module("", f"a: bf16[{m},{m}]",
+                 f"  %a = bf16[{m},{m}]{{1,0}} parameter(0)\n"
+                 f"  %g1 = (bf16[{m},{m}]{{1,0}}, s8[1024]{{0}}) custom-call(%a, %a), "
+                 f'custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}\n'
+                 f"  %x = bf16[{m},{m}]{{1,0}} get-tuple-element(%g1), index=0\n"
+                 f"  ROOT %g2 = (bf16[{m},{m}]{{1,0}}, s8[1024]{{0}}) custom-call(%x, %a), "
+                 f'custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}')
+
+
+def test_library_calls_between_cuda_graphs_cost_the_gpu_inside_them_the_host():
+  """Two cuBLAS calls: kept out of the CUDA graphs ("kernels"), each costs the GPU a graph boundary;
+  inside them ("xla"), a host that runs ahead of the GPU captures both again every step."""
+  m = 4096
+  gemm = time_model.LAUNCH_S + time_model.GEMM_OVERHEAD_S + 2 * m ** 3 / (989.4e12 * time_model.GEMM_EFFICIENCY)
+  host = 2 * time_model.HOST_PER_KERNEL_S
+  apart = time_model.predict(_two_gemms(m), "h100", cuda_graphs="kernels")
+  assert apart["library_calls_per_step"] == 2 and apart["cuda_graphs"] == "kernels"
+  assert apart["predicted_device_ms"] == pytest.approx(1e3 * 2 * (gemm + time_model.GRAPH_BREAK_S))
+  assert apart["predicted_pipelined_host_ms"] == pytest.approx(1e3 * host)
+  assert apart["predicted_step_ms"] == pytest.approx(apart["predicted_device_ms"])
+  inside = time_model.predict(_two_gemms(m), "h100", cuda_graphs="xla")
+  assert inside["predicted_device_ms"] == pytest.approx(1e3 * 2 * gemm) and host < 2 * gemm
+  assert inside["predicted_pipelined_host_ms"] == pytest.approx(1e3 * (host + 2 * time_model.RECAPTURE_S))
+  assert inside["predicted_step_ms"] == pytest.approx(1e3 * max(2 * gemm, host + 2 * time_model.RECAPTURE_S))
+  assert inside["predicted_blocked_step_ms"] == pytest.approx(1e3 * (2 * gemm + host))  # waited for: nothing moved
+  small = time_model.predict(_two_gemms(64), "h100", cuda_graphs="xla")  # the host is the slower: never ahead
+  assert small["predicted_pipelined_host_ms"] == pytest.approx(1e3 * host)
+
+
 @pytest.mark.parametrize("target", sorted(time_model.DEVICES))
 def test_every_target_predicts_a_gemm(target):
   m = n = k = 1024

@@ -65,6 +65,7 @@ class Cost:
   atomic_updates: float = 0.0  # scatter-add update elements (atomics)
   atomic_chain: float = 0.0    # updates per target element: atomics to one address run one after another
   measured_factor: float = 1.0  # one of our Pallas kernels: its measured time over this model's price
+  library: bool = False        # a cuBLAS / cuDNN call (XLA records it into a CUDA graph by stream capture)
 
   @property
   def bytes(self) -> float:
@@ -369,7 +370,8 @@ def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel)
   rounds, factor = 0.0, 1.0
   if pallas:
     flops, rounds, dtype, factor = _pallas_work(ins, result)
-  return Cost(kernel.name, kernel.kind, kernel.phase, read, written, flops, rounds, dtype, measured_factor=factor)
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, written, flops, rounds, dtype, measured_factor=factor,
+              library=bool(re.search(r'custom_call_target="__(cublas|cudnn)', ins.text)))
 
 
 def plain_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:

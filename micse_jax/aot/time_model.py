@@ -14,9 +14,11 @@ rounds, sort and scatter work) takes
 with `e_mem` by what the kernel does (`memory_efficiency`: elementwise, reduction, narrow column
 reduction, wide concatenate) and `round_rate` = the 32-bit integer lanes' rate / `OPS_PER_ROUND`
 · `INTEGER_EFFICIENCY`. The kernels of one step add up to the device time
-(`predicted_device_ms`): XLA runs them one after another (one CUDA graph per step, kernels back to
-back). The trainer does not wait for a step before dispatching the next, so a step takes the
-device time or, when the host is slower, the host's (`predicted_step_ms` = max(device, host)).
+(`predicted_device_ms`): XLA runs them one after another (CUDA graphs, kernels back to back; with
+`mesh.cuda_graphs` "kernels" each cuBLAS / cuDNN call runs between two graphs, `GRAPH_BREAK_S` more).
+The trainer does not wait for a step before dispatching the next, so a step takes the device time
+or, when the host is slower, the host's (`predicted_step_ms` = max(device, host); with library
+calls inside the graphs, "xla", the host captures them again every step, `pipelined_host_seconds`).
 A step that is waited for (`predicted_blocked_step_ms`, what a blocked benchmark measures) pays
 both: the host's dispatch of the step's CUDA graph (`HOST_PER_KERNEL_S` per kernel: updating and
 launching the graph's nodes) then the device time. `floor_ms`: each kernel's bytes at peak
@@ -64,6 +66,9 @@ SHARED_EFFICIENCY = 0.65          # the bitonic sorts: 0.64-0.66 of 128 B/clock/
 ATOMIC_RATE = 2.1e11              # scatter-add updates/s (the word-embedding gradient: 25 M updates in 120 us)
 ATOMIC_CHAIN_S = 20e-9            # atomics on one address run one after another (the token-type gradient: 16 K deep)
 HOST_PER_KERNEL_S = 5.9e-6        # blocked - pipelined step per kernel: 4.3 (b50), 6.7 (b512), 6.8 us (K = 5)
+PRE_AMPERE = ("v100",)            # GPU targets below compute capability 8.0 (`mesh.cuda_graphs_for`)
+RECAPTURE_S = 66e-6               # a library call in a CUDA graph captured again: update 9.0 ms with 118, 2.3 with 11
+GRAPH_BREAK_S = 2e-6              # a library call between two CUDA graphs: the GPU's gap (an estimate, not measured)
 TPU_LAUNCH_S = 0.3e-6             # XLA:TPU runs the whole step as one program: a fusion boundary, not a launch
 TPU_HOST_S = 100e-6               # one program launch per step
 
@@ -160,6 +165,16 @@ def host_seconds(kernels: int, device: Device) -> float:
   return kernels * HOST_PER_KERNEL_S if device.platform == "gpu" else TPU_HOST_S
 
 
+def pipelined_host_seconds(host_s: float, device_s: float, library_calls: int, cuda_graphs: str) -> float:
+  """The host's time per pipelined step. With library calls in the CUDA graphs (`cuda_graphs` "xla")
+  and a host faster than the device, the host runs a step ahead, so each step's buffers are not
+  where the last step's were and XLA captures every library call of the graph again
+  (`RECAPTURE_S` each); the step is host-bound when that outgrows the device time."""
+  if cuda_graphs == "xla" and host_s < device_s:
+    return host_s + library_calls * RECAPTURE_S
+  return host_s
+
+
 def _ms_by(timed, attr: str) -> dict:
   total = collections.Counter()
   for cost, seconds in timed:
@@ -215,29 +230,37 @@ def _priced_collectives(hlo_text: str, target: str) -> tuple[dict, dict]:
   return found, {name: interconnect.seconds(c, target, devices) for name, c in found.items()}
 
 
-def predict(hlo_text: str, target: str, top: int = 20, members: int = 1) -> dict:
+def predict(hlo_text: str, target: str, top: int = 20, members: int = 1, cuda_graphs: str | None = "kernels") -> dict:
   """The predicted step of an optimised HLO module on `target` (a key of `DEVICES`), JSON-able:
   `predicted_step_ms` (pipelined, as the trainer runs), `predicted_blocked_step_ms`, `floor_ms`,
   by phase and kind, bytes, FLOPs and threefry hashes per step, the `top` largest kernels,
   collectives priced (`predicted_collective_ms`) and exposed (`predicted_exposed_collective_ms`);
-  `members` > 1 (a population step) adds `predicted_ms_per_member_step`."""
+  `members` > 1 (a population step) adds `predicted_ms_per_member_step`. `cuda_graphs`: what the
+  program's CUDA graphs hold (`mesh.cuda_graphs`): "kernels", each library call costs the GPU a
+  graph boundary (`GRAPH_BREAK_S`); "xla", the host may capture them again (`pipelined_host_seconds`)."""
   device = DEVICES[target]
   costs = kernel_cost.costs(hlo_text)
   found, priced = _priced_collectives(hlo_text, target)
-  compute = {c.name: kernel_seconds(c, device) for c in costs if c.name not in priced}
+  gpu = device.platform == "gpu"
+  library = [c.name for c in costs if c.library and gpu]
+  boundary = {name: GRAPH_BREAK_S for name in library} if cuda_graphs == "kernels" else {}
+  compute = {c.name: kernel_seconds(c, device) + boundary.get(c.name, 0.0) for c in costs if c.name not in priced}
   order = _schedule(hlo_text, {c.name for c in costs}, {c.done: k for k, c in found.items() if c.done})
   waited = _timeline(order, compute, {k: s for k, (s, _) in priced.items()}, {k for k, c in found.items() if c.sync})
   timed = [(c, waited[c.name] if c.name in priced else compute[c.name]) for c in costs]
   device_s = sum(s for _, s in timed)
   host_s = host_seconds(len(timed), device)
+  step_s = max(device_s, pipelined_host_seconds(host_s, device_s, len(library), cuda_graphs))
   largest = sorted(timed, key=lambda x: -x[1])[:top]
   floor_s = sum(floor_seconds(c, device) for c in costs if c.name not in priced)
-  extra = {"predicted_ms_per_member_step": 1e3 * max(device_s, host_s) / members} if members > 1 else {}
+  extra = {"predicted_ms_per_member_step": 1e3 * step_s / members} if members > 1 else {}
   return {
       "time_model_target": target, "time_model_device": device.name, **extra,
-      "predicted_step_ms": 1e3 * max(device_s, host_s), "predicted_over_floor": max(device_s, host_s) / floor_s,
+      "predicted_step_ms": 1e3 * step_s, "predicted_over_floor": step_s / floor_s,
       "predicted_blocked_step_ms": 1e3 * (device_s + host_s),
       "predicted_device_ms": 1e3 * device_s, "predicted_host_ms": 1e3 * host_s,
+      "predicted_pipelined_host_ms": 1e3 * pipelined_host_seconds(host_s, device_s, len(library), cuda_graphs),
+      "cuda_graphs": cuda_graphs if gpu else None, "library_calls_per_step": len(library),
       "floor_ms": 1e3 * floor_s,
       "predicted_collective_ms": 1e3 * sum(s for s, _ in priced.values()),
       "predicted_exposed_collective_ms": 1e3 * sum(waited.values()),
@@ -269,10 +292,11 @@ def read_hlo(path: str) -> str:
   return text
 
 
-def run_saved(path: str, target: str, output: str | None = None, members: int = 1) -> dict:
-  """`python -m micse_jax.bench --aot_hlo FILE --aot TARGET [--population K]`: the time model of a
-  saved program (K members: a population's), with its kernel counts (no compile); prints the
-  report and the JSON line, returns the result."""
+def run_saved(path: str, target: str, output: str | None = None, members: int = 1,
+              cuda_graphs: str = "auto") -> dict:
+  """`python -m micse_jax.bench --aot_hlo FILE --aot TARGET [--population K] [--cuda_graphs M]`: the
+  time model of a saved program (K members: a population's; compiled with `mesh.cuda_graphs` M),
+  with its kernel counts (no compile); prints the report and the JSON line, returns the result."""
   from micse_jax import cli
   from micse_jax.aot import hlo
   with cli.input_errors_as_one_line():
@@ -280,7 +304,9 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
       raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
     text = read_hlo(path)
   counts = hlo.summary(text)
-  result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members),
+  if cuda_graphs == "auto":  # as the program chose for the target (`mesh.cuda_graphs_for`)
+    cuda_graphs = "xla" if target in PRE_AMPERE else "kernels"
+  result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members, cuda_graphs=cuda_graphs),
             "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
             "update_kernels_per_step": counts["update_kernels_per_step"]}
   print(f"micse_jax.bench --aot_hlo {path} --aot {target}: {result['kernels_per_step']} kernels")
@@ -296,7 +322,8 @@ def report_lines(p: dict) -> list[str]:
   """The prediction as report lines."""
   lines = [f"  time model ({p['time_model_device']}; docs/AOT.md): step {p['predicted_step_ms']:.2f} ms "
            f"pipelined, {p['predicted_blocked_step_ms']:.2f} ms blocked (device {p['predicted_device_ms']:.2f} ms, "
-           f"host dispatch {p['predicted_host_ms']:.2f} ms), floor {p['floor_ms']:.2f} ms "
+           f"host dispatch {p['predicted_host_ms']:.2f} ms, {p['predicted_pipelined_host_ms']:.2f} pipelined; "
+           f"CUDA graphs: {p['cuda_graphs']}, {p['library_calls_per_step']} library calls), floor {p['floor_ms']:.2f} ms "
            f"(predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
            + (f"; {p['predicted_ms_per_member_step']:.2f} ms per member-step"
               if "predicted_ms_per_member_step" in p else ""),

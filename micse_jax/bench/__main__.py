@@ -60,8 +60,7 @@ def parse_args(argv):
   p.add_argument("--encode_batch_size", type=int, default=128)
   p.add_argument("--encode_sentences", type=int, default=1024)
   p.add_argument("--encode_corpus", default=None,
-                 help="sentences for --encode (first lines); default: the shared wiki excerpt, "
-                      "else random words")
+                 help="sentences for --encode (first lines); default: the shared wiki excerpt, else random words")
   p.add_argument("--profile", metavar="DIR", help="write the jax.profiler trace of the breakdown's full steps here")
   p.add_argument("--output", help="also write the JSON result to this file (rewritten after each row)")
   p.add_argument("--rows", help="append each measured row to this JSON-lines file as it is measured")
@@ -78,6 +77,8 @@ def parse_args(argv):
                       "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")
   p.add_argument("--aot_hlo", metavar="FILE", help="with --aot TARGET: predict a saved optimized-HLO file's step time (aot/time_model.py)")
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
+  p.add_argument("--cuda_graphs", choices=("auto", "kernels", "xla"), default="auto", help="with --aot: the "
+                 "step's mesh.cuda_graphs; with --aot_hlo: how the saved program was compiled")
   p.add_argument("--population", type=int, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
   p.add_argument("--population_members", metavar="K,K,...", help="instead: population training of these sizes "
@@ -255,7 +256,7 @@ def run_aot(args) -> dict:
   jax.config.update("jax_platforms", "cpu")  # the target is not here; compile on the host
   with cli.input_errors_as_one_line():
     result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype,
-                     encode=not args.population, population=args.population)
+                     encode=not args.population, population=args.population, cuda_graphs=args.cuda_graphs)
   print("\n".join(aot.report_lines(result)))
   if args.output:
     jsonio.write_json(args.output, result)
@@ -303,7 +304,8 @@ def main(argv=None) -> dict:
     return host.run(args)
   if args.aot_hlo:
     from micse_jax.aot import time_model
-    return time_model.run_saved(args.aot_hlo, args.aot, args.output, members=args.population or 1)
+    return time_model.run_saved(args.aot_hlo, args.aot, args.output, members=args.population or 1,
+                                cuda_graphs=args.cuda_graphs)
   if args.aot:
     return run_aot(args)
   if args.encode_attention:

@@ -42,12 +42,14 @@ def step_config(model: str, bert_config, batch_size: int, max_length: int, dtype
 
 
 def run(target: str, num_devices: int, model: str, batch_size: int, max_length: int, dtype: str,
-        encode: bool = True, population: int = 0) -> dict:
+        encode: bool = True, population: int = 0, cuda_graphs: str = "auto") -> dict:
   """Compiles the step (and the encode program) for `target`; returns the JSON-able report.
-  `population` K > 0: the step of K stacked runs, with its kernels and memory per member-step."""
+  `population` K > 0: the step of K stacked runs, with its kernels and memory per member-step;
+  `cuda_graphs`: the step's `mesh.cuda_graphs` (compiled and priced so)."""
   devices = target_devices(target, num_devices)
   bert_config = bert_config_for(model)
   config = step_config(model, bert_config, batch_size, max_length, dtype, population)
+  config.mesh.cuda_graphs = cuda_graphs
   try:
     prog, compile_s = aot_compile.compiled_program(config, bert_config, devices)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
@@ -57,7 +59,8 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
             "jax_version": jax.__version__, "compile_s": compile_s,
             "state_layout": "sharded" if prog.config.mesh.shard_state else "replicated",
             **aot_compile.report(prog.executable, len(devices), population)}
-  result.update(time_model.predict(prog.executable.as_text(), target, members=population or 1))  # aot/time_model.py
+  result.update(time_model.predict(prog.executable.as_text(), target, members=population or 1,
+                                   cuda_graphs=prog.cuda_graphs))  # aot/time_model.py
   if encode:
     enc, enc_s = aot_compile.compile_encode(devices[0], bert_config, batch_size, max_length, dtype)
     enc_kernels = hlo.summary(enc.as_text())

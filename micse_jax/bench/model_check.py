@@ -21,7 +21,7 @@ from micse_jax.bench import trace_summary
 
 
 def compare(hlo_text: str, trace_path: str, steps: int, target: str, pipelined_ms: float | None = None,
-            blocked_ms: float | None = None) -> dict:
+            blocked_ms: float | None = None, cuda_graphs: str = "kernels") -> dict:
   """{'by_class': {class: {'predicted_ms', 'measured_ms', 'error'}}, 'predicted_device_ms',
   'measured_kernel_ms', 'attributed_share', 'predicted_step_ms', 'predicted_blocked_step_ms', and
   the measured step times with their errors when given}; milliseconds per step."""
@@ -34,7 +34,7 @@ def compare(hlo_text: str, trace_path: str, steps: int, target: str, pipelined_m
     row[0] += 1e3 * time_model.kernel_seconds(cost, device)
     row[1] += durations.get(cost.name, 0.0) / 1e3 / steps
   measured = (sum(durations.values()) + unattributed) / 1e3 / steps
-  predicted = time_model.predict(hlo_text, target, top=0)
+  predicted = time_model.predict(hlo_text, target, top=0, cuda_graphs=cuda_graphs)
   error = lambda p, m: p / m - 1 if m else None
   result = {"target": target, "steps": steps, "measured_kernel_ms": measured,
             "attributed_share": 1 - unattributed / 1e3 / steps / measured if measured else 0.0,
@@ -75,9 +75,10 @@ def main(argv=None) -> dict:
   p.add_argument("--target", default="h200", choices=sorted(time_model.DEVICES))
   p.add_argument("--pipelined_ms", type=float, help="the measured pipelined step")
   p.add_argument("--blocked_ms", type=float, help="the measured blocked step")
+  p.add_argument("--cuda_graphs", default="kernels", choices=("kernels", "xla"), help="the program's mesh.cuda_graphs")
   args = p.parse_args(argv)
   result = compare(time_model.read_hlo(args.hlo), args.trace, args.steps, args.target, args.pipelined_ms,
-                   args.blocked_ms)
+                   args.blocked_ms, args.cuda_graphs)
   print("\n".join(report_lines(result)))
   print(json.dumps(result))
   return result

@@ -49,6 +49,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.shard_min_elements = 2 ** 14  # smaller state leaves stay replicated when shard_state/shard_update is on
   c.mesh.shard_update = False         # ZeRO-1/2: gradients reduce-scattered, 1/N of the update per device,
                                       # params/EMA all-gathered; moments sharded (docs/scaling-and-clusters.md)
+  c.mesh.cuda_graphs = "auto"         # CUDA: what XLA puts into the step's CUDA graphs: kernels (XLA's and ours;
+                                      # cuBLAS/cuDNN between them) | xla (XLA's set) | auto (training/mesh.py)
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = paths.corpus_path("wiki1m_for_simcse.txt")

@@ -19,6 +19,10 @@ MIN_SHARDED_DEVICES = 2
 # (each device writing 1/N of them: XLA's threshold counts those): XLA's default combines them into
 # one large reduce-scatter late in the backward, exposed (BENCHMARKS.md).
 REDUCE_SCATTER_COMBINE_BYTES = 64 * 2 ** 20
+# What XLA records into the step's CUDA graphs (`xla_gpu_enable_command_buffer`), by `mesh.cuda_graphs`
+# (`cuda_graphs_for`). "kernels": XLA's own kernels and custom calls (ours) only; cuBLAS and cuDNN
+# calls run between the graphs. "xla": XLA's default set, library calls in the graphs too.
+CUDA_GRAPHS = {"kernels": "FUSION,CUSTOM_CALL", "xla": None}
 
 
 def maybe_initialize_distributed() -> None:
@@ -112,13 +116,30 @@ def shards_state(mesh_config, num_devices: int, platform: str, members: int = 0)
           and not mesh_config.get("shard_update", False))
 
 
-def compiler_options(sharded: bool, platform: str, devices: int) -> dict:
-  """The XLA options the step is compiled with: on CUDA GPUs with the state sharded over `devices`,
-  gradient reduce-scatters combined up to `REDUCE_SCATTER_COMBINE_BYTES` of gradients, so they start
-  under the backward; none elsewhere."""
-  if sharded and platform == "cuda":
-    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": REDUCE_SCATTER_COMBINE_BYTES // max(devices, 1)}
-  return {}
+def cuda_graphs_for(mode: str, ampere_or_newer: bool) -> str:
+  """`mesh.cuda_graphs` resolved: "auto" is "kernels" on a GPU of compute capability >= 8.0 and
+  "xla" on older ones. XLA records a library call into a graph by stream capture and captures it
+  again whenever one of its buffers moved, which they do every step once the host runs a step
+  ahead of the GPU; a step as short as an Ampere-or-newer GPU's at batch 50 then waits for the host
+  (measured on an H200, BENCHMARKS.md), while a V100's step outlasts the capture (the time model's
+  `pipelined_host_seconds`) and keeps its GEMMs in the graphs."""
+  if mode != "auto":
+    return mode
+  return "kernels" if ampere_or_newer else "xla"
+
+
+def compiler_options(sharded: bool, platform: str, devices: int, cuda_graphs: str = "kernels") -> dict:
+  """The XLA options the step is compiled with. On CUDA GPUs: what goes into its CUDA graphs
+  (`CUDA_GRAPHS[cuda_graphs]`), and with the state sharded over `devices`, gradient reduce-scatters
+  combined up to `REDUCE_SCATTER_COMBINE_BYTES` of gradients, so they start under the backward.
+  None elsewhere."""
+  if platform != "cuda":
+    return {}
+  graphs = CUDA_GRAPHS[cuda_graphs]
+  options = {} if graphs is None else {"xla_gpu_enable_command_buffer": graphs}
+  if sharded:
+    options["xla_gpu_reduce_scatter_combine_threshold_bytes"] = REDUCE_SCATTER_COMBINE_BYTES // max(devices, 1)
+  return options
 
 
 def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS,

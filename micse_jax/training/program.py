@@ -87,9 +87,18 @@ class Program:
 
   @property
   def compiler_options(self) -> dict:
-    """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout and target)."""
+    """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout, target
+    and CUDA graphs)."""
     return mesh_lib.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
-                                     self.target.devices)
+                                     self.target.devices, self.cuda_graphs or "xla")
+
+  @property
+  def cuda_graphs(self) -> str | None:
+    """What the step's CUDA graphs hold (`mesh.cuda_graphs` resolved for the target:
+    `mesh.cuda_graphs_for`); None off CUDA."""
+    if self.target.platform != "cuda":
+      return None
+    return mesh_lib.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
 
   def lower(self):
     """The step lowered on the abstract state and batch (nothing placed: also for absent devices)."""
