@@ -315,19 +315,21 @@ def _check_dry_run(out):
   tests = last["gpu_tests"]["result"]
   assert tests["tests"] >= 2 and tests["skipped"] == tests["tests"]  # no GPU: every gpu test skips
   s = json.loads((out / "summary.json").read_text())
-  assert [(p["name"], p["batch_size"], p["members"]) for p in s["points"]] == [("b50", 4, 1), ("b512", 8, 1),
-                                                                              ("k5", 4, 2)]
+  points = {p["name"]: p for p in s["points"]}
+  assert [(p["name"], p["batch_size"], p["members"]) for p in s["points"]] == [
+      ("b50", 4, 1), ("b50_explicit", 4, 1), ("b50_xla_graphs", 4, 1), ("b512", 8, 1), ("k5", 4, 2)]
   for p in s["points"]:
     assert 0 < p["pipelined_step_ms"] and 0 < p["blocked_step_ms"] and p["compile_s"] > 0
     assert p["profile"]["ms_per_step_by_kind"] and p["profile"]["top_kernels"][0]["instructions"]
-  for p in s["points"][:2]:
+    assert p["cuda_graphs"] is None  # CPU: no CUDA graphs, whatever the point asked for
+  for p in (points["b50"], points["b512"]):  # the points with PyTorch peers
     assert p["ratio_torch_eager"] == pytest.approx(p["torch_eager"]["pipelined_step_ms"] / p["pipelined_step_ms"])
     assert p["torch_compiled"]["pipelined_step_ms"] > 0
   assert s["ceilings"]["copy_tb_per_s"] > 0 and "CPU dry run" in (out / "summary.md").read_text()
   variants = s["kernel_variants"]["variants"]  # the interpreter: warp counts change nothing
   assert len(variants) == 8 and all(v["bitwise_equal"] and v["us_per_call"] > 0 for v in variants)
   names = subprocess.run(["tar", "tzf", str(out / "raw.tar.gz")], capture_output=True, text=True).stdout.split()
-  assert sorted(names) == sorted(f"{p}.{k}" for p in ("b50", "b512", "k5") for k in ("hlo.txt.gz", "trace.json.gz"))
+  assert sorted(names) == sorted(f"{p}.{k}" for p in points for k in ("hlo.txt.gz", "trace.json.gz"))
 
 
 @pytest.mark.slow  # about 8 minutes on 2 CPU cores: three compiles, a population, torch.compile twice
