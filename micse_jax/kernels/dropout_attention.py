@@ -168,7 +168,8 @@ def _divide(x, divisor: float):
 def _call(kernel, first_spec, projection, *, heads: int, rate: float, interpret: bool, name: str,
           out_shape, out_specs, extra_specs=(), triton=None, **options):
   """A pallas_call of `kernel` over the (sentence, head) grid: `first_spec` (the key or the keep
-  mask), the sentence's key mask, the head's Q, K and V blocks and their biases, `extra_specs`."""
+  mask), the sentence's key mask, the head's Q, K and V blocks and their biases, `extra_specs`;
+  launched with `triton` (Triton's options; `TRITON_OPTIONS` when None)."""
   batch, length, width = projection.shape
   head_dim = width // (3 * heads)
   block = lambda part: pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, part * heads + h))
