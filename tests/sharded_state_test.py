@@ -113,6 +113,14 @@ def test_auto_keeps_library_calls_out_of_the_graphs_of_ampere_or_newer_gpus(mode
   assert cuda_graphs_for(mode, ampere_or_newer) == resolved
 
 
+def test_the_config_accepts_each_cuda_graphs_mode_and_auto_only():
+  from micse_jax import config_checks
+  from micse_jax.training.mesh import CUDA_GRAPHS
+  rule = config_checks.RULES["mesh.cuda_graphs"]
+  assert all(rule(mode) is None for mode in ("auto", *CUDA_GRAPHS))
+  assert rule("none") is not None and rule(None) is not None
+
+
 def test_the_program_compiles_its_step_with_its_options():
   """`program.compiled` hands the program's `compiler_options` (its layout's, its target's, its CUDA
   graphs') to XLA."""

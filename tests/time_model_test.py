@@ -207,6 +207,9 @@ def test_aot_hlo_predicts_a_saved_program(tmp_path, capsys):
     assert key in last and key in result, key
   assert last["kernels_per_step"] == 1 and last["bytes_per_step"] == 16384
   assert last["predicted_collective_ms"] == 0 and last["collectives_priced"] == []  # one device: no collective
+  assert last["cuda_graphs"] == "kernels"  # --cuda_graphs auto, as an H100's program chooses
+  assert bench.main(["--aot_hlo", str(path), "--aot", "v100"])["cuda_graphs"] == "xla"  # a V100's: XLA's graphs
+  assert bench.main(["--aot_hlo", str(path), "--aot", "v100", "--cuda_graphs", "kernels"])["cuda_graphs"] == "kernels"
 
 
 def test_aot_hlo_bad_file_is_one_error_line(tmp_path, capsys):

@@ -304,8 +304,8 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
       raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
     text = read_hlo(path)
   counts = hlo.summary(text)
-  if cuda_graphs == "auto":  # as the program chose for the target (`mesh.cuda_graphs_for`)
-    cuda_graphs = "xla" if target in PRE_AMPERE else "kernels"
+  from micse_jax.training import mesh
+  cuda_graphs = mesh.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
   result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members, cuda_graphs=cuda_graphs),
             "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
             "update_kernels_per_step": counts["update_kernels_per_step"]}

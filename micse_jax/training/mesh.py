@@ -128,7 +128,7 @@ def cuda_graphs_for(mode: str, ampere_or_newer: bool) -> str:
   return "kernels" if ampere_or_newer else "xla"
 
 
-def compiler_options(sharded: bool, platform: str, devices: int, cuda_graphs: str = "kernels") -> dict:
+def compiler_options(sharded: bool, platform: str, devices: int, cuda_graphs: str | None = "kernels") -> dict:
   """The XLA options the step is compiled with. On CUDA GPUs: what goes into its CUDA graphs
   (`CUDA_GRAPHS[cuda_graphs]`), and with the state sharded over `devices`, gradient reduce-scatters
   combined up to `REDUCE_SCATTER_COMBINE_BYTES` of gradients, so they start under the backward.

@@ -90,7 +90,7 @@ class Program:
     """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout, target
     and CUDA graphs)."""
     return mesh_lib.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
-                                     self.target.devices, self.cuda_graphs or "xla")
+                                     self.target.devices, self.cuda_graphs)
 
   @property
   def cuda_graphs(self) -> str | None:
