@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from micse_jax.kernels import choice
-from micse_jax.models.bert import BertModel
+from micse_jax.models.bert import BertModel, collect_attentions
 from micse_jax.models.bert_config import BertConfig
 from micse_jax.models.policy import Policy
 
@@ -23,14 +23,17 @@ def run(devices, kernels: bool = True) -> tuple:
   target = choice.target_of(devices, interpret=kernels, mesh=mesh)
   config = BertConfig(vocab_size=50, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                       intermediate_size=256, attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.1)
-  model = BertModel(config, dtype=jnp.bfloat16, policy=Policy(target=target))
+  # layer 1 sown (as AMI's layers are): its kernels also return the probabilities and take their gradient
+  model = BertModel(config, dtype=jnp.bfloat16, policy=Policy(target=target), sow_attention_layers=(1,))
   ids = jax.random.randint(jax.random.PRNGKey(0), (ROWS, LENGTH), 1, 50)
   mask = (jnp.arange(LENGTH)[None] < jnp.array([16, 10, 5, 16, 3, 12, 16, 7])[:, None]).astype(jnp.int32)
   params = BertModel(config).init(jax.random.PRNGKey(1), ids, mask)["params"]
 
   def loss(p, ids, mask):
-    out = model.apply({"params": p}, ids, mask, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})
-    return jnp.sum(out.last_hidden_state.astype(jnp.float32) ** 2), out.last_hidden_state
+    out, state = model.apply({"params": p}, ids, mask, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)},
+                             mutable=["intermediates"])
+    probs = collect_attentions(state["intermediates"], (1,))
+    return jnp.sum(out.last_hidden_state.astype(jnp.float32) ** 2) + 100 * jnp.sum(jnp.square(probs)), out.last_hidden_state
 
   rows, shared = NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
   fn = jax.jit(jax.value_and_grad(loss, has_aux=True), in_shardings=(shared, rows, rows))

@@ -18,7 +18,7 @@ import pytest
 from micse_jax.aot import kernel_cost
 from micse_jax.kernels import choice
 from micse_jax.kernels import dropout_attention as da
-from micse_jax.models.bert import BertModel
+from micse_jax.models.bert import BertModel, collect_attentions
 from micse_jax.models.bert_config import BertConfig
 from micse_jax.models.policy import Policy
 
@@ -153,6 +153,71 @@ def test_backward_kernel_is_autodiff_of_reference(length, head_dim, dtype):
   _assert_gradients_match(*got, *want, dtype)
 
 
+SOWN_SHAPES = [(32, 64, jnp.bfloat16), (16, 128, jnp.float16)]
+
+
+@pytest.mark.parametrize("length,head_dim,dtype", SOWN_SHAPES, ids=[f"T{t}-d{d}-{jnp.dtype(x).name}"
+                                                                    for t, d, x in SOWN_SHAPES])
+def test_forward_kernel_returns_a_sown_layers_float32_dropped_probabilities(length, head_dim, dtype):
+  """A sown layer's kernels: the context as the explicit path's sown layer computes it (probabilities
+  dropped in float32, cast for the context) and its dropped probabilities, zero exactly where the
+  keep mask says and 1/(1 − rate) times the float64 softmax of the rounded scores elsewhere."""
+  rate = 0.1
+  projection, biases, key_mask, words = _inputs(8, length=length, head_dim=head_dim, dtype=dtype)
+  ctx, keep, probs = da._pallas(projection, biases, key_mask, words, rate, HEADS, save_keep=True,
+                                interpret=True, save_probs=True)
+  want_ctx, want_probs = da.reference(projection, biases, key_mask, words, rate, HEADS, probabilities=True)
+  assert probs.dtype == want_probs.dtype == jnp.float32
+  np.testing.assert_array_equal(keep, _bernoulli(words, rate, probs.shape).astype(jnp.int8))
+  np.testing.assert_array_equal(np.asarray(probs) == 0, ~np.asarray(keep, bool) | ~np.asarray(key_mask)[:, None, None])
+  exact = np.where(np.asarray(keep), _numpy_attention_probabilities(projection, biases, key_mask, HEADS), 0.0)
+  exact = exact / (1 - rate)
+  error = np.asarray(probs, np.float64) - exact
+  # the scores are rounded to `dtype` first (a unit is 1/16 at |s| ~ 4): a few percent at most
+  assert np.linalg.norm(error) < 0.01 * np.linalg.norm(exact) and np.abs(error).max() < 0.05
+  if dtype == jnp.bfloat16:
+    np.testing.assert_allclose(probs, want_probs, rtol=2 ** -21, atol=0)  # float32 sums in another order
+  _assert_as_accurate(probs, want_probs, exact)  # XLA:CPU keeps float16 scores unrounded (see above)
+  got, want = np.asarray(ctx, np.float32), np.asarray(want_ctx, np.float32)
+  if dtype == jnp.bfloat16:
+    assert np.mean(got != want) < 1e-3
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)
+  _assert_close_in_norm(ctx, want_ctx, 4 * ULP[jnp.dtype(dtype).name])
+
+
+def _numpy_attention_probabilities(projection, biases, key_mask, heads):
+  """softmax(QKᵀ/√d + mask) `[B, heads, T, T]` in float64."""
+  qkv = np.asarray(projection, np.float64) + np.concatenate(
+      [np.asarray(b.astype(projection.dtype), np.float64) for b in biases])
+  batch, length, width = qkv.shape
+  q, k, _ = (t.reshape(batch, length, heads, -1).transpose(0, 2, 1, 3) for t in np.split(qkv, 3, axis=-1))
+  scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+  scores = np.where(np.asarray(key_mask)[:, None, None, :], scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  return probs / probs.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("length,head_dim,dtype", SOWN_SHAPES, ids=[f"T{t}-d{d}-{jnp.dtype(x).name}"
+                                                                    for t, d, x in SOWN_SHAPES])
+def test_backward_kernel_takes_a_sown_layers_probability_gradient(length, head_dim, dtype):
+  """The gradient of a sown layer (context and probabilities both read) is JAX's autodiff of
+  `reference(probabilities=True)` at both cotangents; the probabilities' own cotangent matters
+  (without it the gradient is another)."""
+  rate = 0.1
+  projection, biases, key_mask, words = _inputs(9, length=length, head_dim=head_dim, dtype=dtype)
+  g_ctx = jax.random.normal(jax.random.PRNGKey(10), (B, length, HEADS * head_dim)).astype(dtype)
+  g_probs = 4 * jax.random.normal(jax.random.PRNGKey(11), (B, HEADS, length, length))
+  _, keep, _ = da._pallas(projection, biases, key_mask, words, rate, HEADS, save_keep=True, interpret=True,
+                          save_probs=True)
+  got = da._pallas_backward(projection, biases, key_mask, keep, g_ctx, rate, HEADS, interpret=True, d_probs=g_probs)
+  pullback = jax.vjp(lambda p, b: da.reference(p, b, key_mask, words, rate, HEADS, probabilities=True),
+                     projection, biases)[1]
+  _assert_gradients_match(*got, *pullback((g_ctx, g_probs)), dtype)
+  without = pullback((g_ctx, jnp.zeros_like(g_probs)))[0]
+  assert np.linalg.norm(np.asarray(got[0], np.float32) - np.asarray(without, np.float32)) > 0.1 * np.linalg.norm(
+      np.asarray(without, np.float32))
+
+
 def _check_population_members(interpret: bool):
   """A population vmaps the step over members: each member's context and gradient are its solo
   ones (its own key, its own inputs), through the kernels' custom VJP."""
@@ -182,6 +247,32 @@ def test_each_population_member_draws_its_own_masks_and_gets_its_own_gradient_un
   _check_population_members(interpret=True)
 
 
+def test_a_sown_layers_kernels_under_vmap_give_each_member_its_own_probabilities_and_gradient():
+  """A population's sown (AMI) layers: each member's probabilities, context and gradient at both
+  cotangents are its solo `reference(probabilities=True)`'s."""
+  members, rate = 2, 0.1
+  projection = jnp.stack([_inputs(s)[0] for s in range(members)])
+  _, biases, key_mask, _ = _inputs()
+  words = jnp.stack([jax.random.key_data(jax.random.PRNGKey(20 + s)) for s in range(members)])
+  g_ctx = jax.random.normal(jax.random.PRNGKey(21), (members, B, T, HEADS * D)).astype(jnp.bfloat16)
+  g_probs = jax.random.normal(jax.random.PRNGKey(22), (members, B, HEADS, T, T))
+
+  def member(p, w, g, gp):
+    out, pullback = jax.vjp(lambda p: da.dropout_attention(p, biases, key_mask, w, rate, HEADS, interpret=True,
+                                                           probabilities=True), p)
+    return out, pullback((g, gp))[0]
+  (ctx, probs), d_projection = jax.jit(jax.vmap(member))(projection, words, g_ctx, g_probs)
+  for m in range(members):
+    (want_ctx, want_probs), pullback = jax.vjp(
+        lambda p: da.reference(p, biases, key_mask, words[m], rate, HEADS, probabilities=True), projection[m])
+    np.testing.assert_array_equal(np.asarray(ctx[m], np.float32), np.asarray(want_ctx, np.float32))
+    np.testing.assert_allclose(probs[m], want_probs, rtol=2 ** -18, atol=0)  # a float32 row sum reassociated
+    want, = pullback((g_ctx[m], g_probs[m]))
+    np.testing.assert_allclose(np.asarray(d_projection[m], np.float32), np.asarray(want, np.float32),
+                               rtol=4 * ULP["bfloat16"], atol=4 * ULP["bfloat16"] * float(np.abs(want).max()))
+  assert not np.array_equal(np.asarray(probs[0]), np.asarray(probs[1]))
+
+
 # ---------------------------------------------------------------- which path each layer takes
 
 H100, A100, V100 = choice.Target("cuda", (9, 0)), choice.Target("cuda", (8, 0)), choice.Target("cuda", (7, 0))
@@ -205,7 +296,9 @@ def _path(target, explicit=False, sown=False, dropout=True, length=32, head_dim=
     (H100, {"dtype": jnp.float32}, "explicit"), (H100, {"impl": "rbg"}, "explicit"),
     (H100, {"bits": 16}, "explicit"), (H100, {"length": 48}, "explicit"), (H100, {"length": 256}, "explicit"),
     (H100, {"length": 8}, "explicit"), (H100, {"head_dim": 16}, "explicit"), (H100, {"head_dim": 96}, "explicit"),
-    (H100, {"sown": True}, "explicit"), (H100, {"explicit": True}, "explicit"),
+    (H100, {"sown": True}, "dropout_kernel"),                          # the kernels return the probabilities too
+    (H100, {"sown": True, "dropout": False}, "explicit"),              # cuDNN's and XLA's attention do not
+    (V100, {"sown": True, "dtype": jnp.float16}, "explicit"), (H100, {"explicit": True}, "explicit"),
     (H100, {"remat": "layer"}, "explicit"), (H100, {"remat": "full"}, "explicit"),  # not proven on a GPU yet
     (INTERPRET, {"remat": "full"}, "dropout_kernel"),
     (V100, {"dtype": jnp.float16, "dropout": False}, "xla"),           # no cuDNN flash attention either
@@ -245,27 +338,35 @@ def _tiny(policy=Policy(), **kwargs):
   return BertModel(config, dtype=jnp.bfloat16, policy=policy, **kwargs)
 
 
-def _check_model(remat: str, cls_only: bool, target: choice.Target, exact: bool):
+def _check_model(remat: str, cls_only: bool, target: choice.Target, exact: bool, sown=(1,)):
   """The kernels for `target` inside a BERT, plain or rematerialised, against the explicit path: the
   same values (bit for bit where `exact`: the same dropout key per site, projection and biases,
-  [CLS]-only last layer), every parameter gradient to the dtype's rounding."""
+  [CLS]-only last layer), the `sown` layers' probabilities (AMI's, which the loss reads here
+  too), every parameter gradient to the dtype's rounding."""
   length = 16  # the shortest tested length: the interpreter's kernels are slow
   ids = jax.random.randint(jax.random.PRNGKey(0), (3, length), 1, 50)
   mask = (jnp.arange(length)[None] < jnp.array([length, 10, 5])[:, None]).astype(jnp.int32)
   params = _tiny().init(jax.random.PRNGKey(1), ids, mask)["params"]
 
   def loss(p, target):
-    out = _tiny(Policy(remat=remat, target=target), cls_only=cls_only).apply(
-        {"params": p}, ids, mask, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})
-    return jnp.sum(out.last_hidden_state.astype(jnp.float32) ** 2), out.last_hidden_state
+    out, state = _tiny(Policy(remat=remat, target=target), cls_only=cls_only, sow_attention_layers=sown).apply(
+        {"params": p}, ids, mask, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)},
+        mutable=["intermediates"])
+    probs = collect_attentions(state["intermediates"], sown) if sown else jnp.zeros(())
+    return jnp.sum(out.last_hidden_state.astype(jnp.float32) ** 2) + 100 * jnp.sum(jnp.square(probs)), (
+        out.last_hidden_state, probs)
 
   grad = lambda target: jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, target)
-  (value, hidden), grads = grad(target)
-  (want_value, want_hidden), want_grads = grad(dataclasses.replace(target, own_kernels=False, interpret=False))
+  (value, (hidden, probs)), grads = grad(target)
+  (want_value, (want_hidden, want_probs)), want_grads = grad(dataclasses.replace(target, own_kernels=False,
+                                                                                  interpret=False))
   hidden, want_hidden = np.asarray(hidden, np.float32), np.asarray(want_hidden, np.float32)
+  assert probs.dtype == want_probs.dtype
+  np.testing.assert_allclose(probs, want_probs, rtol=2 ** -6, atol=2 ** -12)
   if exact:
     np.testing.assert_array_equal(hidden, want_hidden)
-    assert value == want_value
+    np.testing.assert_allclose(probs, want_probs, rtol=2 ** -21, atol=0)  # float32 sums in another order
+    np.testing.assert_allclose(value, want_value, rtol=2 ** -20)
   np.testing.assert_allclose(hidden, want_hidden, rtol=2 ** -6, atol=2 ** -6 * float(np.abs(want_hidden).max()))
   scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))  # the key bias's gradient is 0 + noise
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -287,12 +388,13 @@ def test_on_four_devices_the_kernels_under_shard_map_are_the_explicit_path_and_t
   from tests.helpers import run_device_worker
   r = run_device_worker("tests.dropout_attention_devices_worker", devices=4, timeout=600)
   assert r["hidden_vs_plain"] == 0
-  assert r["hidden_diff"] <= r["plain_hidden_diff"] and r["grad_worst"] <= r["plain_grad_worst"] < 2 ** -6
+  # bfloat16 sums split over 4 devices, through a sown layer too: a few units in the worst element
+  assert r["hidden_diff"] <= r["plain_hidden_diff"] and r["grad_worst"] <= r["plain_grad_worst"] < 2 ** -5
   assert r["loss_rel"] < 1e-6 and r["all_gathers"] == 0
   assert r["spread_members"]  # a population one member per device: each member's own masks and values
 
 
-def test_model_takes_the_kernels_on_unsown_dropout_layers_only():
+def test_model_takes_the_kernels_on_every_dropout_layer_sown_or_not():
   ids = jnp.ones((2, T), jnp.int32)
   params = _tiny().init(jax.random.PRNGKey(1), ids, ids)["params"]
 
@@ -302,8 +404,8 @@ def test_model_takes_the_kernels_on_unsown_dropout_layers_only():
         mutable=["intermediates"])
     return str(jax.make_jaxpr(apply)()).count(f"{da.KERNEL_NAME}_h2")
 
-  both, one = calls(), calls(sow_attention_layers=(1,))
-  assert one > 0 and both == 2 * one  # a sown layer keeps the explicit path (AMI reads its probabilities)
+  both, sown = calls(), calls(sow_attention_layers=(1,))
+  assert both > 0 and sown == both  # a sown layer's kernels return its probabilities too (AMI reads them)
   assert calls(deterministic=True) == 0  # no dropout: cuDNN / XLA's attention
   assert calls(target=choice.Target()) == 0  # a CPU program without the interpreter
   assert calls(target=V100) == 0
@@ -387,6 +489,30 @@ def test_time_model_reads_the_projection_once_and_counts_the_kernels_work():
   assert cost.measured_factor == kernel_cost.MEASURED_FACTOR["forward"]  # no keep mask: the momentum encoder's
 
 
+def test_time_model_counts_a_sown_layers_probabilities_written_and_their_gradient_read():
+  """A sown layer's forward kernel also writes its float32 probabilities (and is timed as the keep
+  mask's forward: its work is the same); its backward reads their float32 gradient."""
+  b, t, heads, d = 50, 32, 12, 64
+  width, probabilities = 3 * heads * d, b * heads * t * t
+  params = (f"k: u32[4], m: s32[{b},{t}], p: bf16[{b},{t},{width}], bq: f32[{heads * d}], "
+            f"bk: f32[{heads * d}], bv: f32[{heads * d}]")
+  forward, = kernel_cost.costs(_triton_call(
+      f"{da.KERNEL_NAME}_h{heads}",
+      f"(bf16[{b},{t},{heads * d}]{{2,1,0}}, s8[{b},{heads},{t},{t}]{{3,2,1,0}}, f32[{b},{heads},{t},{t}]{{3,2,1,0}})",
+      "%k, %m, %p, %p, %p, %bq, %bk, %bv", params))
+  assert forward.written == 2 * b * t * heads * d + probabilities * (1 + 4)  # context, keep mask, probabilities
+  assert forward.flops == 4 * probabilities * d and forward.rounds == probabilities * kernel_cost.ROUNDS_PER_HASH
+  assert forward.measured_factor == kernel_cost.MEASURED_FACTOR["forward_keep"]
+  backward, = kernel_cost.costs(_triton_call(
+      f"{da.BACKWARD_KERNEL_NAME}_h{heads}", f"(bf16[{b},{t},{width}]{{2,1,0}}, f32[{b},{width}]{{1,0}})",
+      "%keep, %m, %p, %p, %p, %bq, %bk, %bv, %g, %gp",
+      f"keep: s8[{b},{heads},{t},{t}], m: s32[{b},{t}], p: bf16[{b},{t},{width}], bq: f32[{heads * d}], "
+      f"bk: f32[{heads * d}], bv: f32[{heads * d}], g: bf16[{b},{t},{heads * d}], gp: f32[{b},{heads},{t},{t}]"))
+  assert backward.read == (probabilities + 4 * b * t + 2 * b * t * width + 3 * 4 * heads * d + 2 * b * t * heads * d
+                           + 4 * probabilities)  # ... and the probabilities' float32 gradient
+  assert backward.flops == 10 * probabilities * d
+
+
 def test_time_model_counts_the_backward_kernels_work_and_both_outputs():
   b, t, heads, d = 4, 32, 12, 64
   width = 3 * heads * d
@@ -445,6 +571,35 @@ def test_on_gpu_the_kernels_run_and_match_reference(length, head_dim, dtype):
   np.testing.assert_array_equal(np.asarray(keep), np.asarray(want_keep).astype(np.int8))
   assert abs(float(np.mean(keep)) - (1 - rate)) < 4 / math.sqrt(keep.size)
   _assert_close_in_norm(ctx, want, 4 * ULP[jnp.dtype(dtype).name])
+  _assert_gradients_match(d_projection, d_biases, want_projection, want_biases, dtype, op_by_op=False)
+
+
+@pytest.mark.gpu
+def test_on_gpu_a_sown_layers_kernels_return_its_probabilities_and_take_their_gradient():
+  """On a lent GPU, BERT-base's heads: the kernels of a sown layer (AMI's) hold both Pallas calls,
+  their float32 dropped probabilities and context equal `reference(probabilities=True)`'s (XLA's
+  program) to rounding, and so does the gradient at both cotangents."""
+  _gpu()
+  heads, rate, batch, length, head_dim, dtype = 12, 0.1, 4, 32, 64, jnp.bfloat16
+  projection, biases, key_mask, words = _inputs(12, batch=batch, heads=heads, length=length, head_dim=head_dim,
+                                                dtype=dtype)
+  g_ctx = jax.random.normal(jax.random.PRNGKey(13), (batch, length, heads * head_dim)).astype(dtype)
+  g_probs = jax.random.normal(jax.random.PRNGKey(14), (batch, heads, length, length))
+
+  def run(fn, projection, biases, key_mask, words, g_ctx, g_probs):
+    value, pullback = jax.vjp(lambda p, b: fn(p, b, key_mask, words, rate, heads, probabilities=True),
+                              projection, biases)
+    return value, pullback((g_ctx, g_probs))
+
+  args = (projection, biases, key_mask, words, g_ctx, g_probs)
+  kernels = jax.jit(functools.partial(run, da.dropout_attention))
+  text = kernels.lower(*args).compile().as_text()
+  assert f"{da.KERNEL_NAME}_h{heads}" in text and f"{da.BACKWARD_KERNEL_NAME}_h{heads}" in text
+  ((ctx, probs), (d_projection, d_biases)) = kernels(*args)
+  ((want_ctx, want_probs), (want_projection, want_biases)) = jax.jit(functools.partial(run, da.reference))(*args)
+  np.testing.assert_array_equal(np.asarray(probs) == 0, np.asarray(want_probs) == 0)  # the same keep mask
+  _assert_close_in_norm(probs, want_probs, 2 ** -18)  # float32 (Triton may divide approximately)
+  _assert_close_in_norm(ctx, want_ctx, 4 * ULP["bfloat16"])
   _assert_gradients_match(d_projection, d_biases, want_projection, want_biases, dtype, op_by_op=False)
 
 

@@ -20,7 +20,8 @@ instructions, in program order), a `Cost`:
   their first output's shape (`kernels/dropout_attention.py`): `micse_dropout_attention_h<heads>`
   computes QKᵀ and PV (4·d FLOPs per probability) and one threefry hash per probability;
   `micse_dropout_attention_backward_h<heads>` recomputes QKᵀ and computes dP, dV, dQ, dK (10·d
-  FLOPs per probability), its keep mask read, not drawn. A Pallas call writes all its results.
+  FLOPs per probability), its keep mask read, not drawn (a sown layer's kernels also write its float32
+  probabilities and read their gradient: bytes, the same work). A Pallas call writes all its results.
   Each is then timed as priced times what it measured against that price on a GPU
   (`MEASURED_FACTOR`, `Cost.measured_factor`).
 * `dtype`: the GEMM's operand element type (its peak rate), `tf32` for a float32 dot at the
@@ -323,7 +324,7 @@ MEASURED_FACTOR = {"forward": 1.0, "forward_keep": 1.30, "backward": 2.13}
 def _dropout_attention_work(heads: int, outputs: list[tuple[str, tuple[int, ...]]], backward: bool = False
                             ) -> tuple[float, float, str, float]:
   """(FLOPs, threefry rounds, GEMM dtype, `MEASURED_FACTOR`) of the dropout-attention kernels from their
-  outputs, the first `[.., T, heads·d]` (forward: the context; a second, the keep mask) or
+  outputs, the first `[.., T, heads·d]` (forward: the context; then the keep mask, a sown layer's probabilities) or
   `[.., T, 3·heads·d]` (backward: d projection)."""
   dtype, dims = outputs[0]
   length, head_dim = dims[-2], dims[-1] // (heads * (3 if backward else 1))

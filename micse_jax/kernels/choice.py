@@ -1,10 +1,12 @@
 """Which path each attention layer takes, from what its program is compiled for: the rules in one place.
 
 A layer's path is one of
-  "explicit"        softmax(QKᵀ/√d + mask) as XLA ops, the probabilities materialised: whenever
-                    something reads them (AMI's sown layers) or `model.attention=explicit`;
+  "explicit"        softmax(QKᵀ/√d + mask) as XLA ops, the probabilities materialised: under
+                    `model.attention=explicit`, where the kernels cannot run, and for a layer
+                    without dropout whose probabilities are read (AMI's sown layers in eval);
   "dropout_kernel"  `kernels/dropout_attention.py`'s Pallas kernels, for a layer that trains with
-                    dropout on its probabilities and nothing else reads them;
+                    dropout on its probabilities; a sown layer's kernels also write its float32
+                    dropped probabilities and take the gradient AMI sends them;
   "cudnn"           cuDNN's flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`)
                     for a layer without dropout whose probabilities nothing reads;
   "xla"             XLA's own `jax.nn.dot_product_attention` for such a layer elsewhere.
@@ -150,14 +152,16 @@ def attention_path(target: Target | None, *, explicit: bool, reads_probabilities
   """The path (`PATHS`) of one attention layer with `[B, T, heads, d]` queries and keys.
 
   explicit: `model.attention=explicit`; reads_probabilities: the layer's probabilities are sown
-  (AMI); dropout: the layer drops probabilities in this call (train mode, rate > 0); remat: the
-  layer's `model.remat` policy."""
+  (AMI: the kernels return them too, cuDNN's and XLA's attention do not); dropout: the layer drops
+  probabilities in this call (train mode, rate > 0); remat: the layer's `model.remat` policy."""
   target = target or local_target()
-  if explicit or reads_probabilities:
+  if explicit:
     return "explicit"
   if dropout:
     takes = kernel_takes(k_shape[1], k_shape[-1], dtype, random_bits, rng_impl)
     return "dropout_kernel" if kernels_allowed(target, explicit=False, remat=remat) and takes else "explicit"
+  if reads_probabilities:
+    return "explicit"
   mask_shape = (q_shape[0], 1, q_shape[1], k_shape[1])
   if target.ampere_or_newer and cudnn_takes(tuple(q_shape), tuple(k_shape), mask_shape, jnp.dtype(dtype).name):
     return "cudnn"

@@ -16,6 +16,9 @@ that recomputes the probabilities from Q and K (the forward keeps only its keep 
 per probability: threefry in the backward kernel makes Triton's compile blow up), differentiates
 as JAX differentiates `reference` (the same roundings, float32 accumulation) and writes the Q, K
 and V gradients where the projection's columns are, with float32 column sums for the biases.
+For a layer whose probabilities are sown (AMI reads them, `reference(probabilities=True)`) the
+forward kernel also writes the dropped probabilities in float32 and the backward kernel adds their
+gradient to the one the context sends them.
 
 Why a kernel: written with XLA ops the same work is, per layer, two head transposes, two batched
 GEMMs and the softmax forward, a hoisted threefry kernel, and backward four batched GEMMs, the
@@ -72,18 +75,24 @@ def threefry_bits(key0, key1, counts):
   return x0 ^ x1
 
 
-def reference(projection, biases, key_mask, key, rate: float, heads: int):
+def reference(projection, biases, key_mask, key, rate: float, heads: int, probabilities: bool = False):
   """The explicit path's context `[B, T, heads·d]` from the fused QKV projection before its biases
   (`[B, T, 3·heads·d]`, `dense.fused_projection`) and the three biases (`[heads·d]` each, cast to
   the projection's dtype as `nn.Dense` casts them), `key_mask` `[B, T]` (nonzero for real keys)
-  and the dropout site's threefry key words (`uint32[2]`)."""
+  and the dropout site's threefry key words (`uint32[2]`). With `probabilities` (a sown layer's
+  path: AMI reads them), (context, the dropped probabilities `[B, heads, T, T]`): the probabilities
+  are then dropped in float32 and cast to the compute dtype only for the context."""
   qkv = projection + jnp.concatenate([b.astype(projection.dtype) for b in biases])
   batch, length, width = qkv.shape
   q, k, v = (t.reshape(batch, length, heads, width // (3 * heads)).transpose(0, 2, 1, 3)
              for t in jnp.split(qkv, 3, axis=-1))
-  probs = attention.probabilities(q, k, key_mask[:, None, None, :]).astype(qkv.dtype)
+  probs = attention.probabilities(q, k, key_mask[:, None, None, :])
+  if not probabilities:
+    probs = probs.astype(qkv.dtype)
   keep = jax.random.bernoulli(jax.random.wrap_key_data(key, impl="threefry2x32"), 1.0 - rate, probs.shape)
-  return attention.context(jax.lax.select(keep, probs / (1.0 - rate), jnp.zeros_like(probs)), v)
+  dropped = jax.lax.select(keep, probs / (1.0 - rate), jnp.zeros_like(probs))
+  ctx = attention.context(dropped.astype(qkv.dtype), v)
+  return (ctx, dropped) if probabilities else ctx
 
 
 def _keep_from_key(counter_ref, heads: int, length: int, rate: float):
@@ -99,9 +108,10 @@ def _keep_from_key(counter_ref, heads: int, length: int, rate: float):
   return (bits >> np.uint32(9)) < np.uint32(keep_below(rate))
 
 
-def _probabilities(mask_ref, blocks, biases, keep, *, rate: float, head_dim: int):
+def _probabilities(mask_ref, blocks, biases, keep, *, rate: float, head_dim: int, float32_dropped: bool = False):
   """One (sentence, head)'s `reference` arithmetic up to the dropped probabilities: (q, k, v with
-  their biases, the softmax P in float32, the dropped probabilities in q's dtype)."""
+  their biases, the softmax P in float32, the dropped probabilities in q's dtype, or with
+  `float32_dropped` (a sown layer) in float32)."""
   q, k, v = (_add(block[...], bias[...].astype(block.dtype)) for block, bias in zip(blocks, biases))
   dtype, length = q.dtype, q.shape[0]
   scores = _dot(q, k, transpose_b=True).astype(dtype)
@@ -109,31 +119,45 @@ def _probabilities(mask_ref, blocks, biases, keep, *, rate: float, head_dim: int
   scores = jnp.where(mask_ref[...][None, :] != 0, scores, jnp.finfo(jnp.float32).min)
   shifted = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
   probs = shifted / jnp.sum(shifted, axis=-1, keepdims=True)
-  dropped = jnp.where(keep, _divide(probs.astype(dtype), 1.0 - rate), jnp.zeros((length, length), dtype))
+  if float32_dropped:
+    dropped = jnp.where(keep, probs / np.float32(1.0 - rate), jnp.zeros((length, length), jnp.float32))
+  else:
+    dropped = jnp.where(keep, _divide(probs.astype(dtype), 1.0 - rate), jnp.zeros((length, length), dtype))
   return q, k, v, probs, dropped
 
 
-def _forward_kernel(counter_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int, save_keep: bool):
-  """One (sentence, head)'s context block (the dropped probabilities times V), and its keep mask."""
-  inputs, (out_ref, *keep_ref) = refs[:6], refs[6:]
+def _forward_kernel(counter_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int, save_keep: bool,
+                    save_probs: bool):
+  """One (sentence, head)'s context block (the dropped probabilities times V), its keep mask
+  (`save_keep`) and its dropped probabilities in float32 (`save_probs`)."""
+  inputs, (out_ref, *saved) = refs[:6], refs[6:]
   keep = _keep_from_key(counter_ref, heads, out_ref.shape[0], rate)
-  _, _, v, _, dropped = _probabilities(mask_ref, inputs[:3], inputs[3:], keep, rate=rate, head_dim=head_dim)
-  out_ref[...] = _dot(dropped, v).astype(out_ref.dtype)
+  _, _, v, _, dropped = _probabilities(mask_ref, inputs[:3], inputs[3:], keep, rate=rate, head_dim=head_dim,
+                                       float32_dropped=save_probs)
+  out_ref[...] = _dot(dropped.astype(v.dtype), v).astype(out_ref.dtype)
   if save_keep:
-    keep_ref[0][...] = keep.astype(jnp.int8)
+    saved.pop(0)[...] = keep.astype(jnp.int8)
+  if save_probs:
+    saved.pop(0)[...] = dropped
 
 
-def _backward_kernel(keep_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int):
+def _backward_kernel(keep_ref, mask_ref, *refs, heads: int, rate: float, head_dim: int, sown: bool):
   """One (sentence, head)'s gradient, as JAX differentiates `reference` (jax.nn.softmax's VJP:
   P·(dP − Σ P·dP)), written where the projection's Q, K and V columns are; with the block's bias
-  gradient (its column sums, float32)."""
-  inputs, (cotangent_ref, d_projection_ref, d_bias_ref) = refs[:6], refs[6:]
+  gradient (its column sums, float32). `sown`: `reference(probabilities=True)`'s, the dropped
+  float32 probabilities' own cotangent (after the context's) added to what the context sends them."""
+  inputs, (cotangent_ref, *d_sown_ref), (d_projection_ref, d_bias_ref) = refs[:6], refs[6:-2], refs[-2:]
   keep = keep_ref[...] != 0
-  q, k, v, probs, dropped = _probabilities(mask_ref, inputs[:3], inputs[3:], keep, rate=rate, head_dim=head_dim)
+  q, k, v, probs, dropped = _probabilities(mask_ref, inputs[:3], inputs[3:], keep, rate=rate, head_dim=head_dim,
+                                           float32_dropped=sown)
   dtype, cotangent = q.dtype, cotangent_ref[...]
   d_dropped = _dot(cotangent, v, transpose_b=True).astype(dtype)
-  d_v = _dot(dropped, cotangent, transpose_a=True).astype(dtype)
-  d_probs = jnp.where(keep, _divide(d_dropped, 1.0 - rate), jnp.zeros_like(d_dropped)).astype(jnp.float32)
+  d_v = _dot(dropped.astype(dtype), cotangent, transpose_a=True).astype(dtype)
+  if sown:
+    d_dropped = d_dropped.astype(jnp.float32) + d_sown_ref[0][...]
+    d_probs = jnp.where(keep, d_dropped / np.float32(1.0 - rate), jnp.zeros_like(d_dropped))
+  else:
+    d_probs = jnp.where(keep, _divide(d_dropped, 1.0 - rate), jnp.zeros_like(d_dropped)).astype(jnp.float32)
   weighted = probs * d_probs
   d_scores = weighted - probs * jnp.sum(weighted, axis=-1, keepdims=True)
   d_scores = jnp.where(mask_ref[...][None, :] != 0, d_scores, 0.0).astype(dtype)
@@ -188,41 +212,47 @@ def _keep_spec(length: int):
 
 
 def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_keep: bool = False,
-            interpret: bool = False, first_row=0, triton=None):
-  """`reference` as one Pallas call (with `save_keep`, also its int8 keep mask) of rows that start at
-  row `first_row` of the batch whose dropout draw it reproduces (a device's shard of it)."""
+            interpret: bool = False, first_row=0, triton=None, save_probs: bool = False):
+  """`reference` as one Pallas call of rows that start at row `first_row` of the batch whose dropout
+  draw it reproduces (a device's shard of it): its context, then with `save_keep` its int8 keep
+  mask, with `save_probs` (`reference(probabilities=True)`) its float32 dropped probabilities; a
+  tuple when either is asked for."""
   batch, length, width = projection.shape
   head_dim = width // (3 * heads)
   out_shape = [jax.ShapeDtypeStruct((batch, length, heads * head_dim), projection.dtype)]
   out_specs = [pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h))]
-  if save_keep:
-    out_shape.append(jax.ShapeDtypeStruct((batch, heads, length, length), jnp.int8))
-    out_specs.append(_keep_spec(length))
+  for saved, dtype in ((save_keep, jnp.int8), (save_probs, jnp.float32)):
+    if saved:
+      out_shape.append(jax.ShapeDtypeStruct((batch, heads, length, length), dtype))
+      out_specs.append(_keep_spec(length))
   call = _call(_forward_kernel, pl.BlockSpec((4,), lambda b, h: (0,)), projection, heads=heads, rate=rate,
                interpret=interpret, name=KERNEL_NAME, out_shape=tuple(out_shape), out_specs=tuple(out_specs),
-               save_keep=save_keep, triton=triton)
+               save_keep=save_keep, save_probs=save_probs, triton=triton)
   counter = jnp.concatenate([key.astype(jnp.uint32), jnp.stack([jnp.asarray(first_row).astype(jnp.uint32),
                                                                 jnp.uint32(0)])])  # 4: a power of two
   out = call(counter, key_mask.astype(jnp.int32), projection, projection, projection, *biases)
-  return tuple(out) if save_keep else out[0]
+  return tuple(out) if save_keep or save_probs else out[0]
 
 
 def _pallas_backward(projection, biases, key_mask, keep, cotangent, rate: float, heads: int,
-                     interpret: bool = False, triton=None):
+                     interpret: bool = False, triton=None, d_probs=None):
   """(d projection, d biases) of `reference` at `cotangent` (d context) as one Pallas call: each
   (sentence, head) writes its Q, K, V gradient blocks into `[B, T, 3·heads·d]` and their column
   sums into `[B, 3·heads·d]` float32 partial bias sums, then added over sentences (and rounded to
-  the compute dtype, the gradient of the cast bias)."""
+  the compute dtype, the gradient of the cast bias). `d_probs`: with `reference(probabilities=True)`,
+  the float32 cotangent of its dropped probabilities `[B, heads, T, T]`."""
   batch, length, width = projection.shape
   head_dim = width // (3 * heads)
+  sown = d_probs is not None
   call = _call(_backward_kernel, _keep_spec(length), projection, heads=heads, rate=rate, interpret=interpret,
                name=BACKWARD_KERNEL_NAME,
                out_shape=(jax.ShapeDtypeStruct(projection.shape, projection.dtype),
                           jax.ShapeDtypeStruct((batch, width), jnp.float32)),
                out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)),
-               extra_specs=(pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h)),), triton=triton)
+               extra_specs=(pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h)),
+                            *([_keep_spec(length)] if sown else [])), triton=triton, sown=sown)
   d_projection, d_bias = call(keep, key_mask.astype(jnp.int32), projection, projection, projection, *biases,
-                              cotangent)
+                              cotangent, *([d_probs.astype(jnp.float32)] if sown else []))
   d_biases = jnp.split(jnp.sum(d_bias, axis=0), len(biases))
   return d_projection, tuple(d.astype(projection.dtype).astype(b.dtype) for d, b in zip(d_biases, biases))
 
@@ -233,8 +263,10 @@ def _key_words(key):
 
 
 def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int, interpret: bool = False,
-                      mesh=None):
-  """`reference`'s context, computed by the two kernels (with `interpret`, in Pallas' interpreter).
+                      mesh=None, probabilities: bool = False):
+  """`reference`'s context, computed by the two kernels (with `interpret`, in Pallas' interpreter);
+  with `probabilities`, `reference(probabilities=True)`'s (context, float32 dropped probabilities),
+  for a layer whose probabilities are sown (AMI reads them and sends them a gradient of its own).
   Where they run is `kernels/choice.py`'s to say; `reference` is the explicit path elsewhere.
 
   `mesh`: a 1-D mesh the rows are split over (data parallelism). A Pallas call is a custom call
@@ -243,32 +275,36 @@ def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int
   mask and values do not depend on the device count."""
   words = _key_words(key)
   if mesh is None or mesh.size == 1:
-    return _kernels(projection, biases, key_mask, words, 0, rate, heads, interpret)
+    return _kernels(projection, biases, key_mask, words, 0, rate, heads, interpret, probabilities)
   axis = mesh.axis_names[0]
 
   def on_device(projection, key_mask, words, *biases):
     first_row = jax.lax.axis_index(axis) * projection.shape[0]
-    return _kernels(projection, biases, key_mask, words, first_row, rate, heads, interpret)
+    return _kernels(projection, biases, key_mask, words, first_row, rate, heads, interpret, probabilities)
   rows, shared = P(axis), P()
   return jax.shard_map(on_device, mesh=mesh, in_specs=(rows, rows, shared) + (shared,) * len(biases),
-                       out_specs=rows, check_vma=False)(projection, key_mask, words, *biases)
+                       out_specs=(rows, rows) if probabilities else rows, check_vma=False)(
+                           projection, key_mask, words, *biases)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _kernels(projection, biases, key_mask, words, first_row, rate: float, heads: int, interpret: bool):
-  return _pallas(projection, biases, key_mask, words, rate, heads, interpret=interpret, first_row=first_row)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _kernels(projection, biases, key_mask, words, first_row, rate: float, heads: int, interpret: bool,
+             probabilities: bool):
+  return _pallas(projection, biases, key_mask, words, rate, heads, interpret=interpret, first_row=first_row,
+                 save_probs=probabilities)
 
 
-def _kernels_forward(projection, biases, key_mask, words, first_row, rate, heads, interpret):
-  ctx, keep = _pallas(projection, biases, key_mask, words, rate, heads, save_keep=True, interpret=interpret,
-                      first_row=first_row)
-  return ctx, (projection, biases, key_mask, keep)
+def _kernels_forward(projection, biases, key_mask, words, first_row, rate, heads, interpret, probabilities):
+  ctx, keep, *probs = _pallas(projection, biases, key_mask, words, rate, heads, save_keep=True,
+                              interpret=interpret, first_row=first_row, save_probs=probabilities)
+  return (ctx, *probs) if probabilities else ctx, (projection, biases, key_mask, keep)
 
 
-def _kernels_backward(rate, heads, interpret, residuals, cotangent):
+def _kernels_backward(rate, heads, interpret, probabilities, residuals, cotangent):
   projection, biases, key_mask, keep = residuals
+  cotangent, d_probs = cotangent if probabilities else (cotangent, None)
   d_projection, d_biases = _pallas_backward(projection, biases, key_mask, keep, cotangent, rate, heads,
-                                            interpret=interpret)
+                                            interpret=interpret, d_probs=d_probs)
   return d_projection, d_biases, None, None, None
 
 

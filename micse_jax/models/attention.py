@@ -6,7 +6,8 @@ and its query, key and value parameters by the path `kernels/choice.attention_pa
 "explicit": the probabilities as XLA ops (`kernels/explicit_attention.py`), returned for sowing
 (float32 for a sown layer, the compute dtype otherwise), then dropped by the layer's `Dropout`;
 "dropout_kernel": the Pallas kernels (`kernels/dropout_attention.py`), which draw the same dropout
-bits from the same site key; "cudnn" and "xla": `jax.nn.dot_product_attention` by name (cuDNN's
+bits from the same site key (for a sown layer they also return its float32 dropped probabilities
+and take their gradient); "cudnn" and "xla": `jax.nn.dot_product_attention` by name (cuDNN's
 flash attention, or XLA's own softmax), for layers without dropout whose probabilities nothing
 reads. `jax.nn.dot_product_attention` has no dropout argument, and jax offers no public cuDNN
 attention with dropout on the probabilities: a layer that trains with attention dropout takes
@@ -32,16 +33,18 @@ def _split_heads(t, heads: int):
 def attend(path: str, x, qkv: Sequence[dict], key_mask, drop, deterministic: bool, *, heads: int, dtype,
            rows: int | None = None, float32_probs: bool = False, interpret: bool = False, mesh=None):
   """(context `[B, T', H]` of the first `rows` queries (every one when None), the dropped probabilities
-  `[B, heads, T, T]` of the explicit path or None). x: `[B, T, H]`; qkv: the query, key and value
+  `[B, heads, T, T]` of the explicit path, those of the kernels with `float32_probs` (a sown layer),
+  or None). x: `[B, T, H]`; qkv: the query, key and value
   `{"kernel", "bias"}`; key_mask: bool `[B, 1, 1, T]`, True for real keys; drop: the layer's
   `models/dropout.Dropout` (its site key feeds the kernels); interpret, mesh: how the kernels run
   (`kernels/dropout_attention.dropout_attention`)."""
   queries = slice(0, rows)
   if path == "dropout_kernel":
     projection, biases = fused_projection(x, qkv, dtype)
-    ctx = dropout_attention(projection, biases, key_mask[:, 0, 0, :], drop.site_rng(), drop.rate, heads,
-                            interpret=interpret, mesh=mesh)
-    return ctx[:, queries], None
+    out = dropout_attention(projection, biases, key_mask[:, 0, 0, :], drop.site_rng(), drop.rate, heads,
+                            interpret=interpret, mesh=mesh, probabilities=float32_probs)
+    ctx, probs = out if float32_probs else (out, None)
+    return ctx[:, queries], probs
   q, k, v = (_split_heads(t, heads) for t in fused_dense(x, qkv, dtype))  # one GEMM for the three
   if path in ("cudnn", "xla"):
     mask = key_mask if path == "xla" else jnp.broadcast_to(key_mask, key_mask.shape[:2] + (q[:, queries].shape[1],
