@@ -241,6 +241,20 @@ def _pallas_backward(projection, biases, key_mask, keep, cotangent, rate: float,
   sums into `[B, 3·heads·d]` float32 partial bias sums, then added over sentences (and rounded to
   the compute dtype, the gradient of the cast bias). `d_probs`: with `reference(probabilities=True)`,
   the float32 cotangent of its dropped probabilities `[B, heads, T, T]`."""
+  d_projection, d_bias = _pallas_backward_call(projection, biases, key_mask, keep, cotangent, rate, heads,
+                                               interpret=interpret, triton=triton, d_probs=d_probs)
+  return d_projection, _bias_gradients(jnp.sum(d_bias, axis=0), biases, projection.dtype)
+
+
+def _bias_gradients(d_bias, biases, dtype):
+  """The three biases' gradients from their float32 column sums `[3·heads·d]` (rounded to the
+  compute dtype: the gradient of the cast bias)."""
+  return tuple(d.astype(dtype).astype(b.dtype) for d, b in zip(jnp.split(d_bias, len(biases)), biases))
+
+
+def _pallas_backward_call(projection, biases, key_mask, keep, cotangent, rate: float, heads: int,
+                          interpret: bool = False, triton=None, d_probs=None):
+  """`_pallas_backward`'s Pallas call: (d projection, the per-sentence float32 bias sums `[B, 3·heads·d]`)."""
   batch, length, width = projection.shape
   head_dim = width // (3 * heads)
   sown = d_probs is not None
@@ -251,10 +265,8 @@ def _pallas_backward(projection, biases, key_mask, keep, cotangent, rate: float,
                out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)),
                extra_specs=(pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h)),
                             *([_keep_spec(length)] if sown else [])), triton=triton, sown=sown)
-  d_projection, d_bias = call(keep, key_mask.astype(jnp.int32), projection, projection, projection, *biases,
-                              cotangent, *([d_probs.astype(jnp.float32)] if sown else []))
-  d_biases = jnp.split(jnp.sum(d_bias, axis=0), len(biases))
-  return d_projection, tuple(d.astype(projection.dtype).astype(b.dtype) for d, b in zip(d_biases, biases))
+  return call(keep, key_mask.astype(jnp.int32), projection, projection, projection, *biases,
+              cotangent, *([d_probs.astype(jnp.float32)] if sown else []))
 
 
 def _key_words(key):
@@ -276,15 +288,59 @@ def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int
   words = _key_words(key)
   if mesh is None or mesh.size == 1:
     return _kernels(projection, biases, key_mask, words, 0, rate, heads, interpret, probabilities)
-  axis = mesh.axis_names[0]
+  return _sharded_kernels(projection, tuple(biases), key_mask, words, mesh, rate, heads, interpret, probabilities)
 
+
+def _on_rows(mesh, fn, rows_in: int, shared_in: int, outputs: int):
+  """`fn` under `shard_map` over `mesh`'s one axis: its first `rows_in` arguments and every output
+  split by rows, the next `shared_in` whole."""
+  rows, shared = P(mesh.axis_names[0]), P()
+  return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) * rows_in + (shared,) * shared_in,
+                       out_specs=rows if outputs == 1 else (rows,) * outputs, check_vma=False)
+
+
+def _sharded_forward(projection, biases, key_mask, words, mesh, rate, heads, interpret, probabilities,
+                     save_keep: bool = False):
+  """`_pallas` on each device's rows, its dropout bits drawn at its rows' indices in the batch's draw."""
   def on_device(projection, key_mask, words, *biases):
-    first_row = jax.lax.axis_index(axis) * projection.shape[0]
-    return _kernels(projection, biases, key_mask, words, first_row, rate, heads, interpret, probabilities)
-  rows, shared = P(axis), P()
-  return jax.shard_map(on_device, mesh=mesh, in_specs=(rows, rows, shared) + (shared,) * len(biases),
-                       out_specs=(rows, rows) if probabilities else rows, check_vma=False)(
-                           projection, key_mask, words, *biases)
+    first_row = jax.lax.axis_index(mesh.axis_names[0]) * projection.shape[0]
+    return _pallas(projection, biases, key_mask, words, rate, heads, save_keep=save_keep, interpret=interpret,
+                   first_row=first_row, save_probs=probabilities)
+  return _on_rows(mesh, on_device, 2, 1 + len(biases), 1 + save_keep + probabilities)(
+      projection, key_mask, words, *biases)
+
+
+# On a mesh the VJP is taken around the `shard_map`s, not inside one: differentiating inside would
+# all-reduce each bias gradient of every layer on its own (the transpose of a replicated input) and
+# XLA would slice the three apart before and after its combined all-reduce; here each device's
+# partial column sums leave the backward `shard_map` as rows, summed once per layer by the partitioner.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _sharded_kernels(projection, biases, key_mask, words, mesh, rate: float, heads: int, interpret: bool,
+                     probabilities: bool):
+  return _sharded_forward(projection, biases, key_mask, words, mesh, rate, heads, interpret, probabilities)
+
+
+def _sharded_kernels_forward(projection, biases, key_mask, words, mesh, rate, heads, interpret, probabilities):
+  ctx, keep, *probs = _sharded_forward(projection, biases, key_mask, words, mesh, rate, heads, interpret,
+                                       probabilities, save_keep=True)
+  return (ctx, *probs) if probabilities else ctx, (projection, biases, key_mask, keep)
+
+
+def _sharded_kernels_backward(mesh, rate, heads, interpret, probabilities, residuals, cotangent):
+  projection, biases, key_mask, keep = residuals
+  cotangent, *d_probs = cotangent if probabilities else (cotangent,)
+
+  def on_device(projection, key_mask, keep, cotangent, *rest):
+    sown, shared = rest[:len(d_probs)], rest[len(d_probs):]
+    d_projection, d_bias = _pallas_backward_call(projection, shared, key_mask, keep, cotangent, rate, heads,
+                                                 interpret=interpret, d_probs=sown[0] if sown else None)
+    return d_projection, jnp.sum(d_bias, axis=0, keepdims=True)
+  d_projection, d_bias = _on_rows(mesh, on_device, 4 + len(d_probs), len(biases), 2)(
+      projection, key_mask, keep, cotangent, *d_probs, *biases)
+  return d_projection, _bias_gradients(jnp.sum(d_bias, axis=0), biases, projection.dtype), None, None
+
+
+_sharded_kernels.defvjp(_sharded_kernels_forward, _sharded_kernels_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
