@@ -45,6 +45,23 @@ def test_module_uses_the_summed_gradient_for_small_tables_only():
   assert "scatter" in lowered(large, "cuda")
 
 
+def test_a_small_tables_gradient_is_summed_in_chunks_of_each_devices_rows():
+  """The token types' gradient under data parallelism: 512 × 32 ids over 4 devices are summed in
+  4 · 64 chunks of 64 rows (each device's 4096 rows cut as one device's, `column_sums`), on one
+  device in 64 chunks of 256."""
+  ids = jnp.zeros((512, 32), jnp.int32)
+
+  def lowered(row_split):
+    module = embed.Embed(num_embeddings=2, features=768, row_split=row_split)
+    params = module.init(jax.random.PRNGKey(0), ids[:1])
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, ids))))
+    return grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+
+  split, whole = lowered(4), lowered(1)
+  assert "tensor<256x64x768xf32>" in split and "tensor<256x64x768xf32>" not in whole
+  assert "tensor<64x256x768xf32>" in whole
+
+
 @pytest.mark.parametrize("rows, features, ids_shape, devices, itemsize, expected", [
     (30522, 768, (1024, 32), 8, 2, True),   # BERT's vocabulary, 512 sentences' two views: 94 MB vs 8 kB ids
     (512, 768, (1024, 32), 8, 2, False),    # the positions: 512 * 4 bytes a feature < 4096 ids * 2

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+from micse_jax.losses import infonce
 from micse_jax.losses.infonce import info_nce_loss as _info_nce_loss
 
 # Jitted: eager op-by-op dispatch would dominate the test time.
@@ -214,3 +215,13 @@ def test_masked_same_sentence_slots_get_no_gradient():
   g1 = np.asarray(jax.jit(jax.grad(single))(queue))
   np.testing.assert_array_equal(g1[same[0]], 0.0)
   assert np.all(np.abs(g1[valid & ~same[0]]).sum(axis=1) > 0)
+
+
+def test_diagonal_is_each_rows_own_column_whatever_the_others_hold():
+  """`infonce.diagonal` (the positives' logits and cosines): x[i, i] of a `[B, B + Q]` array, exactly,
+  with infinities and NaN off the diagonal left out; its gradient is 1 on the diagonal only."""
+  x = np.random.default_rng(0).normal(size=(4, 7)).astype(np.float32)
+  x[0, 3], x[1, 5], x[2, 0] = np.inf, -np.inf, np.nan
+  np.testing.assert_array_equal(infonce.diagonal(jnp.asarray(x)), np.diagonal(x))
+  grad = jax.grad(lambda x: jnp.sum(infonce.diagonal(x) * jnp.arange(1.0, 5.0)))(jnp.asarray(np.nan_to_num(x)))
+  np.testing.assert_array_equal(grad, np.eye(4, 7) * np.arange(1.0, 5.0)[:, None])

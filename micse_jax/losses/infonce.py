@@ -88,11 +88,19 @@ def _queue_metrics(queue_valid: Optional[jax.Array], self_pairs: Optional[jax.Ar
   return metrics
 
 
+def diagonal(x: jax.Array) -> jax.Array:
+  """x[i, i] of a `[B, C]` array (C >= B) as each row's sum over a mask of its own column: the same
+  values, and on a row-split mesh each device keeps its rows' diagonal (an iota mask) where
+  `jnp.diagonal` / `take_along_axis` at global indices make XLA gather it."""
+  own = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) == jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  return jnp.sum(jnp.where(own, x, jnp.zeros((), x.dtype)), axis=1)
+
+
 def _in_batch_metrics(cos: jax.Array, logits: jax.Array, row_mask: Optional[jax.Array]):
   """pos_cos, neg_cos (over ordered pairs of distinct real rows) and acc, over real anchors."""
   batch = cos.shape[0]
   labels = jnp.arange(batch)
-  pos_cos = jnp.diagonal(cos)
+  pos_cos = diagonal(cos)
   acc = (jnp.argmax(logits, axis=1) == labels).astype(jnp.float32)
   if row_mask is None:
     neg_sum, pairs = jnp.sum(cos) - jnp.sum(pos_cos), max(batch * (batch - 1), 1)
@@ -159,7 +167,6 @@ def info_nce_loss(z1: jax.Array, z2: jax.Array, queue: Optional[jax.Array] = Non
         [logits, _queue_logits(z1n, queue, queue_valid, temperature, dropped)], axis=1)
     queue_metrics = _queue_metrics(queue_valid, self_pairs, dropped, (z1.shape[0], queue.shape[0]),
                                    row_mask)
-  labels = jnp.arange(cos.shape[0])
-  pos_logit = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
+  pos_logit = diagonal(logits)
   loss = row_mean(jax.nn.logsumexp(logits, axis=1) - pos_logit, row_mask)
   return loss, {'infonce': loss, **_in_batch_metrics(cos, logits, row_mask), **queue_metrics}

@@ -73,7 +73,8 @@ class BertEmbeddings(nn.Module):
   def setup(self):
     c = self.config
     init = nn.initializers.normal(stddev=c.initializer_range)
-    table = lambda rows: Embed(rows, c.hidden_size, embedding_init=init, dtype=self.dtype, mesh=self.mesh)
+    table = lambda rows: Embed(rows, c.hidden_size, embedding_init=init, dtype=self.dtype, mesh=self.mesh,
+                               row_split=self.row_split)
     self.word_embeddings = table(c.vocab_size)
     self.position_embeddings = table(c.max_position_embeddings)
     self.token_type_embeddings = table(c.type_vocab_size)

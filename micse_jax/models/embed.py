@@ -40,29 +40,31 @@ def _take(table: Array, ids: Array) -> Array:
   return jnp.take(table, ids, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _summed_lookup(table: Array, ids: Array, rows: int) -> Array:
-  """take(table, ids); the table's gradient by per-row column sums (module docstring)."""
-  del rows
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _summed_lookup(table: Array, ids: Array, rows: int, row_split: int = 1) -> Array:
+  """take(table, ids); the table's gradient by per-row column sums (module docstring), the ids'
+  rows split over `row_split` devices (`column_sums`)."""
+  del rows, row_split
   return _take(table, ids)
 
 
-def _summed_lookup_forward(table, ids, rows):
-  del rows
+def _summed_lookup_forward(table, ids, rows, row_split):
+  del rows, row_split
   return _take(table, ids), ids
 
 
-def _summed_lookup_backward(rows, ids, g):
+def _summed_lookup_backward(rows, row_split, ids, g):
   masked = tuple(jnp.where((ids == k)[..., None], g, jnp.zeros((), g.dtype)) for k in range(rows))
-  return jnp.stack(column_sums(*masked)), None
+  return jnp.stack(column_sums(*masked, devices=row_split)), None
 
 
 _summed_lookup.defvjp(_summed_lookup_forward, _summed_lookup_backward)
 
 
-def small_table_lookup(table: Array, ids: Array) -> Array:
-  """take(table, ids): on CUDA with the per-row summed gradient, elsewhere with the scatter-add."""
-  summed = lambda table, ids: _summed_lookup(table, ids, table.shape[0])
+def small_table_lookup(table: Array, ids: Array, row_split: int = 1) -> Array:
+  """take(table, ids): on CUDA with the per-row summed gradient (the ids' rows split over `row_split`
+  devices), elsewhere with the scatter-add."""
+  summed = lambda table, ids: _summed_lookup(table, ids, table.shape[0], row_split)
   return jax.lax.platform_dependent(table, ids, cuda=summed, default=_take)
 
 
@@ -105,8 +107,10 @@ def whole_on(table: Array, mesh) -> Array:
 class Embed(nn.Embed):
   """`nn.Embed` (same parameter, same `attend`) whose lookup is `take(float32 table).astype(dtype)`;
   `mesh`: the mesh the table arrives split over by features (`Policy.table_mesh`; None: whole), over
-  which a large table is looked up split (`split_lookup`), a small one gathered whole."""
+  which a large table is looked up split (`split_lookup`), a small one gathered whole; `row_split`:
+  the devices the ids' rows are split over (`Policy.row_split`: how a small table's gradient is summed)."""
   mesh: Any = None
+  row_split: int = 1
 
   def __call__(self, inputs: Array) -> Array:
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -115,8 +119,10 @@ class Embed(nn.Embed):
     devices = 1 if self.mesh is None else self.mesh.size
     if splits_lookup(self.num_embeddings, self.features, inputs.shape, devices, jnp.dtype(dtype).itemsize):
       return split_lookup(self.embedding, inputs, dtype, self.mesh)
-    lookup = small_table_lookup if self.num_embeddings <= SMALL_TABLE else _take
-    return lookup(whole_on(self.embedding, self.mesh), inputs).astype(dtype)
+    table = whole_on(self.embedding, self.mesh)
+    if self.num_embeddings <= SMALL_TABLE:
+      return small_table_lookup(table, inputs, self.row_split).astype(dtype)
+    return _take(table, inputs).astype(dtype)
 
   def attend(self, query: Array) -> Array:
     """`nn.Embed.attend` (query · tableᵀ) on the whole table (`whole_on`: gathered if it arrives split)."""

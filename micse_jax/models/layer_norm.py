@@ -16,9 +16,10 @@ from the forward and recomputes the statistics. With g = dy · γ:
   dx = rstd · (g − mean(g) − x̂ · mean(g · x̂)),   mean(g · x̂) = rstd · (mean(g · x) − μ · mean(g))
   dγ = Σ_rows dy · x̂,   dβ = Σ_rows dy
 
-Its row sums (x, x², g, g · x: one pass, none depending on another, so XLA computes them in one
-kernel; the variance from them is max(mean(x²) − μ², 0), the forward's up to rounding) are one
-variadic reduction, its column sums (dγ, dβ) one variadic sum in two stages (`models/column_sums.py`, whose first stage
+Its row sums (x, x², g, g · x: one pass, none depending on another; the variance from them is
+max(mean(x²) − μ², 0), the forward's up to rounding) are one variadic reduction, so they are one
+kernel in a sharded program too (as two reductions, XLA split them into two passes there); its
+column sums (dγ, dβ) one variadic sum in two stages (`models/column_sums.py`, whose first stage
 fuses into the kernel that computes dx); dx's elementwise part fuses into the kernel of
 whatever consumes it (dropout's backward). Written with two-pass statistics and plain
 reductions instead, XLA's Triton norm rewriter takes the backward apart into more kernels and
@@ -68,8 +69,8 @@ def _input_gradient(x: Array, scale: Array, dy: Array, epsilon: float) -> tuple[
   """dx and x̂ (float32) of the module docstring's equations, μ and rstd recomputed from x."""
   x, dy, width = x.astype(jnp.float32), dy.astype(jnp.float32), x.shape[-1]
   g = dy * scale
-  mean, mean_of_squares = (s[..., None] / width for s in variadic_sum((x, jnp.square(x)), (-1,)))
-  g_mean, gx_mean = (s[..., None] / width for s in variadic_sum((g, g * x), (-1,)))
+  sums = variadic_sum((x, jnp.square(x), g, g * x), (-1,))  # one reduction: one pass over x and dy
+  mean, mean_of_squares, g_mean, gx_mean = (s[..., None] / width for s in sums)
   rstd = jax.lax.rsqrt(jnp.maximum(mean_of_squares - jnp.square(mean), 0.0) + epsilon)
   normalised = (x - mean) * rstd
   return rstd * (g - g_mean - normalised * (gx_mean - mean * g_mean) * rstd), normalised
