@@ -207,7 +207,9 @@ def _call(kernel, first_spec, projection, *, heads: int, rate: float, interpret:
       interpret=interpret, name=f"{name}_h{heads}")
 
 
-def _keep_spec(length: int):
+def _square_spec(length: int):
+  """A (sentence, head)'s `[T, T]` block of a `[B, heads, T, T]` array: the keep mask, a sown layer's
+  probabilities and their gradient."""
   return pl.BlockSpec((None, None, length, length), lambda b, h: (b, h, 0, 0))
 
 
@@ -224,7 +226,7 @@ def _pallas(projection, biases, key_mask, key, rate: float, heads: int, save_kee
   for saved, dtype in ((save_keep, jnp.int8), (save_probs, jnp.float32)):
     if saved:
       out_shape.append(jax.ShapeDtypeStruct((batch, heads, length, length), dtype))
-      out_specs.append(_keep_spec(length))
+      out_specs.append(_square_spec(length))
   call = _call(_forward_kernel, pl.BlockSpec((4,), lambda b, h: (0,)), projection, heads=heads, rate=rate,
                interpret=interpret, name=KERNEL_NAME, out_shape=tuple(out_shape), out_specs=tuple(out_specs),
                save_keep=save_keep, save_probs=save_probs, triton=triton)
@@ -258,13 +260,13 @@ def _pallas_backward_call(projection, biases, key_mask, keep, cotangent, rate: f
   batch, length, width = projection.shape
   head_dim = width // (3 * heads)
   sown = d_probs is not None
-  call = _call(_backward_kernel, _keep_spec(length), projection, heads=heads, rate=rate, interpret=interpret,
+  call = _call(_backward_kernel, _square_spec(length), projection, heads=heads, rate=rate, interpret=interpret,
                name=BACKWARD_KERNEL_NAME,
                out_shape=(jax.ShapeDtypeStruct(projection.shape, projection.dtype),
                           jax.ShapeDtypeStruct((batch, width), jnp.float32)),
                out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)),
                extra_specs=(pl.BlockSpec((None, length, head_dim), lambda b, h: (b, 0, h)),
-                            *([_keep_spec(length)] if sown else [])), triton=triton, sown=sown)
+                            *([_square_spec(length)] if sown else [])), triton=triton, sown=sown)
   return call(keep, key_mask.astype(jnp.int32), projection, projection, projection, *biases,
               cotangent, *([d_probs.astype(jnp.float32)] if sown else []))
 
@@ -358,9 +360,9 @@ def _kernels_forward(projection, biases, key_mask, words, first_row, rate, heads
 
 def _kernels_backward(rate, heads, interpret, probabilities, residuals, cotangent):
   projection, biases, key_mask, keep = residuals
-  cotangent, d_probs = cotangent if probabilities else (cotangent, None)
+  cotangent, *d_probs = cotangent if probabilities else (cotangent,)
   d_projection, d_biases = _pallas_backward(projection, biases, key_mask, keep, cotangent, rate, heads,
-                                            interpret=interpret, d_probs=d_probs)
+                                            interpret=interpret, d_probs=d_probs[0] if d_probs else None)
   return d_projection, d_biases, None, None, None
 
 
