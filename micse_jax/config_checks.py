@@ -1,14 +1,13 @@
 """Everything about a training config that can be checked before a model is built or compiled.
 
-`check_config(config)` needs nothing but the config: types and ranges (the `RULES` table),
-constraints between fields, the methods' parts and how they combine (`check_methods`), the
-population's fields (`check_population`, by `configs/population.PER_MEMBER`), the optional
-packages. The sweep runs it for every run before any starts. `check_run(config, workdir)` runs
-it once more with the file-system checks: the SentEval directory when dev selection is on, a
-writable workdir, and, for a workdir that already holds checkpoints, a `config.json` compatible
-with the new config. `micse-train` adds `check_command_line` (a member field given on the command
-line that the population replaces). The checks that need the checkpoint run in
-`training/run_inputs.prepare`. Every failure is a `ConfigError`: one line, nothing written.
+`check_config(config)` needs nothing but the config: types and ranges (the `RULES` table), constraints
+between fields, the methods' parts and how they combine (`check_methods`), the population's fields
+(`check_population`, by `configs/population.PER_MEMBER`), the optional packages. The sweep runs it
+for every run before any starts. `check_run(config, workdir)` runs it once more with the file-system
+checks: the SentEval directory when dev selection is on, a writable workdir, and, for a workdir that
+already holds checkpoints, a `config.json` compatible with the new config. `micse-train` adds
+`check_command_line` (a member field given on the command line that the population replaces). The
+checks that need the checkpoint run in `training/run_inputs.prepare`. A failure: one `ConfigError` line.
 
 The choice lists these checks read are owned below the training package (`configs/methods.py`,
 `augmentation/add.py`, `models/`, `losses/ami.py`, `data/pipeline.py`, `configs/population.py`):
@@ -43,7 +42,7 @@ from micse_jax.optional import require
 # where the caches live); any other difference would silently continue a different run. A
 # missing field of an old config.json is such a difference unless it is listed here.
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_every", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.",
+                     "eval_every", "steps_per_dispatch", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.",
                      "cache.")
 # Fields added after workdirs were first written, each with the value that does what the versions
 # before it did: an old config.json without the field resumes when the config holds that value
@@ -101,6 +100,8 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "checkpoint_every": _int(1),
     "keep_checkpoints": _int(1),
     "eval_every": _int(0),
+    "steps_per_dispatch": lambda v: None if str(v) == "auto" or str(v).isdigit() and int(v) >= 1 else
+    f"must be auto or an integer >= 1, got {v!r}",  # text (--config.steps_per_dispatch=8) or int
     "model.name_or_path": _text,
     "model.max_length": _int(2),  # [CLS] and [SEP]
     "model.dtype": _choice(*DTYPES),
@@ -111,7 +112,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "mesh.shard_state": lambda v: None if v is None else _bool(v),  # None: chosen by the devices
     "mesh.shard_update": _bool,
     "mesh.shard_min_elements": _int(1),
-    "mesh.cuda_graphs": _choice("auto", "kernels", "xla"),  # training/mesh.CUDA_GRAPHS, cuda_graphs_for
+    "mesh.cuda_graphs": _choice("auto", "kernels", "xla", "fixed", "none"),  # training/mesh.CUDA_GRAPHS
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",
     "model.rng_impl": _choice(*RNG_IMPLS),
     "data.corpus": _text,

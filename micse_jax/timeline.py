@@ -11,9 +11,11 @@ with the module-level `phase(name)`, a no-op when no timeline is active.
 
 A workdir's `timeline.json` holds one entry per session (a resume adds one) under `sessions`,
 and at the top level the sums over sessions: the run's cost, however often it was resumed.
-A session's entry is written at each checkpoint (`checkpoint_saved`, the trainer's save site)
-and once more when the session ends, replacing its earlier version (matched by its `id`), so a
-process killed at any moment leaves its time up to its last checkpoint on record.
+A session's entry is written at each checkpoint once it has committed (`checkpoint_saved`, called
+by the trainer's checkpoint writer) and once more when the session ends, replacing its earlier
+version (matched by its `id`), so a process killed at any moment leaves its time up to its last
+committed checkpoint on record, and never a step it did not save. Each save's time holding the
+loop (its copy to the host) is listed under `saves` (`save_blocked`).
 """
 from __future__ import annotations
 
@@ -174,6 +176,14 @@ def checkpoint_saved(step: int) -> None:
   active.record()
 
 
+def save_blocked(step: int, seconds: float, kind: str = "rolling") -> None:
+  """The active session's save of `kind` ("rolling": the train state; "best": a run's best params)
+  at `step` held the loop for `seconds` (its copy to the host): listed under the entry's `saves`."""
+  active = _active
+  if active is not None:
+    active.info.setdefault("saves", []).append({"step": int(step), "kind": kind, "blocking_s": round(seconds, 4)})
+
+
 @contextlib.contextmanager
 def phase(name: str):
   """`Timeline.phase` of the active timeline; nothing when none is active."""
@@ -209,6 +219,23 @@ def add_session(path: str, session: dict) -> dict:
               "num_sessions": len(sessions), "sessions": sessions}
   jsonio.write_json(path, document)
   return document
+
+
+def loop_line(document: dict) -> str | None:
+  """`5 training steps per call (1 for the gaps 5 does not divide); saves held the loop 0.4 s (6 saves)`
+  of a timeline document's last session, or None when it trained nothing."""
+  sessions = document.get("sessions") or [document]
+  last = sessions[-1]
+  lengths = last.get("steps_per_dispatch")
+  if not lengths:
+    return None
+  line = f"{lengths[0]} training step(s) per call"
+  if len(lengths) > 1:
+    line += f" ({', '.join(map(str, lengths[1:]))} for the gaps between syncs {lengths[0]} does not divide)"
+  saves = last.get("saves") or []
+  if saves:
+    line += f"; saves held the loop {sum(s['blocking_s'] for s in saves):.2f} s ({len(saves)} saves)"
+  return line
 
 
 def one_line(document: dict) -> str:

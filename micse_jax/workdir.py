@@ -172,10 +172,13 @@ def _quiet_read_only(read_only: bool):
 
 
 def rolling_manager(workdir: str, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
-  """The Orbax manager of `checkpoints/`: full train states, the last `keep` kept."""
+  """The Orbax manager of `checkpoints/`: full train states, the last `keep` kept, written without
+  compression (a rolling state is soon replaced: the writer's time matters more than its bytes;
+  older compressed ones read alike). Saves and restores take `ocp.args.PyTreeSave` / `PyTreeRestore`."""
   with _quiet_read_only(read_only):
     return ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), ROLLING_DIR),
+        os.path.join(os.path.abspath(workdir), ROLLING_DIR), item_handlers=ocp.PyTreeCheckpointHandler(
+            use_compression=False),
         options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
                                              create=not read_only, read_only=read_only))
 
@@ -339,7 +342,11 @@ def run_summary(workdir: str) -> list[str]:
   lines.append(f"  TensorBoard logs: tensorboard --logdir {os.path.join(wd, TENSORBOARD_DIR)}")
   timeline_path = os.path.join(wd, TIMELINE_FILE)
   if os.path.isfile(timeline_path):
-    lines.append(f"  timeline:         {timeline.one_line(jsonio.read_json(timeline_path))}")
+    document = jsonio.read_json(timeline_path)
+    lines.append(f"  timeline:         {timeline.one_line(document)}")
+    loop = timeline.loop_line(document)
+    if loop:
+      lines.append(f"  loop:             {loop}")
   which = " --best" if best_step is not None else ""
   lines.append(f"  export:           python -m micse_jax.convert --workdir {wd}{which} --output EXPORT_DIR")
   return lines

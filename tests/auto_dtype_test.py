@@ -71,7 +71,7 @@ def test_resume_compares_resolved_dtypes():
 
 @pytest.mark.parametrize("field, value", [("model.dtype", "fp8"), ("model.remat", "all"),
                                           ("model.attention", "flash"),
-                                          ("mesh.shard_min_elements", 0), ("mesh.cuda_graphs", "none")])
+                                          ("mesh.shard_min_elements", 0), ("mesh.cuda_graphs", "graphs")])
 def test_bad_memory_or_precision_option_is_a_config_error(field, value):
   from micse_jax.configs import micse
   from micse_jax.errors import ConfigError

@@ -287,7 +287,7 @@ def test_convert_truncated_checkpoint(base, tmp_path, capsys):
   _, params, bert_config, _ = load_pretrained(base["model"])
   workdir_lib.write_run_config(workdir, {"model_dir": base["model"], "bert_config": bert_config.to_dict()})
   manager = workdir_lib.rolling_manager(workdir, keep=2)
-  manager.save(3, args=ocp.args.StandardSave({"params": {"encoder": params, "head": {}}}))
+  manager.save(3, args=ocp.args.PyTreeSave({"params": {"encoder": params, "head": {}}}))
   manager.wait_until_finished()
   for folder, _, files in os.walk(os.path.join(workdir, workdir_lib.ROLLING_DIR, "3")):
     for name in files:  # truncate every array/metadata file of the only checkpoint

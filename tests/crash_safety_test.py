@@ -79,7 +79,7 @@ def _run(cmd, env, log_path):
 def _final_state(workdir):
   manager = workdir_lib.rolling_manager(str(workdir), keep=0, read_only=True)
   assert manager.latest_step() == STEPS
-  return manager.restore(STEPS, args=ocp.args.StandardRestore())
+  return manager.restore(STEPS, args=ocp.args.PyTreeRestore())
 
 
 def _first_progress_step(log_path):

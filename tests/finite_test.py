@@ -1,6 +1,6 @@
 """The non-finite policy (`training/finite.py`): which updates are skipped, what a skipped step keeps,
-when a member stops; FiniteWatch: the first non-finite (and not skipped) loss is remembered on the
-device, read at check()."""
+when a member stops; the Watch: the first non-finite (and not skipped) loss is remembered on the
+device, folded in jitted as the program does, read at check()."""
 import flax
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,6 @@ import pytest
 
 from micse_jax.errors import NonFiniteLossError
 from micse_jax.training import finite
-from micse_jax.training.finite import FiniteWatch
 from tests.update_test import make_params
 
 
@@ -23,32 +22,33 @@ class _Fields:
   ema_params: object = None
   compute_weights: object = None
 
-def _run(losses, skipped=None):
-  watch = FiniteWatch()
+def _run(losses, skipped=None) -> finite.Watch:
+  fold = jax.jit(finite.fold)  # as the program folds each step in
+  watch = finite.Watch.fresh()
   for step, loss in enumerate(losses, start=1):
     metrics = {"loss": jnp.float32(loss)}
     if skipped is not None:
       metrics["step_skipped"] = jnp.int32(skipped[step - 1])
-    watch.update(metrics, jnp.int32(step))
+    watch = fold(watch, metrics, jnp.int32(step))
   return watch
 
 
 def test_finite_losses_pass():
-  _run([1.0, 0.5, 3.0]).check()
+  finite.check(_run([1.0, 0.5, 3.0]))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_first_non_finite_step_is_reported_later(bad):
   watch = _run([1.0, bad, 2.0, np.nan, 0.1])  # finite again after: still reported, at step 2
   with pytest.raises(NonFiniteLossError, match=r"non-finite loss (nan|inf|-inf) at step 2;") as e:
-    watch.check()
+    finite.check(watch)
   assert "\n" not in str(e.value)
 
 
 def test_skipped_float16_steps_are_not_failures():
-  _run([1.0, np.inf, np.nan], skipped=[0, 1, 1]).check()
+  finite.check(_run([1.0, np.inf, np.nan], skipped=[0, 1, 1]))
   with pytest.raises(NonFiniteLossError, match="at step 3"):
-    _run([1.0, np.inf, np.nan], skipped=[0, 1, 0]).check()
+    finite.check(_run([1.0, np.inf, np.nan], skipped=[0, 1, 0]))
 
 
 def test_rest_kept_selects_only_what_the_update_does_not_write():
@@ -66,7 +66,7 @@ def test_rest_kept_selects_only_what_the_update_does_not_write():
 
 
 @pytest.mark.parametrize("alive, loss, scaling, keep, skip", [
-    (None, np.nan, False, True, False),      # a solo float32 run applies every update (FiniteWatch stops it)
+    (None, np.nan, False, True, False),      # a solo float32 run applies every update (the Watch stops it)
     (None, np.nan, True, True, True),        # float16: a non-finite norm skips it
     (True, 1.0, False, True, True),          # a member that trains, finite loss: kept unless its norm is not finite
     (True, np.inf, False, False, True),      # its loss not finite: skipped

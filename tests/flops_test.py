@@ -1,11 +1,11 @@
-"""MFU's numerator (`bench/flops.py`) against XLA's FLOP count on CPU, which does see every
+"""MFU's numerator (`training/flops.py`) against XLA's FLOP count on CPU, which does see every
 matrix product (on a GPU it misses those inside cuBLAS calls), and a hand-computed step."""
 import jax
 import jax.numpy as jnp
 import pytest
 
-from micse_jax.bench import flops
 from micse_jax.models.bert import BertConfig, BertModel
+from micse_jax.training import flops
 
 BATCH, TOKENS = 4, 32
 CONFIG = BertConfig(vocab_size=64, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,

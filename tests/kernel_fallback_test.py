@@ -54,8 +54,8 @@ def test_a_failing_kernel_is_replaced_by_the_explicit_path_with_one_warning(tmp_
   plain = program.compiled(_program(config, choice.Target())[0])  # never tried the kernels
   state = lambda p: p.initial_state([run])
   batch = prog.place_batch([run.batches.batch(0)])
-  got, _ = fell_back.step(*fell_back.inputs(state(fell_back), batch))
-  want, _ = plain.step(*plain.inputs(state(plain), prog.place_batch([run.batches.batch(0)])))
+  got = fell_back.run(state(fell_back), batch)[0]
+  want = plain.run(state(plain), prog.place_batch([run.batches.batch(0)]))[0]
   _leaves_equal(got, want)
 
 

@@ -23,7 +23,7 @@ def main(tmp, tokenizer_dir):
     state = prog.initial_state([run])
     losses = []
     for i in range(2):
-      state, metrics = prog.step(*prog.inputs(state, prog.place_batch([run.batches.batch(i)])))
+      state, metrics, _ = prog.run(state, prog.place_batch([run.batches.batch(i)]))
       losses.append(float(metrics["loss"]))
     finals.append((jax.device_get(state), losses))
   (s1, l1), (s4, l4) = finals

@@ -31,7 +31,7 @@ def run_steps(run, devices, steps, padded):
   host_batch = lambda i: run.batches.batch(i) if padded else unpadded(run.batches.batch(i))  # padded: 52 rows
   metrics = []
   for i in range(steps):
-    state, m = prog.step(*prog.inputs(state, prog.place_batch([host_batch(i)])))
+    state, m, _ = prog.run(state, prog.place_batch([host_batch(i)]))
     metrics.append({k: float(v) for k, v in jax.device_get(m).items()})
   return jax.device_get(state), metrics
 

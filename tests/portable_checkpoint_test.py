@@ -54,7 +54,7 @@ def _toy_state(step, extra=True):
 def _toy_workdir(path, steps=(2, 4)):
   manager = workdir_lib.rolling_manager(path, 5)
   for s in steps:
-    manager.save(s, args=ocp.args.StandardSave(_toy_state(s)))
+    manager.save(s, args=ocp.args.PyTreeSave(_toy_state(s)))
   manager.wait_until_finished()
   workdir_lib.write_run_config(path, {"bert_config": {}, "model_dir": "unused"})
   return path
@@ -104,7 +104,7 @@ def test_truncated_latest_falls_back_with_a_warning(tmp_path, caplog):
   # the unreadable step is kept aside (not deleted), and step 4 can be saved again
   assert manager.all_steps() == [2]
   assert os.path.isdir(os.path.join(path, checkpoint.UNREADABLE_DIR, "4"))
-  manager.save(4, args=ocp.args.StandardSave(_toy_state(4)))
+  manager.save(4, args=ocp.args.PyTreeSave(_toy_state(4)))
   manager.wait_until_finished()
   assert workdir_lib.restore_params(path, "latest")[0] == 4
 

@@ -63,7 +63,8 @@ def test_a_solo_program_is_the_solo_step_and_a_population_one_is_vmapped(tmp_pat
   kernel = lambda state: state.params["encoder"]["embeddings"]["word_embeddings"]["embedding"].shape
   assert solo.members == 0 and solo.hyper == {}
   assert kernel(solo.abstract_state) == (bert_config.vocab_size, bert_config.hidden_size)  # no member axis
-  assert len(solo.inputs("state", "batch")) == 2
+  args = solo.inputs("state", "batch")  # a solo call's third argument: its non-finite watch
+  assert len(args) == 3 and int(args[2].first_bad) == -1
   config.population.seeds, config.population.ami_weights = (3, 4, 5), (0.0, 0.1, 0.2)
   pop = program.build(config, bert_config, encoder)
   assert pop.members == 3 and kernel(pop.abstract_state.members) == (3, *kernel(solo.abstract_state))

@@ -104,6 +104,11 @@ def test_the_step_on_gpus_keeps_library_calls_out_of_its_graphs_and_combines_red
   assert compiler_options(sharded, platform, devices) == expected
   xla = compiler_options(sharded, platform, devices, cuda_graphs="xla")  # XLA's own default graphs
   assert xla == {k: v for k, v in expected.items() if k not in KERNEL_GRAPHS}
+  if platform == "cuda":  # fixed: XLA's graphs, never updated; none: no graphs at all
+    assert compiler_options(sharded, platform, devices, cuda_graphs="fixed") == dict(
+        xla, xla_gpu_command_buffer_update_mode="NEVER_UPDATE")
+    assert compiler_options(sharded, platform, devices, cuda_graphs="none") == dict(
+        xla, xla_gpu_enable_command_buffer="")
 
 
 @pytest.mark.parametrize("mode, ampere_or_newer, resolved", [
@@ -118,7 +123,7 @@ def test_the_config_accepts_each_cuda_graphs_mode_and_auto_only():
   from micse_jax.training.mesh import CUDA_GRAPHS
   rule = config_checks.RULES["mesh.cuda_graphs"]
   assert all(rule(mode) is None for mode in ("auto", *CUDA_GRAPHS))
-  assert rule("none") is not None and rule(None) is not None
+  assert rule("graphs") is not None and rule(None) is not None
 
 
 def test_the_program_compiles_its_step_with_its_options():

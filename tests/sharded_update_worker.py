@@ -17,7 +17,7 @@ def run(config, run_inputs):
   prog = program.compiled(program.of_runs(config, [run_inputs], jax.devices()))
   state = prog.initial_state([run_inputs])
   for i in range(3):
-    state, _ = prog.step(*prog.inputs(state, prog.place_batch([run_inputs.batches.batch(i)])))
+    state = prog.run(state, prog.place_batch([run_inputs.batches.batch(i)]))[0]
   local = {jax.tree_util.keystr(k): list(v.addressable_shards[0].data.shape)
            for k, v in jax.tree_util.tree_leaves_with_path(state) if np.size(v)}
   host = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(jax.device_get(state))

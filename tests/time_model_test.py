@@ -2,10 +2,11 @@
 FLOPs and threefry hashes, and its time, against values computed by hand here."""
 import gzip
 import json
+import os
 
 import pytest
 
-from micse_jax.aot import kernel_cost, time_model
+from micse_jax.aot import host, kernel_cost, time_model
 
 H100 = time_model.DEVICES["h100"]
 
@@ -141,11 +142,20 @@ def test_a_threefry_fusion_counts_its_hashes():
   assert time_model.kernel_seconds(cost, H100) == pytest.approx(time_model.LAUNCH_S + max(20 * elements / rate, memory))
 
 
+def _host(arrays=0, updates=0, graph_launches=0, launches=0, recaptures=0) -> float:
+  """The host's seconds for one call, by hand from `training/dispatch.py`'s constants."""
+  from micse_jax.training import dispatch as d
+  return (d.HOST_CALL_S + arrays * d.HOST_ARRAY_S + updates * d.HOST_GRAPH_UPDATE_S
+          + graph_launches * d.HOST_GRAPH_LAUNCH_S + launches * d.HOST_LAUNCH_S + recaptures * d.HOST_RECAPTURE_S)
+
+
 def test_pipelined_step_is_device_or_host_time_and_blocked_pays_both():
   p = time_model.predict(SLICE, "h200")
   kernel = time_model.LAUNCH_S + 16384 / (4.8e12 * time_model.MEMORY_EFFICIENCY)
-  host = time_model.HOST_PER_KERNEL_S  # one kernel to dispatch
+  host = _host(arrays=2, launches=1)  # a parameter and a result; one kernel, too few for a CUDA graph
+  assert p["host_per_call"]["arrays"] == 2 and p["host_per_call"]["launches"] == 1 and p["steps_per_call"] == 1
   assert p["predicted_device_ms"] == pytest.approx(1e3 * kernel)
+  assert p["predicted_host_ms"] == pytest.approx(1e3 * host)
   assert p["predicted_step_ms"] == pytest.approx(1e3 * max(kernel, host))
   assert p["predicted_blocked_step_ms"] == pytest.approx(1e3 * (kernel + host))
   assert p["floor_ms"] == pytest.approx(1e3 * 16384 / 4.8e12)
@@ -153,34 +163,114 @@ def test_pipelined_step_is_device_or_host_time_and_blocked_pays_both():
   assert p["predicted_ms_by_phase"] == {"optimizer": pytest.approx(1e3 * kernel)}
 
 
-def _two_gemms(m: int) -> str:
-  return _module("", f"a: bf16[{m},{m}]",
-                 f"  %a = bf16[{m},{m}]{{1,0}} parameter(0)\n"
-                 f"  %g1 = (bf16[{m},{m}]{{1,0}}, s8[1024]{{0}}) custom-call(%a, %a), "
-                 f'custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}\n'
-                 f"  %x = bf16[{m},{m}]{{1,0}} get-tuple-element(%g1), index=0\n"
-                 f"  ROOT %g2 = (bf16[{m},{m}]{{1,0}}, s8[1024]{{0}}) custom-call(%x, %a), "
+def _gemms(m: int, count: int) -> str:
+  """`count` cuBLAS GEMMs one after another, each on the last's result."""
+  lines, x = [f"  %a = bf16[{m},{m}]{{1,0}} parameter(0)"], "%a"
+  for i in range(count):
+    root = "ROOT " if i == count - 1 else ""
+    lines.append(f"  {root}%g{i} = (bf16[{m},{m}]{{1,0}}, s8[1024]{{0}}) custom-call({x}, %a), "
                  f'custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}')
+    if i < count - 1:
+      lines.append(f"  %x{i} = bf16[{m},{m}]{{1,0}} get-tuple-element(%g{i}), index=0")
+      x = f"%x{i}"
+  return _module("", f"a: bf16[{m},{m}]", "\n".join(lines))
 
 
-def test_library_calls_between_cuda_graphs_cost_the_gpu_inside_them_the_host():
-  """Two cuBLAS calls: kept out of the CUDA graphs ("kernels"), each costs the GPU a graph boundary;
-  inside them ("xla"), a host that runs ahead of the GPU captures both again every step."""
+def test_library_calls_between_cuda_graphs_cost_the_gpu_a_gap_and_inside_them_the_host_a_capture():
+  """Five cuBLAS calls: kept out of the CUDA graphs ("kernels"), each costs the GPU a graph boundary
+  and the host a launch; inside them ("xla"), one graph of five, which a host running ahead of the
+  GPU captures again every call; "fixed": the same graph, never updated; "none": five launches."""
   m = 4096
   gemm = time_model.LAUNCH_S + time_model.GEMM_OVERHEAD_S + 2 * m ** 3 / (989.4e12 * time_model.GEMM_EFFICIENCY)
-  host = 2 * time_model.HOST_PER_KERNEL_S
-  apart = time_model.predict(_two_gemms(m), "h100", cuda_graphs="kernels")
-  assert apart["library_calls_per_step"] == 2 and apart["cuda_graphs"] == "kernels"
-  assert apart["predicted_device_ms"] == pytest.approx(1e3 * 2 * (gemm + time_model.GRAPH_BREAK_S))
-  assert apart["predicted_pipelined_host_ms"] == pytest.approx(1e3 * host)
+  arrays = 3  # the parameter, and the root's GEMM result and workspace
+  apart = time_model.predict(_gemms(m, 5), "h100", cuda_graphs="kernels")
+  assert apart["library_calls_per_step"] == 5 and apart["cuda_graphs"] == "kernels"
+  assert apart["predicted_device_ms"] == pytest.approx(1e3 * 5 * (gemm + time_model.GRAPH_BREAK_S))
+  assert apart["predicted_host_ms"] == pytest.approx(1e3 * _host(arrays, launches=5))
   assert apart["predicted_step_ms"] == pytest.approx(apart["predicted_device_ms"])
-  inside = time_model.predict(_two_gemms(m), "h100", cuda_graphs="xla")
-  assert inside["predicted_device_ms"] == pytest.approx(1e3 * 2 * gemm) and host < 2 * gemm
-  assert inside["predicted_pipelined_host_ms"] == pytest.approx(1e3 * (host + 2 * time_model.RECAPTURE_S))
-  assert inside["predicted_step_ms"] == pytest.approx(1e3 * max(2 * gemm, host + 2 * time_model.RECAPTURE_S))
-  assert inside["predicted_blocked_step_ms"] == pytest.approx(1e3 * (2 * gemm + host))  # waited for: nothing moved
-  small = time_model.predict(_two_gemms(64), "h100", cuda_graphs="xla")  # the host is the slower: never ahead
-  assert small["predicted_pipelined_host_ms"] == pytest.approx(1e3 * host)
+  inside = time_model.predict(_gemms(m, 5), "h100", cuda_graphs="xla")
+  host = _host(arrays, updates=1, graph_launches=1, recaptures=5)
+  assert inside["predicted_device_ms"] == pytest.approx(1e3 * 5 * gemm) and host < 5 * gemm
+  assert inside["host_per_call"]["recaptures"] == 5
+  assert inside["predicted_host_ms"] == pytest.approx(1e3 * host)
+  fixed = time_model.predict(_gemms(m, 5), "h100", cuda_graphs="fixed")
+  assert fixed["predicted_host_ms"] == pytest.approx(1e3 * _host(arrays, graph_launches=1))
+  none = time_model.predict(_gemms(m, 5), "h100", cuda_graphs="none")
+  assert none["predicted_host_ms"] == pytest.approx(1e3 * _host(arrays, launches=5))
+  slow_host = time_model.predict(_gemms(64, 5), "h100", cuda_graphs="xla")  # the host is slower: never ahead
+  assert slow_host["host_per_call"]["recaptures"] == 0
+  assert slow_host["predicted_host_ms"] == pytest.approx(1e3 * _host(arrays, updates=1, graph_launches=1))
+
+
+def _loop(trips: int, kernels: int) -> str:
+  """A program whose entry runs `kernels` negations of a [1024, 256] array in a `while` of `trips`
+  known trips (the step loop of `training/program.repeated`), then one more outside it."""
+  shape = "f32[1024,256]{1,0}"
+  fused = f"%fneg (p.0: f32[1024,256]) -> f32[1024,256] {{\n  %p.0 = {shape} parameter(0)\n" \
+          f"  ROOT %n.0 = {shape} negate(%p.0)\n}}\n"
+  body = [f"  %bp = (s32[], {shape}) parameter(0)", "  %i = s32[] get-tuple-element(%bp), index=0",
+          f"  %v0 = {shape} get-tuple-element(%bp), index=1"]
+  for k in range(kernels):
+    body.append(f"  %v{k + 1} = {shape} fusion(%v{k}), kind=kLoop, calls=%fneg")
+  body += ["  %one = s32[] constant(1)", "  %i1 = s32[] add(%i, %one)",
+           f"  ROOT %t = (s32[], {shape}) tuple(%i1, %v{kernels})"]
+  cond = [f"  %cp = (s32[], {shape}) parameter(0)", "  %ci = s32[] get-tuple-element(%cp), index=0",
+          f"  %n = s32[] constant({trips})", "  ROOT %lt = pred[] compare(%ci, %n), direction=LT"]
+  fused += "%body (bp: (s32[], f32[1024,256])) -> (s32[], f32[1024,256]) {\n" + "\n".join(body) + "\n}\n"
+  fused += "%cond (cp: (s32[], f32[1024,256])) -> pred[] {\n" + "\n".join(cond) + "\n}\n"
+  entry = (f"  %x = {shape} parameter(0)\n  %zero = s32[] constant(0)\n"
+           f"  %init = (s32[], {shape}) tuple(%zero, %x)\n"
+           f"  %w = (s32[], {shape}) while(%init), condition=%cond, body=%body, "
+           f'backend_config={{"known_trip_count":{{"n":"{trips}"}}}}\n'
+           f"  %y = {shape} get-tuple-element(%w), index=1\n"
+           f"  ROOT %last = {shape} fusion(%y), kind=kLoop, calls=%fneg")
+  return _module(fused, "x: f32[1024,256]", entry)
+
+
+def test_a_call_of_k_steps_is_priced_per_step_with_the_host_paid_once_per_call():
+  """Six kernels in a loop of K trips (with its counter's add and its condition's compare) and one
+  after it: per step the loop's eight and a K-th of the last; the host updates the loop's CUDA graph
+  once per call and launches it K times."""
+  bandwidth = 3.35e12 * time_model.MEMORY_EFFICIENCY
+  kernel = time_model.LAUNCH_S + 2 * 1024 * 256 * 4 / bandwidth
+  counter = 2 * time_model.LAUNCH_S + (3 * 4 + 2 * 4 + 1) / bandwidth  # add: 2 int32 in, 1 out; compare: 2 in, a pred
+  for trips in (1, 4):
+    p = time_model.predict(_loop(trips, 6), "h100", cuda_graphs="kernels")
+    assert p["steps_per_call"] == trips and p["kernels_per_step"] == pytest.approx(8 + 1 / trips)
+    assert p["predicted_device_ms"] == pytest.approx(1e3 * (6 * kernel + counter + kernel / trips))
+    host = _host(arrays=2, updates=1, graph_launches=trips, launches=1)  # the last kernel: one, no graph
+    assert p["host_per_call"] == {"arrays": 2, "graph_updates": 1, "graph_launches": trips, "launches": 1,
+                                  "recaptures": 0, "library_calls_launched": 0}
+    assert p["predicted_host_ms"] == pytest.approx(1e3 * host / trips)
+
+
+def test_a_deviceless_program_has_the_library_calls_its_gpu_would_autotune_to():
+  """No cuBLAS call in a GPU program: plain GEMM fusions are taken as the autotuner's library calls
+  in their measured share, spread evenly; a program with cuBLAS calls keeps its own."""
+  plain = kernel_cost.Cost("g", "GEMM (Triton fusion)", "", plain_gemm=True)
+  other = kernel_cost.Cost("f", "loop fusion", "")
+  marked = host.library_calls([plain] * 100 + [other] * 5)
+  assert sum(marked) == round(100 * host.AUTOTUNED_LIBRARY_SHARE) and not any(marked[100:])
+  tuned = [kernel_cost.Cost("c", "GEMM (cuBLAS)", "", library=True), plain]
+  assert host.library_calls(tuned) == [True, False]
+
+
+def test_the_time_model_explains_the_calibrated_h200_step(tmp_path):
+  """The batch-50 step that ran on the lent H200 (its optimized HLO and measured times, in the shared
+  calibration folder): predicted within 15 % of its pipelined time, host-bound as it was."""
+  import tarfile
+
+  from micse_jax import paths
+  folder = os.path.join(os.path.dirname(paths.shared_data_dir()), "gpu-calibration", "h200-2026-11-28-056212b")
+  if not os.path.isdir(folder):
+    pytest.skip(f"the calibration folder {folder} is not here")
+  with tarfile.open(os.path.join(folder, "raw.tar.gz")) as archive:
+    archive.extract("b50.hlo.txt.gz", tmp_path, filter="data")
+  point = next(p for p in json.load(open(os.path.join(folder, "summary.json")))["points"] if p["name"] == "b50")
+  p = time_model.predict(time_model.read_hlo(str(tmp_path / "b50.hlo.txt.gz")), "h200", cuda_graphs="kernels")
+  assert p["predicted_step_ms"] == pytest.approx(point["pipelined_step_ms"], rel=0.15)
+  assert p["predicted_host_ms"] > p["predicted_device_ms"]  # host-bound, as measured
+  assert p["predicted_device_ms"] == pytest.approx(point["profile"]["gpu_ms_per_step"], rel=0.15)
 
 
 @pytest.mark.parametrize("target", sorted(time_model.DEVICES))

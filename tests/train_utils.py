@@ -83,7 +83,7 @@ def rewrite_rolling(workdir: str, tree) -> None:
     if name.isdigit():
       shutil.rmtree(os.path.join(rolling, name))
   manager = workdir_lib.rolling_manager(workdir, 2)
-  manager.save(int(step), args=ocp.args.StandardSave(tree))
+  manager.save(int(step), args=ocp.args.PyTreeSave(tree))
   manager.wait_until_finished()
 
 
@@ -145,7 +145,7 @@ def steps_of(prog, runs, steps: int):
   state = prog.initial_state(runs)
   init, history = jax.device_get(state), []
   for position in range(steps):
-    state, metrics = prog.step(*prog.inputs(state, prog.place_batch([r.batches.batch(position) for r in runs])))
+    state, metrics, _ = prog.run(state, prog.place_batch([r.batches.batch(position) for r in runs]))
     history.append(jax.device_get(metrics))
   return init, jax.device_get(state), history
 

@@ -43,6 +43,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PHASE = re.compile(r"(?:^|[/(])(transpose\()?(?:jvp\()?(" + "|".join(re.escape(p) for p in PHASES) +
                     r")(?=[)/]|$)")
 
@@ -61,6 +62,12 @@ class Instruction:
       names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()] if group else [single]
     return names
 
+  @property
+  def shape(self) -> str:
+    """The instruction's result shape, as written (a tuple's in parentheses)."""
+    match = _INSTRUCTION.match(self.text)
+    return match.group("shape") if match else ""
+
   def op_name(self) -> str | None:
     """The `op_name` of the instruction's metadata (its jax name stack), or None."""
     match = _OP_NAME.search(self.text)
@@ -69,10 +76,14 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """One kernel launch of the compiled step: the top-level instruction's name, its kind and its phase."""
+  """One kernel of the compiled program: the top-level instruction's name, its kind, its phase, how
+  many times one call runs it (`runs`: the known trip counts of the `while` loops around it) and the
+  innermost of those loops (`loop`, None at the entry's level)."""
   name: str
   kind: str
   phase: str
+  runs: int = 1
+  loop: str | None = None
 
 
 def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
@@ -159,52 +170,84 @@ def _fused_phase(ins: Instruction, computations: dict[str, list[Instruction]]) -
   return votes.most_common(1)[0][0] if votes else NO_PHASE
 
 
-def scheduled(computations: dict[str, list[Instruction]], entry: str | None):
-  """The instructions the entry computation executes, in program order (a scheduled module's
-  order): the computations it runs (`while` bodies and conditions, branches, `call`s such as a
-  command buffer) walked in place, each once; the containers themselves left out."""
+def trip_count(ins: Instruction) -> int:
+  """How many times a `while` runs its body (XLA's `known_trip_count`; 1 when unknown)."""
+  match = _TRIP_COUNT.search(ins.text)
+  return int(match.group(1)) if match else 1
+
+
+def scheduled_runs(computations: dict[str, list[Instruction]], entry: str | None):
+  """(instruction, runs, loop) for each instruction the entry computation executes, in program order
+  (a scheduled module's order): the computations it runs (`while` bodies and conditions, branches,
+  `call`s such as a command buffer) walked in place, each once, `runs` the product of the trip counts
+  of the loops around it, `loop` the innermost of them (None outside any); the containers themselves
+  left out."""
   seen = set()
 
-  def walk(name: str):
+  def walk(name: str, runs: int, loop: str | None):
     if name in seen:
       return
     seen.add(name)
     for ins in computations.get(name, ()):
       if ins.opcode in _CONTAINERS:
+        inner, level = (runs * trip_count(ins), ins.name) if ins.opcode == "while" else (runs, loop)
         for called in ins.called():
-          yield from walk(called)
+          yield from walk(called, inner, level)
       else:
-        yield ins
+        yield ins, runs, loop
 
-  return walk(entry) if entry is not None else iter(())
+  return walk(entry, 1, None) if entry is not None else iter(())
+
+
+def scheduled(computations: dict[str, list[Instruction]], entry: str | None):
+  """The instructions of `scheduled_runs`, without their runs and loops."""
+  return (ins for ins, _, _ in scheduled_runs(computations, entry))
+
+
+def steps_per_call(computations: dict[str, list[Instruction]], entry: str | None) -> int:
+  """The training steps one call of a program runs: the trip count of the entry computation's loop
+  whose body holds the most instructions (the step, `training/program.repeated`), 1 without one."""
+  loops = [ins for ins in computations.get(entry, ()) if ins.opcode == "while"]
+  size = lambda ins: sum(len(computations.get(c, ())) for c in ins.called())
+  return trip_count(max(loops, key=size)) if loops else 1
 
 
 def kernels(hlo_text: str) -> list[Kernel]:
   """The kernels of an optimised HLO module (see the module docstring), in program order."""
   computations, entry = parse(hlo_text)
   found = []
-  for ins in scheduled(computations, entry):
+  for ins, runs, loop in scheduled_runs(computations, entry):
     if ins.opcode == "async-start":
       wrapped = [i for c in ins.called() for i in computations.get(c, ()) if i.opcode not in _NO_WORK]
       if wrapped:
-        found.append(Kernel(ins.name, kind_of(wrapped[-1], computations), _fused_phase(wrapped[-1], computations)))
+        found.append(Kernel(ins.name, kind_of(wrapped[-1], computations), _fused_phase(wrapped[-1], computations),
+                            runs, loop))
     elif ins.opcode not in _NO_WORK and not ins.opcode.endswith(("-done", "-update")):
-      found.append(Kernel(ins.name, kind_of(ins, computations), _fused_phase(ins, computations)))
+      found.append(Kernel(ins.name, kind_of(ins, computations), _fused_phase(ins, computations), runs, loop))
   return found
 
 
 def summary(hlo_text: str) -> dict:
   """{'kernels_per_step', 'by_kind', 'by_phase', 'update_kernels_per_step', 'update_by_kind',
-  'by_phase_and_kind'} of an optimised HLO module."""
+  'by_phase_and_kind', 'steps_per_call'} of an optimised HLO module: launches per training step (a
+  call of K steps launches the loop's kernels K times: `Kernel.runs`, divided by K)."""
   found = kernels(hlo_text)
+  steps = steps_per_call(*parse(hlo_text))
+  per_step = lambda n: int(n) if n == int(n) else round(n, 1)
   update = [k for k in found if k.phase in UPDATE_PHASES]
   by_phase_kind = collections.defaultdict(collections.Counter)
   for k in found:
-    by_phase_kind[k.phase][k.kind] += 1
-  count = lambda ks, attr: dict(collections.Counter(getattr(k, attr) for k in ks).most_common())
-  return {"kernels_per_step": len(found), "by_kind": count(found, "kind"), "by_phase": count(found, "phase"),
-          "update_kernels_per_step": len(update), "update_by_kind": count(update, "kind"),
-          "by_phase_and_kind": {p: dict(c.most_common()) for p, c in by_phase_kind.items()}}
+    by_phase_kind[k.phase][k.kind] += k.runs
+  def count(ks, attr):
+    totals = collections.Counter()
+    for k in ks:
+      totals[getattr(k, attr)] += k.runs
+    return {key: per_step(n / steps) for key, n in totals.most_common()}
+  return {"kernels_per_step": per_step(sum(k.runs for k in found) / steps), "by_kind": count(found, "kind"),
+          "by_phase": count(found, "phase"), "update_kernels_per_step": per_step(sum(k.runs for k in update) / steps),
+          "update_by_kind": count(update, "kind"), "steps_per_call": steps,
+          "by_phase_and_kind": {p: {key: per_step(n / steps) for key, n in c.most_common()}
+                                for p, c in by_phase_kind.items()}}
 
 
 def phase_by_instruction(hlo_text: str) -> dict[str, str]:

@@ -4,26 +4,21 @@
 instructions, in program order), a `Cost`:
 
 * `read` / `written` bytes: only what the kernel really touches. A fusion is walked back from its
-  outputs, each instruction asking its operands for the elements it needs (`_demands`): a slice,
-  dynamic-slice or gather only its part (slices of one value add up), an elementwise op the same
-  elements (several users of one value read it once), a broadcast its operand once (its own size,
-  not the broadcast's), a reduction all it reduces, a dot or a nested fusion everything; the
-  target of an in-place dynamic-update-slice or scatter is not read and only the update is
-  written. A cuBLAS / cuDNN custom call reads its operands and writes its first result (the
-  tuple's `s8[...]` workspace is scratch, not traffic). A Pallas (Triton) call reads each distinct
-  operand once (it may take one array several times, in different blocks).
+  outputs, each instruction asking its operands for the elements it needs (`_demands`: a slice,
+  dynamic-slice or gather its part, slices of one value adding up; elementwise users of one value
+  read it once; a broadcast its operand once; a reduction, a dot or a nested fusion everything); the
+  target of an in-place dynamic-update-slice or scatter is not read, only the update written. A
+  cuBLAS / cuDNN call reads its operands and writes its first result (not the `s8[...]` workspace);
+  a Pallas (Triton) call reads each distinct operand once.
 * `flops`: 2·M·N·K of each `dot` (in a fusion, nested fusions included, or a cuBLAS call's
   `dot_dimension_numbers`): 2 × the output's elements × the contracted size.
 * `rounds`: threefry-2x32 rounds computed inline: one 32-bit rotation (`or` of a `shift-left`
   and a `shift-right-logical`) per round and element (a hash is 20 rounds, `ROUNDS_PER_HASH`).
-* our own Pallas kernels, whose insides the HLO does not show, by their name (`_PALLAS_WORK`), from
-  their first output's shape (`kernels/dropout_attention.py`): `micse_dropout_attention_h<heads>`
-  computes QKᵀ and PV (4·d FLOPs per probability) and one threefry hash per probability;
-  `micse_dropout_attention_backward_h<heads>` recomputes QKᵀ and computes dP, dV, dQ, dK (10·d
-  FLOPs per probability), its keep mask read, not drawn (a sown layer's kernels also write its float32
-  probabilities and read their gradient: bytes, the same work). A Pallas call writes all its results.
-  Each is then timed as priced times what it measured against that price on a GPU
-  (`MEASURED_FACTOR`, `Cost.measured_factor`).
+* our own Pallas kernels, whose insides the HLO does not show, by their name (`_PALLAS_WORK`) and
+  first output's shape (`kernels/dropout_attention.py`): the forward 4·d FLOPs and one threefry hash
+  per probability, the backward 10·d FLOPs per probability, its keep mask read (a sown layer's also
+  write and read float32 probabilities: bytes, the same work); each writes all its results and is
+  timed as priced times what it measured against that price on a GPU (`MEASURED_FACTOR`).
 * `dtype`: the GEMM's operand element type (its peak rate), `tf32` for a float32 dot at the
   default precision, `f32` at `HIGHEST`;
 * traits the time model times differently: a reduction, a column reduction into few outputs, a
@@ -46,6 +41,7 @@ _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _SLICES = {"slice", "dynamic-slice", "gather"}
 _FREE = {"bitcast", "reshape", "get-tuple-element"}  # views: their users are the parameter's users
+_PLAIN_GEMM = {"dot", "parameter", "bitcast"}  # a fusion of these alone is a plain GEMM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +63,9 @@ class Cost:
   atomic_chain: float = 0.0    # updates per target element: atomics to one address run one after another
   measured_factor: float = 1.0  # one of our Pallas kernels: its measured time over this model's price
   library: bool = False        # a cuBLAS / cuDNN call (XLA records it into a CUDA graph by stream capture)
+  runs: int = 1                # launches per call of the program (the trip counts of the loops around it)
+  loop: str | None = None      # the innermost `while` around it (None at the entry's level)
+  plain_gemm: bool = False     # a GEMM fusion that is a dot alone (a GPU's autotuner may hand it to cuBLAS)
 
   @property
   def bytes(self) -> float:
@@ -82,11 +81,6 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 def nbytes(shape: str) -> float:
   """Bytes of a (possibly tuple) shape."""
   return sum(_BYTES.get(t, 4) * math.prod(dims) for t, dims in arrays(shape))
-
-
-def _shape(ins: hlo.Instruction) -> str:
-  match = hlo._INSTRUCTION.match(ins.text)
-  return match.group("shape") if match else ""
 
 
 def operands(ins: hlo.Instruction) -> list[str]:
@@ -105,7 +99,7 @@ class Program:
   def __init__(self, hlo_text: str):
     self.computations, self.entry = hlo.parse(hlo_text)
     self.by_name = {i.name: i for body in self.computations.values() for i in body}
-    self.shapes = {name: _shape(i) for name, i in self.by_name.items()}
+    self.shapes = {name: i.shape for name, i in self.by_name.items()}
 
   def users(self, computation: str) -> dict[str, list[tuple[hlo.Instruction, int]]]:
     """{name: [(user, operand position)]} within one computation."""
@@ -290,6 +284,7 @@ def _traits(program: Program, body: list[hlo.Instruction]) -> dict:
   root = next((i for i in body if i.text.lstrip().startswith("ROOT")), None)
   outputs = [program.by_name[o] for o in operands(root)] if root is not None and root.opcode == "tuple" else [root]
   traits = {"reduces": any(i.opcode in ("reduce", "reduce-window") for i in body),
+            "plain_gemm": any(i.opcode == "dot" for i in body) and all(i.opcode in _PLAIN_GEMM for i in body),
             "narrow_columns": any(_narrow_columns(program, i) for i in body if i.opcode == "reduce"),
             "concat_operands": max((len(operands(i)) for i in outputs if i is not None and i.opcode == "concatenate"),
                                    default=0),
@@ -383,7 +378,8 @@ def plain_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Co
 
 
 def costs(hlo_text: str) -> list[Cost]:
-  """The `Cost` of every kernel of an optimised HLO module, in program order."""
+  """The `Cost` of every kernel of an optimised HLO module, in program order (each launch's; a kernel
+  in a loop runs `Cost.runs` times per call)."""
   program = Program(hlo_text)
   found = []
   for kernel in hlo.kernels(hlo_text):
@@ -392,9 +388,10 @@ def costs(hlo_text: str) -> list[Cost]:
       wrapped = [i for c in ins.called() for i in program.computations.get(c, ()) if i.opcode != "parameter"]
       ins = wrapped[-1] if wrapped else ins
     if ins.opcode == "fusion":
-      found.append(fusion_cost(program, ins, kernel))
+      cost = fusion_cost(program, ins, kernel)
     elif ins.opcode == "custom-call":
-      found.append(custom_call_cost(program, ins, kernel))
+      cost = custom_call_cost(program, ins, kernel)
     else:
-      found.append(plain_cost(program, ins, kernel))
+      cost = plain_cost(program, ins, kernel)
+    found.append(dataclasses.replace(cost, runs=kernel.runs, loop=kernel.loop))
   return found

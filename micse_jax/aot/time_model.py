@@ -13,19 +13,24 @@ rounds, sort and scatter work) takes
 
 with `e_mem` by what the kernel does (`memory_efficiency`: elementwise, reduction, narrow column
 reduction, wide concatenate) and `round_rate` = the 32-bit integer lanes' rate / `OPS_PER_ROUND`
-· `INTEGER_EFFICIENCY`. The kernels of one step add up to the device time
-(`predicted_device_ms`): XLA runs them one after another (CUDA graphs, kernels back to back; with
-`mesh.cuda_graphs` "kernels" each cuBLAS / cuDNN call runs between two graphs, `GRAPH_BREAK_S` more).
-The trainer does not wait for a step before dispatching the next, so a step takes the device time
-or, when the host is slower, the host's (`predicted_step_ms` = max(device, host); with library
-calls inside the graphs, "xla", the host captures them again every step, `pipelined_host_seconds`).
-A step that is waited for (`predicted_blocked_step_ms`, what a blocked benchmark measures) pays
-both: the host's dispatch of the step's CUDA graph (`HOST_PER_KERNEL_S` per kernel: updating and
-launching the graph's nodes) then the device time. `floor_ms`: each kernel's bytes at peak
-bandwidth or FLOPs at peak rate, the larger, summed, with no launch cost. Constants and their
-sources: docs/AOT.md, "The time model". A TPU program is read the same way (its fusions are its
-kernels; XLA:TPU runs the whole step as one program, so the per-kernel and host costs are small
-constants); TPU figures are not calibrated against a measurement.
+· `INTEGER_EFFICIENCY`. The kernels of one call add up to the device time (`predicted_device_ms`
+per training step: a call of K steps, `steps_per_call`, runs its loop's kernels K times, `Cost.runs`):
+XLA runs them one after another (CUDA graphs, kernels back to back; with `mesh.cuda_graphs` "kernels"
+each cuBLAS / cuDNN call runs between two graphs, `GRAPH_BREAK_S` more).
+
+The host's time per call (`aot/host.py`, priced by `training/dispatch.host_seconds`): the call and
+the arrays it passes in and out, each CUDA graph updated to the call's buffers once and launched
+once per step, every kernel of a run too short for a graph (`host.MIN_GRAPH_KERNELS`) and every library
+call kept out of the graphs launched per step, and, with library calls inside the graphs ("xla"),
+each captured again once per call when the host runs ahead. A program compiled without its GPU has
+no library calls: the ones its autotuner would pick are estimated (`host.library_calls`). The trainer
+does not wait for a call before dispatching the next, so a step takes the device time or, when the
+host is slower, the host's (`predicted_step_ms` = max(device, host) per step); a call that is
+waited for (`predicted_blocked_step_ms`, what a blocked benchmark measures) pays both.
+`floor_ms`: each kernel's bytes at peak bandwidth or FLOPs at peak rate, the larger, summed, with no
+launch cost. Constants and their sources: docs/AOT.md, "The time model". A TPU program is read the
+same way (its fusions are its kernels; XLA:TPU runs the whole program as one, so the per-kernel and
+host costs are small constants); TPU figures are not calibrated against a measurement.
 
 A collective is priced on the target's links, not as a kernel (`aot/interconnect.py`: NCCL's
 algorithms over NVLink and InfiniBand, a TPU slice's ICI; `predicted_collective_ms`, before any
@@ -45,7 +50,7 @@ import json
 import sys
 
 from micse_jax import jsonio
-from micse_jax.aot import collectives, hlo, interconnect, kernel_cost
+from micse_jax.aot import collectives, hlo, host, interconnect, kernel_cost
 from micse_jax.errors import ConfigError
 
 # One set of constants for every GPU target and point. The efficiencies and per-kernel costs are
@@ -65,9 +70,7 @@ INTEGER_EFFICIENCY = 0.85         # the threefry fusions: 4.7-5.8 T rounds/s of 
 SHARED_EFFICIENCY = 0.65          # the bitonic sorts: 0.64-0.66 of 128 B/clock/SM of shared memory
 ATOMIC_RATE = 2.1e11              # scatter-add updates/s (the word-embedding gradient: 25 M updates in 120 us)
 ATOMIC_CHAIN_S = 20e-9            # atomics on one address run one after another (the token-type gradient: 16 K deep)
-HOST_PER_KERNEL_S = 5.9e-6        # blocked - pipelined step per kernel: 4.3 (b50), 6.7 (b512), 6.8 us (K = 5)
 PRE_AMPERE = ("v100",)            # GPU targets below compute capability 8.0 (`mesh.cuda_graphs_for`)
-RECAPTURE_S = 66e-6               # a library call in a CUDA graph captured again: update 9.0 ms with 118, 2.3 with 11
 GRAPH_BREAK_S = 2e-6              # a library call between two CUDA graphs: the GPU's gap (an estimate, not measured)
 TPU_LAUNCH_S = 0.3e-6             # XLA:TPU runs the whole step as one program: a fusion boundary, not a launch
 TPU_HOST_S = 100e-6               # one program launch per step
@@ -160,19 +163,10 @@ def floor_seconds(cost: kernel_cost.Cost, device: Device) -> float:
   return max(cost.bytes / device.bandwidth, gemm)
 
 
-def host_seconds(kernels: int, device: Device) -> float:
-  """The host's time to dispatch one step (GPU: update and launch the step's CUDA graph)."""
-  return kernels * HOST_PER_KERNEL_S if device.platform == "gpu" else TPU_HOST_S
-
-
-def pipelined_host_seconds(host_s: float, device_s: float, library_calls: int, cuda_graphs: str) -> float:
-  """The host's time per pipelined step. With library calls in the CUDA graphs (`cuda_graphs` "xla")
-  and a host faster than the device, the host runs a step ahead, so each step's buffers are not
-  where the last step's were and XLA captures every library call of the graph again
-  (`RECAPTURE_S` each); the step is host-bound when that outgrows the device time."""
-  if cuda_graphs == "xla" and host_s < device_s:
-    return host_s + library_calls * RECAPTURE_S
-  return host_s
+def host_call_seconds(work: dict, device: Device) -> float:
+  """The host's seconds for one call: `host.seconds` of its `host.work` on a GPU, a fixed launch on a
+  TPU (XLA:TPU runs the whole program at once)."""
+  return host.seconds(work) if device.platform == "gpu" else TPU_HOST_S
 
 
 def _ms_by(timed, attr: str) -> dict:
@@ -231,47 +225,57 @@ def _priced_collectives(hlo_text: str, target: str) -> tuple[dict, dict]:
 
 
 def predict(hlo_text: str, target: str, top: int = 20, members: int = 1, cuda_graphs: str | None = "kernels") -> dict:
-  """The predicted step of an optimised HLO module on `target` (a key of `DEVICES`), JSON-able:
-  `predicted_step_ms` (pipelined, as the trainer runs), `predicted_blocked_step_ms`, `floor_ms`,
+  """The predicted step of an optimised HLO module on `target` (a key of `DEVICES`), JSON-able, per
+  training step (a call of K steps, `steps_per_call`, divided by K): `predicted_step_ms` (pipelined,
+  as the trainer runs: the slower of the device's time and the host's), `predicted_blocked_step_ms`
+  (each call waited for: both), `predicted_device_ms`, `predicted_host_ms` (`aot/host.py`), `floor_ms`,
   by phase and kind, bytes, FLOPs and threefry hashes per step, the `top` largest kernels,
   collectives priced (`predicted_collective_ms`) and exposed (`predicted_exposed_collective_ms`);
   `members` > 1 (a population step) adds `predicted_ms_per_member_step`. `cuda_graphs`: what the
   program's CUDA graphs hold (`mesh.cuda_graphs`): "kernels", each library call costs the GPU a
-  graph boundary (`GRAPH_BREAK_S`); "xla", the host may capture them again (`pipelined_host_seconds`)."""
+  graph boundary (`GRAPH_BREAK_S`) and the host a launch; "xla", the host may capture them again."""
   device = DEVICES[target]
   costs = kernel_cost.costs(hlo_text)
+  steps = hlo.steps_per_call(*hlo.parse(hlo_text))
   found, priced = _priced_collectives(hlo_text, target)
   gpu = device.platform == "gpu"
-  library = [c.name for c in costs if c.library and gpu]
-  boundary = {name: GRAPH_BREAK_S for name in library} if cuda_graphs == "kernels" else {}
-  compute = {c.name: kernel_seconds(c, device) + boundary.get(c.name, 0.0) for c in costs if c.name not in priced}
+  runs = {c.name: c.runs for c in costs}
+  boundary = GRAPH_BREAK_S if cuda_graphs == "kernels" else 0.0
+  compute = {c.name: c.runs * (kernel_seconds(c, device) + (boundary if c.library and gpu else 0.0))
+             for c in costs if c.name not in priced}
   order = _schedule(hlo_text, {c.name for c in costs}, {c.done: k for k, c in found.items() if c.done})
-  waited = _timeline(order, compute, {k: s for k, (s, _) in priced.items()}, {k for k, c in found.items() if c.sync})
-  timed = [(c, waited[c.name] if c.name in priced else compute[c.name]) for c in costs]
+  waited = _timeline(order, compute, {k: s * runs.get(k, 1) for k, (s, _) in priced.items()},
+                     {k for k, c in found.items() if c.sync})
+  timed = [(c, (waited[c.name] if c.name in priced else compute[c.name]) / steps) for c in costs]
   device_s = sum(s for _, s in timed)
-  host_s = host_seconds(len(timed), device)
-  step_s = max(device_s, pipelined_host_seconds(host_s, device_s, len(library), cuda_graphs))
+  work = host.work(costs, host.entry_arrays(hlo_text), cuda_graphs if gpu else None, host_ahead=False)
+  if cuda_graphs == "xla" and host_call_seconds(work, device) / steps < device_s:  # the host runs ahead
+    work = host.work(costs, work["arrays"], cuda_graphs, host_ahead=True)
+  host_s = host_call_seconds(work, device) / steps
+  step_s = max(device_s, host_s)
   largest = sorted(timed, key=lambda x: -x[1])[:top]
-  floor_s = sum(floor_seconds(c, device) for c in costs if c.name not in priced)
+  floor_s = sum(c.runs * floor_seconds(c, device) for c in costs if c.name not in priced) / steps
   extra = {"predicted_ms_per_member_step": 1e3 * step_s / members} if members > 1 else {}
+  per_step = lambda n: n / steps
   return {
       "time_model_target": target, "time_model_device": device.name, **extra,
       "predicted_step_ms": 1e3 * step_s, "predicted_over_floor": step_s / floor_s,
       "predicted_blocked_step_ms": 1e3 * (device_s + host_s),
-      "predicted_device_ms": 1e3 * device_s, "predicted_host_ms": 1e3 * host_s,
-      "predicted_pipelined_host_ms": 1e3 * pipelined_host_seconds(host_s, device_s, len(library), cuda_graphs),
-      "cuda_graphs": cuda_graphs if gpu else None, "library_calls_per_step": len(library),
+      "predicted_device_ms": 1e3 * device_s, "predicted_host_ms": 1e3 * host_s, "steps_per_call": steps,
+      "host_per_call": work, "cuda_graphs": cuda_graphs if gpu else None,
+      "library_calls_per_step": per_step(sum(c.runs for c in costs if c.library and gpu)),
       "floor_ms": 1e3 * floor_s,
-      "predicted_collective_ms": 1e3 * sum(s for s, _ in priced.values()),
-      "predicted_exposed_collective_ms": 1e3 * sum(waited.values()),
+      "predicted_collective_ms": 1e3 * per_step(sum(s * runs.get(k, 1) for k, (s, _) in priced.items())),
+      "predicted_exposed_collective_ms": 1e3 * per_step(sum(waited.values())),
       "interconnect": interconnect.links(target),
       "collectives_priced": [{"name": k, "kind": c.kind, "bytes": c.size, "devices": max(map(len, c.groups)),
                               "algorithm": priced[k][1], "ms": 1e3 * priced[k][0], "exposed_ms": 1e3 * waited[k]}
                              for k, c in found.items()],
       "predicted_ms_by_phase": _ms_by(timed, "phase"), "predicted_ms_by_kind": _ms_by(timed, "kind"),
-      "bytes_per_step": sum(c.bytes for c, _ in timed), "flops_per_step": sum(c.flops for c, _ in timed),
-      "rng_hashes_per_step": sum(c.rounds for c, _ in timed) / kernel_cost.ROUNDS_PER_HASH,
-      "kernels_per_step": len(timed),
+      "bytes_per_step": per_step(sum(c.runs * c.bytes for c, _ in timed)),
+      "flops_per_step": per_step(sum(c.runs * c.flops for c, _ in timed)),
+      "rng_hashes_per_step": per_step(sum(c.runs * c.rounds for c, _ in timed)) / kernel_cost.ROUNDS_PER_HASH,
+      "kernels_per_step": per_step(sum(c.runs for c, _ in timed)),
       "largest_kernels": [{"name": c.name, "kind": c.kind, "phase": c.phase, "ms": 1e3 * s, "bytes": c.bytes,
                            "flops": c.flops, "rng_hashes": c.rounds / kernel_cost.ROUNDS_PER_HASH}
                           for c, s in largest]}
@@ -320,13 +324,16 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
 
 def report_lines(p: dict) -> list[str]:
   """The prediction as report lines."""
+  h = p["host_per_call"]
   lines = [f"  time model ({p['time_model_device']}; docs/AOT.md): step {p['predicted_step_ms']:.2f} ms "
            f"pipelined, {p['predicted_blocked_step_ms']:.2f} ms blocked (device {p['predicted_device_ms']:.2f} ms, "
-           f"host dispatch {p['predicted_host_ms']:.2f} ms, {p['predicted_pipelined_host_ms']:.2f} pipelined; "
-           f"CUDA graphs: {p['cuda_graphs']}, {p['library_calls_per_step']} library calls), floor {p['floor_ms']:.2f} ms "
-           f"(predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
+           f"host {p['predicted_host_ms']:.2f} ms per step; {p['steps_per_call']} step(s) per call), floor "
+           f"{p['floor_ms']:.2f} ms (predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
            + (f"; {p['predicted_ms_per_member_step']:.2f} ms per member-step"
               if "predicted_ms_per_member_step" in p else ""),
+           f"    host per call: {h['arrays']} arrays, {h['graph_updates']} CUDA graphs updated, {h['graph_launches']} "
+           f"graph launches, {h['launches']} launches outside graphs ({h['library_calls_launched']} library calls), "
+           f"{h['recaptures']} library calls captured again (CUDA graphs: {p['cuda_graphs']})",
            f"    collectives {p['predicted_collective_ms']:.2f} ms priced, "
            f"{p['predicted_exposed_collective_ms']:.2f} ms exposed ({p['interconnect']})",
            f"    {p['bytes_per_step'] / 1e9:.2f} GB moved, {p['flops_per_step'] / 1e12:.2f} TFLOP, "

@@ -3,7 +3,7 @@
     python -m micse_jax.bench --model minilm --batch_size 64
     python -m micse_jax.bench --model bert-base --batch_size 50 --dtype bfloat16 --profile /tmp/trace
 
-Prints: compile time, model FLOPs (bench/flops.py) and XLA's FLOP count of the train step; the step time of
+Prints: compile time, model FLOPs (training/flops.py) and XLA's FLOP count of the train step; the step time of
 micse_jax and of the PyTorch peers, each two ways (bench/timing.py): pipelined, runs of --steps steps with one
 wait per run as the trainer runs them (the headline: ratios, sentences/s and MFU use it), and blocked, the
 median of single steps each waited for; the step's time by phase (a profile of a
@@ -36,6 +36,7 @@ from micse_jax.bench.torch_step import TORCH_MODES
 from micse_jax.errors import MicseError, one_line
 from micse_jax.models.dtypes import DTYPES
 from micse_jax.optional import require
+from micse_jax.training.mesh import CUDA_GRAPHS
 
 
 def parse_args(argv):
@@ -77,8 +78,8 @@ def parse_args(argv):
                       "bfloat16/float16) against the explicit softmax, in --dtype (bench/encode.py)")
   p.add_argument("--aot_hlo", metavar="FILE", help="with --aot TARGET: predict a saved optimized-HLO file's step time (aot/time_model.py)")
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
-  p.add_argument("--cuda_graphs", choices=("auto", "kernels", "xla"), default="auto", help="with --aot: the "
-                 "step's mesh.cuda_graphs; with --aot_hlo: how the saved program was compiled")
+  p.add_argument("--cuda_graphs", choices=("auto", *CUDA_GRAPHS), default="auto", help="the step's "
+                 "mesh.cuda_graphs (training/mesh.py); with --aot_hlo: how the saved program was compiled")
   p.add_argument("--population", type=int, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
   p.add_argument("--population_members", metavar="K,K,...", help="instead: population training of these sizes "
@@ -121,12 +122,13 @@ def run(args, rows: Rows | None = None) -> dict:
   rows.add("setup", header_lines, **result)
   def overrides(config):
     config.model.dropout_random_bits = args.dropout_random_bits
-  step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides)
+    config.mesh.cuda_graphs = args.cuda_graphs
+  step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides, steps=args.steps_per_dispatch)
   compile_s, flops = step.compile()
   kernels = hlo.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
   rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops,
            kernels_per_step=kernels["kernels_per_step"], update_kernels_per_step=kernels["update_kernels_per_step"])
-  t = timing.measure(*timing.jax_peer(step), args.warmup, args.steps, args.rounds)
+  t = timing.measure(*timing.jax_peer(step), args.warmup, args.steps, args.rounds, step.steps)
   model_flops = step.model_flops
   mfu = lambda ms: hardware.mfu(model_flops, ms / 1e3, args.dtype)
   rows.add("jax", jax_lines, timing=timing.PIPELINED.format(steps=args.steps, rounds=args.rounds), jax=dict(
@@ -173,7 +175,7 @@ def header_lines(r: dict) -> list[str]:
 
 
 def compile_lines(r: dict) -> list[str]:
-  """Compile time, the step's model FLOPs (bench/flops.py) and XLA's own count."""
+  """Compile time, the step's model FLOPs (training/flops.py) and XLA's own count."""
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
           f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})",
           f"  kernels per step             {r['kernels_per_step']} (update {r['update_kernels_per_step']}; "
@@ -191,7 +193,9 @@ def jax_lines(r: dict) -> list[str]:
          else f"{_pct(j['mfu'])} (blocked {_pct(j['mfu_blocked'])})")
   return [f"  step times: {r['timing']}; ratios, sentences/s and MFU use the pipelined time",
           f"  micse_jax step               {j['pipelined_step_ms']:.2f} ms pipelined, {j['blocked_step_ms']:.2f} ms "
-          f"blocked   ({j['sentences_per_s']:.1f} sentences/s)",
+          f"blocked   ({j['sentences_per_s']:.1f} sentences/s; {j['steps_per_call']} step(s) per call)",
+          f"  host dispatch per step       {j['dispatch_step_ms']:.2f} ms ({j['dispatch_step_ms'] / j['pipelined_step_ms']:.2f} "
+          "of the pipelined step: near 1, the host sets the pace)",
           f"  peak memory: device {_gib(j['peak_device_bytes'])}, host RSS {_gib(j['peak_host_rss_bytes'])}",
           f"  MFU (model FLOPs / pipelined step time / device peak)  {mfu}"]
 
@@ -256,7 +260,8 @@ def run_aot(args) -> dict:
   jax.config.update("jax_platforms", "cpu")  # the target is not here; compile on the host
   with cli.input_errors_as_one_line():
     result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype,
-                     encode=not args.population, population=args.population, cuda_graphs=args.cuda_graphs)
+                     encode=not args.population, population=args.population, cuda_graphs=args.cuda_graphs,
+                     steps=args.steps_per_dispatch)
   print("\n".join(aot.report_lines(result)))
   if args.output:
     jsonio.write_json(args.output, result)

@@ -42,21 +42,22 @@ def step_config(model: str, bert_config, batch_size: int, max_length: int, dtype
 
 
 def run(target: str, num_devices: int, model: str, batch_size: int, max_length: int, dtype: str,
-        encode: bool = True, population: int = 0, cuda_graphs: str = "auto") -> dict:
+        encode: bool = True, population: int = 0, cuda_graphs: str = "auto", steps: str = "auto") -> dict:
   """Compiles the step (and the encode program) for `target`; returns the JSON-able report.
   `population` K > 0: the step of K stacked runs, with its kernels and memory per member-step;
-  `cuda_graphs`: the step's `mesh.cuda_graphs` (compiled and priced so)."""
+  `cuda_graphs`: the step's `mesh.cuda_graphs` (compiled and priced so); `steps`: its
+  `steps_per_dispatch` (auto: as the trainer chooses for the target)."""
   devices = target_devices(target, num_devices)
   bert_config = bert_config_for(model)
   config = step_config(model, bert_config, batch_size, max_length, dtype, population)
-  config.mesh.cuda_graphs = cuda_graphs
+  config.mesh.cuda_graphs, config.steps_per_dispatch = cuda_graphs, str(steps)
   try:
     prog, compile_s = aot_compile.compiled_program(config, bert_config, devices)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
   result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-            "jax_version": jax.__version__, "compile_s": compile_s,
+            "jax_version": jax.__version__, "compile_s": compile_s, "steps_per_dispatch": prog.steps,
             "state_layout": "sharded" if prog.config.mesh.shard_state else "replicated",
             **aot_compile.report(prog.executable, len(devices), population)}
   result.update(time_model.predict(prog.executable.as_text(), target, members=population or 1,
@@ -77,7 +78,8 @@ def report_lines(r: dict) -> list[str]:
   lines = [f"micse_jax.bench --aot {r['aot_target']}: {r['model']}, {r['batch_size']} sentences x 2 views x "
            f"{r['max_length']} tokens, {r['dtype']}, {r['num_devices']} x {r['device_kind']} "
            f"(compiled deviceless, jax {r['jax_version']})",
-           f"  train step compile time      {r['compile_s']:.1f} s",
+           f"  train step compile time      {r['compile_s']:.1f} s   ({r['steps_per_dispatch']} step(s) per call; "
+           "figures below are per training step)",
            f"  train state                  {r['state_layout']}"
            + ("   (FSDP: mesh.shard_state)" if r["state_layout"] == "sharded" else ""),
            f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "

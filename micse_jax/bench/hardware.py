@@ -31,7 +31,7 @@ def peak_flops(dtype: str) -> float | None:
 
 
 def mfu(model_flops: float | None, step_seconds: float, dtype: str) -> float | None:
-  """Model FLOP utilisation: the step's model FLOPs (bench/flops.py) / step time / device peak."""
+  """Model FLOP utilisation: the step's model FLOPs (training/flops.py) / step time / device peak."""
   peak = peak_flops(dtype)
   if not peak or not model_flops or model_flops != model_flops:
     return None

@@ -21,11 +21,14 @@ from typing import Callable
 import jax
 import numpy as np
 
-from micse_jax.bench.flops import step_flops_for, xla_flops
+from micse_jax.training.flops import step_flops_for, xla_flops
 
 SHAPES = {"bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+          # BERT-base's 12 layers and 12 heads at hidden 96: as many arrays in its train state, so as much
+          # host work per call, for a step a CPU computes quickly (the host's cost, measured on a CPU)
+          "bert-base-narrow": dict(hidden_size=96, num_hidden_layers=12, num_attention_heads=12, intermediate_size=384),
           "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)}
-MODELS = ("minilm", "bert-base", "tiny")
+MODELS = ("minilm", "bert-base", "bert-base-narrow", "tiny")
 
 
 def model_dir_for(name: str) -> str:
@@ -88,30 +91,34 @@ def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: i
 
 
 class JaxStep:
-  """The trainer's program (`training/program.py`) for one model and batch: its placed state and
-  batch, and the compiled step."""
+  """The trainer's program (`training/program.py`) for one model and batch: its placed state, chunk of
+  batches (the one batch at each of its `steps` steps per call) and non-finite watch, and the
+  compiled program."""
 
-  def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None):
+  def __init__(self, model_dir: str, batch: dict, dtype: str, config_overrides: Callable | None = None,
+               steps: int | str = "auto"):
     from micse_jax.data.pipeline import ROW_MASK_KEY
     from micse_jax.models.loading import load_pretrained
     from micse_jax.training import program, run_inputs
     _, enc, bert_config, _ = load_pretrained(model_dir)
     n, t = batch["input_ids"].shape
     self.config = c = bench_config(model_dir, bert_config.num_hidden_layers, n, t, dtype)
+    c.steps_per_dispatch = str(steps)
     if config_overrides:
       config_overrides(c)
-    self.model_flops = step_flops_for(c, bert_config)   # MFU's numerator (bench/flops.py)
-    self.program = program.build(c, bert_config, program.abstract_of(enc))  # the trainer's program
-    self.nets, self.tx = self.program.nets, self.program.tx
+    self.model_flops = step_flops_for(c, bert_config)   # MFU's numerator (training/flops.py)
+    self.program = program.build(c, bert_config, program.abstract_of(enc))  # the trainer's program, K resolved
+    self.nets, self.tx, self.steps = self.program.nets, self.program.tx, self.program.steps
     self.state = self.program.place_state([run_inputs.initial_state(c, self.nets, self.tx, enc)])
-    self.batch = self.program.place_batch([{ROW_MASK_KEY: np.ones(n, np.int32), **batch}])  # every row real
+    self.batch = self.program.place_chunk([[{ROW_MASK_KEY: np.ones(n, np.int32), **batch}]] * self.steps)  # every row real
+    self.watch = self.program.fresh_watch()
     self.compiled = None
 
   def compile(self) -> tuple[float, float | None]:
     """Lowers and compiles the full step; returns (compile seconds, XLA's FLOP count).
 
     XLA's count is reported as found; MFU uses `self.model_flops` (on a GPU XLA's cost analysis
-    misses the FLOPs inside cuBLAS calls, see bench/flops.py)."""
+    misses the FLOPs inside cuBLAS calls, see training/flops.py)."""
     from micse_jax.training import program
     t = time.perf_counter()
     self.program = program.compiled(self.program)  # the trainer's compile: kernels, else the explicit path
@@ -119,19 +126,24 @@ class JaxStep:
     seconds = time.perf_counter() - t
     return seconds, xla_flops(self.compiled)
 
-  def run_step(self) -> dict:
-    """One full step (donating the state); blocks until done; returns the metrics."""
-    self.state, metrics = self.compiled(self.state, self.batch)
-    return jax.block_until_ready(metrics)
+  def call(self) -> dict:
+    """One call of the compiled program (`steps` training steps, donating the state), dispatched
+    without waiting for it; returns the last step's metrics."""
+    self.state, metrics, self.watch = self.compiled(self.state, self.batch, self.watch)
+    return metrics
 
-  def phase_ms(self, directory: str, steps: int) -> dict:
-    """Profiles `steps` full steps into `directory`; returns the trace summary (`trace_summary`)
-    with `ms_per_step_by_phase`: op or kernel time per step under each phase of the step."""
+  def run_step(self) -> dict:
+    """One call; blocks until done; returns the last step's metrics."""
+    return jax.block_until_ready(self.call())
+
+  def phase_ms(self, directory: str, calls: int) -> dict:
+    """Profiles `calls` calls into `directory`; returns the trace summary (`trace_summary`)
+    with `ms_per_step_by_phase`: op or kernel time per training step under each phase of the step."""
     from micse_jax.aot import hlo
     from micse_jax.bench import trace_summary
     with jax.profiler.trace(directory, create_perfetto_trace=True):
-      for i in range(steps):
+      for i in range(calls):
         with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
           self.run_step()
     phases = hlo.phase_by_instruction(self.compiled.as_text())
-    return trace_summary.summarize(directory, steps, phases=phases)
+    return trace_summary.summarize(directory, calls * self.steps, phases=phases)

@@ -75,7 +75,8 @@ def main(argv=None) -> dict:
   p.add_argument("--target", default="h200", choices=sorted(time_model.DEVICES))
   p.add_argument("--pipelined_ms", type=float, help="the measured pipelined step")
   p.add_argument("--blocked_ms", type=float, help="the measured blocked step")
-  p.add_argument("--cuda_graphs", default="kernels", choices=("kernels", "xla"), help="the program's mesh.cuda_graphs")
+  p.add_argument("--cuda_graphs", default="kernels", choices=("kernels", "xla", "fixed", "none"),
+                 help="the program's mesh.cuda_graphs")
   args = p.parse_args(argv)
   result = compare(time_model.read_hlo(args.hlo), args.trace, args.steps, args.target, args.pipelined_ms,
                    args.blocked_ms, args.cuda_graphs)

@@ -61,21 +61,21 @@ def measure(config, steps: int, warmup: int) -> dict:
   from micse_jax.bench import hardware
   from micse_jax.training import program
   runs = program.prepared_runs(config)
-  prog = program.of_runs(config, runs)  # the trainer's program
+  prog = program.of_runs(config, runs, steps=1)  # the trainer's program, one step per call
   members = len(runs)
   batches = [prog.place_batch([r.batches.batch(s) for r in runs]) for s in range(1 + warmup + steps)]
   pstate = prog.initial_state(runs)
   start = time.perf_counter()
   prog = program.compiled(prog)  # compiled as the trainer compiles it: part of the first call
-  pstate, metrics = prog.step(*prog.inputs(pstate, batches[0]))
+  pstate, metrics, _ = prog.run(pstate, batches[0])
   jax.block_until_ready(metrics)
   first_call_s = time.perf_counter() - start
   for batch in batches[1:1 + warmup]:
-    pstate, metrics = prog.step(*prog.inputs(pstate, batch))
+    pstate, metrics, _ = prog.run(pstate, batch)
   jax.block_until_ready(pstate)
   start = time.perf_counter()
   for batch in batches[1 + warmup:]:
-    pstate, metrics = prog.step(*prog.inputs(pstate, batch))
+    pstate, metrics, _ = prog.run(pstate, batch)
   jax.block_until_ready(pstate)
   step_s = (time.perf_counter() - start) / steps
   return {"members": members, "first_call_s": first_call_s, "ms_per_population_step": 1e3 * step_s,

@@ -19,8 +19,8 @@ import statistics
 import time
 from typing import Any, Callable
 
-PIPELINED = ("pipelined: runs of {steps} steps dispatched back to back, one wait per run (as the trainer runs), "
-             "median of {rounds} runs; blocked: median of {steps} single steps, each waited for")
+PIPELINED = ("pipelined: runs of {steps} calls dispatched back to back, one wait per run (as the trainer runs), "
+             "median of {rounds} runs; blocked: median of {steps} single calls, each waited for; per training step")
 
 
 def blocked_seconds(dispatch: Callable[[], Any], wait: Callable[[Any], Any], steps: int) -> list[float]:
@@ -51,36 +51,46 @@ def pipelined_seconds(dispatch: Callable[[], Any], wait: Callable[[Any], Any], s
 
 
 def measure(dispatch: Callable[[], Any], wait: Callable[[Any], Any], warmup: int, steps: int,
-            rounds: int) -> dict:
-  """`warmup` untimed steps, then blocked and pipelined times (ms): `blocked_step_ms`,
-  `pipelined_step_ms`, `pipelined_rounds_ms` (one per run, to show the spread), and
-  `dispatch_step_ms`, the host's time per step to dispatch a pipelined run: near the pipelined
-  time, the step is host-bound (the device waits for the host)."""
+            rounds: int, steps_per_call: int = 1) -> dict:
+  """`warmup` untimed calls, then blocked and pipelined times per training step (ms; a call runs
+  `steps_per_call` of them): `blocked_step_ms`, `pipelined_step_ms`, `pipelined_rounds_ms` (one per
+  run, to show the spread), and `dispatch_step_ms`, the host's time per step to dispatch a pipelined
+  run: near the pipelined time, the step is host-bound (the device waits for the host)."""
   for _ in range(warmup):
     wait(dispatch())
   blocked = blocked_seconds(dispatch, wait, steps)
   dispatched = []
   pipelined = pipelined_seconds(dispatch, wait, steps, rounds, dispatched)
-  return {"pipelined_step_ms": 1e3 * statistics.median(pipelined), "blocked_step_ms": 1e3 * statistics.median(blocked),
-          "pipelined_rounds_ms": [1e3 * s for s in pipelined], "dispatch_step_ms": 1e3 * statistics.median(dispatched)}
+  ms = lambda seconds: 1e3 * seconds / steps_per_call
+  return {"pipelined_step_ms": ms(statistics.median(pipelined)), "blocked_step_ms": ms(statistics.median(blocked)),
+          "pipelined_rounds_ms": [ms(s) for s in pipelined], "dispatch_step_ms": ms(statistics.median(dispatched)),
+          "steps_per_call": steps_per_call}
 
 
 def jax_peer(step) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-  """(dispatch, wait) of a compiled micse_jax step (`bench/jax_step.JaxStep`, after `compile()`):
-  dispatch runs one step on the step's state (donated, replaced) and returns its metrics."""
+  """(dispatch, wait) of a compiled micse_jax program (`bench/jax_step.JaxStep`, after `compile()`):
+  dispatch makes one call (its `steps` steps) on the step's state (donated, replaced) and returns its
+  metrics; `measure(..., steps_per_call=step.steps)` gives the times per training step."""
   import jax
+  return step.call, jax.block_until_ready
 
-  def dispatch():
-    step.state, metrics = step.compiled(step.state, step.batch)
-    return metrics
-  return dispatch, jax.block_until_ready
+
+def _steps_per_dispatch(text: str) -> str:
+  """argparse's type of --steps_per_dispatch: "auto" or an integer >= 1, kept as text (the config's)."""
+  import argparse
+  if text == "auto" or (text.isdigit() and int(text) >= 1):
+    return text
+  raise argparse.ArgumentTypeError(f"{text!r}: auto or an integer >= 1")
 
 
 def add_arguments(parser) -> None:
   """The timing flags of `python -m micse_jax.bench`: --steps, --rounds, --warmup."""
   parser.add_argument("--steps", type=int, default=10,
-                      help="steps per timed run: blocked, the median of this many single steps; pipelined, runs "
-                           "of this many steps with one wait each")
+                      help="calls per timed run (one training step each, or --steps_per_dispatch): blocked, the median "
+                           "of this many single calls; pipelined, runs of this many calls with one wait each")
+  parser.add_argument("--steps_per_dispatch", default="auto", type=_steps_per_dispatch,
+                      help="training steps per call of the micse_jax program: an integer >= 1, or auto (the "
+                           "trainer's choice for this device: training/dispatch.py); times are per training step")
   parser.add_argument("--rounds", type=int, default=3, help="pipelined runs of --steps steps (median reported)")
   parser.add_argument("--warmup", type=int, default=2,
                       help="untimed steps first (the compiled PyTorch peer's second step still compiles: keep >= 2)")

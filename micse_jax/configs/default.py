@@ -27,6 +27,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every = 250
   c.keep_checkpoints = 2
   c.eval_every = 125                  # SimCSE/miCSE validate on STS-B dev every 125 steps
+  c.steps_per_dispatch = "auto"       # training steps per call of the jitted program (an integer >= 1, or
+                                      # auto: more than one where the host would keep a GPU waiting;
+                                      # training/dispatch.py); the same run whatever K
 
   c.model = ml_collections.ConfigDict()
   c.model.name_or_path = "bert-base-uncased"
@@ -50,7 +53,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.shard_update = False         # ZeRO-1/2: gradients reduce-scattered, 1/N of the update per device,
                                       # params/EMA all-gathered; moments sharded (docs/scaling-and-clusters.md)
   c.mesh.cuda_graphs = "auto"         # CUDA: what XLA puts into the step's CUDA graphs: kernels (XLA's and ours;
-                                      # cuBLAS/cuDNN between them) | xla (XLA's set) | auto (training/mesh.py)
+                                      # cuBLAS/cuDNN between them) | xla (XLA's set) | fixed (XLA's set at fixed
+                                      # addresses: never updated) | none | auto (training/mesh.py)
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = paths.corpus_path("wiki1m_for_simcse.txt")

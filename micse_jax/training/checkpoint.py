@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -32,9 +34,17 @@ UNREADABLE_DIR = "unreadable_checkpoints"
 
 
 def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
-  """Asynchronous save of the full train state at its step (returns once the arrays are on the host;
-  Orbax writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one)."""
-  manager.save(int(state.step), args=ocp.args.StandardSave(weight_copies.dropped(state)), metrics=metrics)
+  """Save of the full train state (device arrays, or a host copy: `host_copy`) at its step; Orbax
+  writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one.
+  Asynchronous: it returns once device arrays are on the host (`manager.wait_until_finished()` waits
+  for the write)."""
+  manager.save(int(state.step), args=ocp.args.PyTreeSave(weight_copies.dropped(state)), metrics=metrics)
+
+
+def host_copy(tree):
+  """`tree`'s arrays copied to the host (NumPy), all transfers in flight at once: what a background
+  save writes while the device goes on (a process's whole arrays: one host)."""
+  return jax.device_get(weight_copies.dropped(tree))
 
 
 def on_current_devices(abstract_state):
@@ -46,6 +56,11 @@ def on_current_devices(abstract_state):
   return jax.tree.map(place, abstract_state)
 
 
+def _restore_args(target) -> ocp.args.PyTreeRestore:
+  """Orbax's arguments to restore a saved tree onto `target` (ShapeDtypeStructs with shardings)."""
+  return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+
 Layouts = Sequence["Legacy"]  # the older layouts a restore tries, in order, when the current one fails
 
 
@@ -53,7 +68,7 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract_state, leg
   """The state at `step` on `abstract_state`; a checkpoint in one of the `legacy` layouts is restored
   in it and converted (one warning line). Errors are those of the current layout's restore. The
   half-precision weight copies, never saved, are rebuilt (`weight_copies.rebuilt`)."""
-  restore = lambda target: manager.restore(step, args=ocp.args.StandardRestore(on_current_devices(target)))
+  restore = lambda target: manager.restore(step, args=_restore_args(on_current_devices(target)))
   with_copies = lambda state: weight_copies.rebuilt(state, on_current_devices(abstract_state))
   try:
     return with_copies(restore(weight_copies.dropped(abstract_state)))
@@ -165,3 +180,91 @@ def save_best(manager: ocp.CheckpointManager, step: int, params, score: float, w
                force=True)
   if wait:
     manager.wait_until_finished()
+
+
+class Saver:
+  """The loop's checkpoint writes, off its path: a rolling save (`state`) or a best save (`best`)
+  blocks the loop only for the device-to-host copy of what it writes; one background thread then
+  writes them one after another, in order (a best save never competes with a rolling one, never
+  waits for it in the loop, and the params of a step that is saved both ways are copied to the host
+  once: `best(..., host=...)`). `on_saved(step)` runs on that thread once a rolling step has committed.
+  A write that fails is raised in the loop at its next save, `wait` or `close`.
+
+  Several processes (multi-host) save as Orbax does, collectively and asynchronously from the
+  device arrays (each writes its shards), in the loop's thread.
+  """
+
+  PENDING = 2  # host copies queued behind the one being written, at most: the loop waits past that
+
+  def __init__(self, rolling: ocp.CheckpointManager, on_saved: Callable[[int], None] = lambda step: None,
+               background: bool | None = None):
+    self.rolling, self.on_saved = rolling, on_saved
+    self.background = jax.process_count() == 1 if background is None else background
+    self._jobs: queue.Queue = queue.Queue(maxsize=self.PENDING)
+    self._error: BaseException | None = None
+    self._thread = None
+    if self.background:
+      self._thread = threading.Thread(target=self._write, name="micse-saver", daemon=True)
+      self._thread.start()
+
+  def state(self, state) -> dict:
+    """Saves the full train state at its step; returns its host copy (where `best` can take the
+    params of the same step from), or None when the save runs from device arrays."""
+    self._raise()
+    if not self.background:
+      save_state(self.rolling, state)
+      return None
+    host = host_copy(state)
+    self._jobs.put((save_state, self.rolling, (host,), int(host.step)))
+    return host
+
+  def best(self, manager: ocp.CheckpointManager, step: int, params, score: float) -> None:
+    """Saves `params` (device arrays, or the host copy of a `state` save of the same step) as the
+    best of `manager`'s run."""
+    self._raise()
+    if not self.background:
+      save_best(manager, step, params, score, wait=False)
+      return
+    self._jobs.put((save_best, manager, (step, jax.device_get(params), score), None))
+
+  def wait(self) -> None:
+    """Returns once everything asked for is written (raising a write's error)."""
+    if self.background:
+      self._jobs.join()
+    else:
+      self.rolling.wait_until_finished()
+    self._raise()
+
+  def close(self) -> None:
+    """`wait`, then the writer thread ends."""
+    try:
+      self.wait()
+    finally:
+      if self._thread is not None:
+        self._jobs.put(None)
+        self._thread.join()
+        self._thread = None
+
+  def _write(self) -> None:
+    """The writer thread: each job saved and waited for, in order; the first error kept (the jobs
+    after it are dropped: the loop raises it)."""
+    while True:
+      job = self._jobs.get()
+      try:
+        if job is None:
+          return
+        save, manager, args, rolling_step = job
+        if self._error is None:
+          save(manager, *args)
+          manager.wait_until_finished()
+          if rolling_step is not None:
+            self.on_saved(rolling_step)
+      except BaseException as error:  # noqa: BLE001  (re-raised in the loop)
+        self._error = self._error or error
+      finally:
+        self._jobs.task_done()
+
+  def _raise(self) -> None:
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise error

@@ -12,15 +12,17 @@ population member and to a run. The step (`training/step.py`), the population st
   stop the member   a member whose applied step had a non-finite loss or ‖g‖₂ stops at that step
                     (`member_kept`, `stopped_after`): its state stays as it was, the others go on.
   stop the run      a solo run whose applied step had a non-finite loss stops with one error line
-                    (`FiniteWatch`), a population once no member trains (`Health`).
+                    (`Watch`, folded in by the program at every step: `fold`), a population once no
+                    member trains (`Health`).
 
-The loop learns of either only when it logs, evaluates or saves (one sync then; the steps in
-between run without waiting), so a non-finite state is never logged, kept as the best model or
-checkpointed. A float16 step the loss scale skipped (`step_skipped`) is never a failure: its
+The loop learns of either only when it logs, evaluates or saves, from what the program's call
+returned beside the state (the steps in between run without waiting), so a non-finite state is
+never logged, kept as the best model or checkpointed. A float16 step the loss scale skipped (`step_skipped`) is never a failure: its
 update was not applied.
 """
 from __future__ import annotations
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,76 +90,79 @@ def stopped_after(stopped_at: jax.Array, bad: jax.Array, step: jax.Array) -> jax
 # ---------------------------------------------------------------- stop the run
 
 
-@jax.jit
-def _fold(first_bad, bad_loss, loss, skipped, step):
-  """(first_bad, bad_loss) after a step: set at the first non-finite, non-skipped loss."""
+@flax.struct.dataclass
+class Watch:
+  """A solo run's non-finite record, carried through the program's calls (`training/program.py`):
+  the first step whose applied loss was not finite (-1 while none) and that loss. The program
+  folds every step into it (`fold`), so watching costs no dispatch of its own; the loop reads it
+  only when it logs, evaluates or saves."""
+  first_bad: jax.Array
+  bad_loss: jax.Array
+
+  @classmethod
+  def fresh(cls) -> "Watch":
+    """No non-finite step yet."""
+    return cls(jnp.asarray(-1, jnp.int32), jnp.asarray(0.0, jnp.float32))
+
+
+def fold(watch: Watch, metrics: dict, step) -> Watch:
+  """`watch` after a step with `metrics` (`loss`, optional `step_skipped`); `step`: the state's step
+  after it. Records the first non-finite loss of a step whose update was applied (a float16 step
+  the loss scale skipped is no failure)."""
+  skipped = metrics.get("step_skipped")
   applied = True if skipped is None else jnp.asarray(skipped) == 0
-  record = (first_bad < 0) & ~jnp.isfinite(loss) & applied
-  return (jnp.where(record, step.astype(jnp.int32), first_bad),
-          jnp.where(record, loss.astype(jnp.float32), bad_loss))
+  record = (watch.first_bad < 0) & ~jnp.isfinite(metrics["loss"]) & applied
+  return Watch(jnp.where(record, jnp.asarray(step).astype(jnp.int32), watch.first_bad),
+               jnp.where(record, metrics["loss"].astype(jnp.float32), watch.bad_loss))
 
 
-class FiniteWatch:
-  """A solo run's flag, on the device: the first step whose loss was not finite (-1 while none) and
-  that loss, folded in after every step by one tiny jitted call dispatched like the step."""
-
-  def __init__(self):
-    self._first_bad = jnp.asarray(-1, jnp.int32)
-    self._bad_loss = jnp.asarray(0.0, jnp.float32)
-
-  def update(self, metrics: dict, step: jax.Array) -> None:
-    """Folds in a step's metrics (`loss`, optional `step_skipped`); `step`: the state's step after it."""
-    self._first_bad, self._bad_loss = _fold(self._first_bad, self._bad_loss, metrics["loss"],
-                                            metrics.get("step_skipped"), step)
-
-  def check(self, saved_step: int | None = None) -> None:
-    """Reads the flag (one sync); raises NonFiniteLossError (one line) if any step was non-finite,
-    saying what the run left (`saved_step`: its last checkpoint's step, None when it saved none)."""
-    first_bad = int(np.asarray(self._first_bad))
-    if first_bad >= 0:
-      loss = float(np.asarray(self._bad_loss))
-      raise NonFiniteLossError(f"non-finite loss {loss} at step {first_bad}; stopped, {kept_clause(saved_step)} "
-                               "(lower optim.learning_rate?)")
+def check(watch: Watch, saved_step: int | None = None) -> None:
+  """Reads `watch` (a sync, unless its call is done); raises NonFiniteLossError (one line) if any
+  step was non-finite, saying what the run left (`saved_step`: its last checkpoint's step, None
+  when it saved none)."""
+  first_bad = int(np.asarray(watch.first_bad))
+  if first_bad >= 0:
+    loss = float(np.asarray(watch.bad_loss))
+    raise NonFiniteLossError(f"non-finite loss {loss} at step {first_bad}; stopped, {kept_clause(saved_step)} "
+                             "(lower optim.learning_rate?)")
 
 
 class Health:
-  """Which of the loop's runs (`run_views.RunView`s: a solo run, or each member) still train, read only
-  when the loop logs, evaluates or saves (one sync)."""
+  """Which of the loop's runs (`run_views.RunView`s: a solo run, or each member) still train, read
+  only when the loop logs, evaluates or saves, from what the program's last call returned beside the
+  state (`Program.run`): a solo run's `Watch`, a population's `stopped_at`."""
 
-  def __init__(self, views: list, state):
-    self.views, self.watch, self.reported = views, FiniteWatch(), set()
-    if views[0].index is not None:  # a member training again after a resume: no stale record
-      for i in _alive_indices(state):
+  def __init__(self, views: list, stopped_at=None):
+    """`stopped_at`: a population's members' at the start (a member training again after a
+    resume has its stale record cleared)."""
+    self.views, self.reported = views, set()
+    if views[0].index is not None:
+      for i in _alive_indices(stopped_at):
         workdir_lib.clear_member_stopped(views[i].folder)
 
-  def update(self, state, metrics) -> None:
-    """After each step: a solo run folds the loss into the device flag (no sync)."""
+  def alive(self, health, saved_step: int | None, write) -> list:
+    """The runs that still train, from `health` (a solo run's `Watch`, a population's `stopped_at`);
+    a newly stopped member is reported (`write`: a line to the user) and recorded in its folder.
+    NonFiniteLossError (one line, saying what `saved_step` left) when none does."""
     if self.views[0].index is None:
-      self.watch.update(metrics, state.step)
-
-  def alive(self, state, saved_step: int | None, write) -> list:
-    """The runs that still train; a newly stopped member is reported (`write`: a line to the
-    user) and recorded in its folder. NonFiniteLossError (one line, saying what `saved_step`
-    left) when none does."""
-    if self.views[0].index is None:
-      self.watch.check(saved_step)
+      check(health, saved_step)
       return self.views
-    alive = _alive_indices(state)
-    for i, step in newly_stopped(state.stopped_at, self.reported):
+    alive = _alive_indices(health)
+    for i, step in newly_stopped(health, self.reported):
       view = self.views[i]
       line = stopped_line(i, view.run.config.seed, step, len(alive))
       write(line)  # once, above the progress bar (a log line as well would print it twice)
       if jax.process_index() == 0:
         workdir_lib.record_member_stopped(view.folder, step, line)
     if not alive:
-      stops = ", ".join(f"member {i} at step {int(s)}" for i, s in enumerate(np.asarray(state.stopped_at)))
+      stops = ", ".join(f"member {i} at step {int(s)}" for i, s in enumerate(np.asarray(health)))
       raise NonFiniteLossError(f"every population member went non-finite ({stops}); stopped, "
                                f"{kept_clause(saved_step)} (lower optim.learning_rate?)")
     return [self.views[i] for i in alive]
 
 
-def _alive_indices(state) -> list[int]:
-  return [i for i, s in enumerate(np.asarray(state.stopped_at)) if s == STOPPED]
+def _alive_indices(stopped_at) -> list[int]:
+  return [i for i, s in enumerate(np.asarray(stopped_at)) if s == STOPPED]
 
 
 def newly_stopped(stopped_at, reported: set[int]) -> list[tuple[int, int]]:

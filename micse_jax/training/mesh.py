@@ -19,10 +19,15 @@ MIN_SHARDED_DEVICES = 2
 # (each device writing 1/N of them: XLA's threshold counts those): XLA's default combines them into
 # one large reduce-scatter late in the backward, exposed (BENCHMARKS.md).
 REDUCE_SCATTER_COMBINE_BYTES = 64 * 2 ** 20
-# What XLA records into the step's CUDA graphs (`xla_gpu_enable_command_buffer`), by `mesh.cuda_graphs`
-# (`cuda_graphs_for`). "kernels": XLA's own kernels and custom calls (ours) only; cuBLAS and cuDNN
-# calls run between the graphs. "xla": XLA's default set, library calls in the graphs too.
-CUDA_GRAPHS = {"kernels": "FUSION,CUSTOM_CALL", "xla": None}
+# What XLA records into the step's CUDA graphs and how it keeps them current, by `mesh.cuda_graphs`
+# (`cuda_graphs_for`; XLA's options `xla_gpu_enable_command_buffer`, `xla_gpu_command_buffer_update_mode`).
+# "kernels": XLA's own kernels and custom calls (ours) only, cuBLAS and cuDNN calls between the graphs;
+# "xla": XLA's default set, library calls in the graphs too; "fixed": XLA's default set at fixed
+# device addresses (XLA remaps the call's buffers under them), so no graph is ever updated nor a
+# library call captured again; "none": no CUDA graphs, every kernel launched on its own.
+CUDA_GRAPHS = {"kernels": {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"}, "xla": {},
+               "fixed": {"xla_gpu_command_buffer_update_mode": "NEVER_UPDATE"},
+               "none": {"xla_gpu_enable_command_buffer": ""}}
 
 
 def maybe_initialize_distributed() -> None:
@@ -56,14 +61,20 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA_AXIS))
 
 
-def global_batch(local, mesh: Mesh):
-  """Assembles each host's rows into global, batch-sharded arrays (one per leaf of `local`: a
-  dict of arrays, or one packed array, `data/packing.py`).
+def chunk_sharded(mesh: Mesh) -> NamedSharding:
+  """A call's chunk of batches `[steps, rows, ...]`: each step's rows split over the data axis."""
+  return NamedSharding(mesh, P(None, DATA_AXIS))
+
+
+def global_batch(local, mesh: Mesh, sharding: NamedSharding | None = None):
+  """Assembles each host's rows into global arrays split like `sharding` (default: rows first,
+  `batch_sharded`), one per leaf of `local`: a dict of arrays, or one packed array or chunk
+  (`data/packing.py`).
 
   With one process the host holds the whole global batch, so `device_put` places it directly
   (half the host time of `make_array_from_process_local_data`).
   """
-  sharding = batch_sharded(mesh)
+  sharding = batch_sharded(mesh) if sharding is None else sharding
   if jax.process_count() == 1:
     return jax.device_put(local, sharding)
   return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sharding, v), local)
@@ -118,11 +129,12 @@ def shards_state(mesh_config, num_devices: int, platform: str, members: int = 0)
 
 def cuda_graphs_for(mode: str, ampere_or_newer: bool) -> str:
   """`mesh.cuda_graphs` resolved: "auto" is "kernels" on a GPU of compute capability >= 8.0 and
-  "xla" on older ones. XLA records a library call into a graph by stream capture and captures it
-  again whenever one of its buffers moved, which they do every step once the host runs a step
-  ahead of the GPU; a step as short as an Ampere-or-newer GPU's at batch 50 then waits for the host
-  (measured on an H200, BENCHMARKS.md), while a V100's step outlasts the capture (the time model's
-  `pipelined_host_seconds`) and keeps its GEMMs in the graphs."""
+  "xla" on older ones, what the last A/B measured. XLA records a library call into a graph by stream
+  capture and captures it again whenever one of its buffers moved, which they do every call once
+  the host runs ahead of the GPU; a step as short as an Ampere-or-newer GPU's at batch 50 then
+  waited for the host (measured on an H200, BENCHMARKS.md), while a V100's step outlasts the capture
+  (the time model's `host_work`) and keeps its GEMMs in the graphs. "fixed" and "none" are choices to
+  measure (the GPU kit's A/B points), not yet anyone's default."""
   if mode != "auto":
     return mode
   return "kernels" if ampere_or_newer else "xla"
@@ -135,8 +147,7 @@ def compiler_options(sharded: bool, platform: str, devices: int, cuda_graphs: st
   None elsewhere."""
   if platform != "cuda":
     return {}
-  graphs = CUDA_GRAPHS[cuda_graphs]
-  options = {} if graphs is None else {"xla_gpu_enable_command_buffer": graphs}
+  options = dict(CUDA_GRAPHS[cuda_graphs])
   if sharded:
     options["xla_gpu_reduce_scatter_combine_threshold_bytes"] = REDUCE_SCATTER_COMBINE_BYTES // max(devices, 1)
   return options

@@ -123,9 +123,11 @@ def state_sharding(abstract: PopulationState, mesh: Mesh):
                          stopped_at=split)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """The stacked packed batch `[K, rows, columns]`: split by member, or by rows inside each member."""
-  return NamedSharding(mesh, P(MEMBER_AXIS) if _spread(mesh) else P(None, mesh_lib.DATA_AXIS))
+def batch_sharding(mesh: Mesh, chunked: bool = False) -> NamedSharding:
+  """The stacked packed batch `[K, rows, columns]` (`chunked`: a call's `[steps, K, rows, columns]`):
+  split by member, or by rows inside each member."""
+  spec = (MEMBER_AXIS,) if _spread(mesh) else (None, mesh_lib.DATA_AXIS)
+  return NamedSharding(mesh, P(*((None,) if chunked else ()), *spec))
 
 
 def member_sharding(mesh: Mesh) -> NamedSharding:
@@ -133,10 +135,11 @@ def member_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(MEMBER_AXIS) if _spread(mesh) else P())
 
 
-def stacked_batch(packed_batches, mesh: Mesh):
-  """The members' packed batches of one step, stacked and placed on `mesh`."""
+def stacked_batch(packed, mesh: Mesh):
+  """A call's chunk, the members' packed batches of each step stacked (`[steps, K, rows, columns]`),
+  placed on `mesh`."""
   if jax.process_count() == 1:
-    return jax.device_put(np.stack(packed_batches), batch_sharding(mesh))
+    return jax.device_put(packed, batch_sharding(mesh, chunked=True))
   raise NotImplementedError("population training runs on one host")  # checked by the trainer
 
 

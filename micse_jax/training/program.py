@@ -7,11 +7,15 @@ materialised), the batch layout and the jitted, donated step. The trainer, the d
 compile (`micse_jax/aot/compile.py`), the scaling analyses and the bench all take the step from
 here, so what `bench --aot` counts is the program the trainer runs.
 
-A solo run's step is `training/step.make_train_step` over a data mesh: (state, packed batch) →
-(state, metrics). A population's (`population.seeds`) vmaps that step over the stacked members
-(`training/population.make_population_step`): (PopulationState, packed `[K, rows, cols]`,
-hyper) → (state, metrics `[K]`), `hyper` holding the members' step inputs
-(`configs/population.PER_MEMBER`). The batch comes packed in one int32 array (`data/packing.py`).
+One call runs `steps` training steps (`steps_per_dispatch`, `training/dispatch.py`): a scan over a
+stacked chunk of packed batches, each step the one below, so K steps in one call equal K calls bit for
+bit (`repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
+(state, packed `[steps, rows, cols]`, watch) → (state, the last step's metrics, watch), the non-finite
+`finite.Watch` folded in at every step. A population's (`population.seeds`) vmaps that step over the
+stacked members (`training/population.make_population_step`); its call is (PopulationState, packed
+`[steps, K, rows, cols]`, hyper) → (state, the last step's metrics `[K]`, stopped_at), `hyper` holding
+the members' step inputs (`configs/population.PER_MEMBER`). The batch comes packed in one int32 array
+(`data/packing.py`).
 The encoder's shapes come from the checkpoint the trainer loaded (`abstract_of`) or, with no
 weights at all, from the model's init (`abstract_encoder`); the rest of the params' from the networks.
 """
@@ -27,18 +31,24 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh
 
 from micse_jax.configs import population as population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
+from micse_jax.evaluation.evaluators import is_due
 from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
+from micse_jax.training import dispatch, finite, population, run_inputs, run_views
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training import population, run_inputs, run_views
+from micse_jax.training.flops import step_flops_for as train_step_flops_of
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
+
+# XLA's while-loop simplifier leaves a one-trip loop carrying this frontend attribute as a loop
+SKIP_TRIP_COUNT_ONE = "skip-simplify-while-loops_trip-count-one"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +65,10 @@ class Program:
   layout: BatchLayout
   rows: int                          # global rows of a run's batch (padded to the devices it is split over)
   hyper: dict                        # the members' step inputs, float32 [K] each ({} for a solo run)
-  jitted: Callable                   # the jitted, donated step: `step(*program.inputs(state, packed))`
+  jitted: Callable                   # the jitted, donated call: `step(*program.inputs(state, packed, watch))`
   target: choice.Target              # what it is compiled for: the kernels its layers may take
-  rebuild: Callable                  # (target) -> this program for another target (`compiled`'s fallback)
+  rebuild: Callable                  # (target, steps) -> this program for another target or number of steps
+  steps: int = 1                     # training steps per call (`steps_per_dispatch` resolved)
   executable: Any = None             # the compiled step, once `compiled` has run
 
   @property
@@ -67,23 +78,35 @@ class Program:
 
   @property
   def batch_sharding(self):
-    """Where a packed batch lives: rows split over the data axis (a population: by member or rows)."""
-    return population.batch_sharding(self.mesh) if self.members else mesh_lib.batch_sharded(self.mesh)
+    """Where a call's packed chunk lives: rows split over the data axis (a population: by member or
+    rows), every step of the chunk alike."""
+    return population.batch_sharding(self.mesh, chunked=True) if self.members else mesh_lib.chunk_sharded(self.mesh)
 
   def abstract_batch(self) -> jax.ShapeDtypeStruct:
-    """The packed batch's shape, placed: `[rows, columns]`, a population's `[K, rows, columns]`."""
-    shape = (self.rows, self.layout.columns)
-    return jax.ShapeDtypeStruct(((self.members,) if self.members else ()) + shape, jnp.int32,
-                                sharding=self.batch_sharding)
+    """The packed chunk's shape, placed: `[steps, rows, columns]`, a population's `[steps, K, rows, columns]`."""
+    shape = (self.steps,) + ((self.members,) if self.members else ()) + (self.rows, self.layout.columns)
+    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
 
   @functools.cached_property
   def placed_hyper(self) -> dict:
     """`hyper` on the devices (once), split like the members."""
     return jax.device_put(self.hyper, population.member_sharding(self.mesh)) if self.members else {}
 
-  def inputs(self, state, packed) -> tuple:
-    """The step's arguments: (state, packed), a population's with its step inputs."""
-    return (state, packed, self.placed_hyper) if self.members else (state, packed)
+  def inputs(self, state, packed, watch=None) -> tuple:
+    """The call's arguments: (state, packed, a solo run's `watch` (default: none yet) or a
+    population's step inputs)."""
+    if self.members:
+      return state, packed, self.placed_hyper
+    return state, packed, self.fresh_watch() if watch is None else watch
+
+  def run(self, state, packed, watch=None) -> tuple:
+    """One call: `steps` steps on the packed chunk → (state, the last step's metrics, health): a solo
+    run's `finite.Watch` after them (`watch` folded on), a population's `stopped_at`."""
+    return self.step(*self.inputs(state, packed, watch))
+
+  def fresh_watch(self) -> finite.Watch:
+    """A solo run's watch with no non-finite step yet, on the mesh."""
+    return jax.device_put(finite.Watch.fresh(), mesh_lib.replicated(self.mesh))
 
   @property
   def compiler_options(self) -> dict:
@@ -101,16 +124,33 @@ class Program:
     return mesh_lib.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
 
   def lower(self):
-    """The step lowered on the abstract state and batch (nothing placed: also for absent devices)."""
-    hyper = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
-        self.mesh)), self.hyper)
-    args = (self.abstract_state, self.abstract_batch()) + ((hyper,) if self.members else ())
-    return self.jitted.lower(*args)
+    """The call lowered on the abstract state and batch (nothing placed: also for absent devices)."""
+    if self.members:
+      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
+          self.mesh)), self.hyper)
+    else:
+      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=mesh_lib.replicated(self.mesh)),
+                           jax.eval_shape(finite.Watch.fresh))
+    return self.jitted.lower(self.abstract_state, self.abstract_batch(), third)
 
   def place_batch(self, host_batches: list[dict]):
-    """The members' host batches of one step (one for a solo run), packed and placed."""
-    packed = [self.layout.pack(b) for b in host_batches]
-    return population.stacked_batch(packed, self.mesh) if self.members else mesh_lib.global_batch(packed[0], self.mesh)
+    """The members' host batches of one step (one for a solo run), packed and placed as a chunk of one
+    step (a program of `steps` 1)."""
+    return self.place_chunk([host_batches])
+
+  def place_chunk(self, steps_batches: list[list[dict]]):
+    """A call's chunk: for each of its `steps` steps, the members' host batches (one for a solo run),
+    packed, stacked and placed."""
+    if len(steps_batches) != self.steps:
+      raise ValueError(f"a chunk of {len(steps_batches)} steps for a program of {self.steps}")
+    packed = np.stack([np.stack([self.layout.pack(b) for b in step]) for step in steps_batches])
+    if self.members:
+      return population.stacked_batch(packed, self.mesh)
+    return mesh_lib.global_batch(packed[:, 0], self.mesh, self.batch_sharding)
+
+  def with_steps(self, steps: int) -> "Program":
+    """This program for another number of steps per call (the chunk plan's shorter one), not compiled."""
+    return self if steps == self.steps else self.rebuild(self.target, steps)
 
   def initial_state(self, runs: list):
     """The placed step-0 state of the prepared runs (`run_inputs.prepare`: the run, or each member): each
@@ -149,11 +189,14 @@ def abstract_encoder(config: ml_collections.ConfigDict, bert_config: BertConfig)
 
 
 def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, devices=None,
-          tokens: SpecialTokens | None = None, target: choice.Target | None = None) -> Program:
+          tokens: SpecialTokens | None = None, target: choice.Target | None = None,
+          steps: int | None = None) -> Program:
   """The program of `config` on `devices` (default: all here; a deviceless target's also work):
   `encoder` holds the shapes of the checkpoint's encoder params (`abstract_of`, `abstract_encoder`),
   `tokens` the checkpoint's special token ids (the views and masks that need them), `target` what
-  the kernels are chosen for (default: the devices' own, `kernels/choice.target_of`)."""
+  the kernels are chosen for (default: the devices' own, `kernels/choice.target_of`), `steps` the
+  training steps per call (default: `steps_per_dispatch`, `auto` resolved for the target:
+  `steps_for`)."""
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
   mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
@@ -170,12 +213,36 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
     abstract = member
     sharding = mesh_lib.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
                                        shared.mesh.shard_update)
+  if steps is None:  # the arrays a call passes: the state both ways, about as many again besides
+    steps = steps_for(config, bert_config, target, 2 * len(jax.tree.leaves(abstract)) + 8)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
   return Program(shared, nets, tx, mesh, k, params, mesh_lib.placed(abstract, sharding), sharding, layout,
                  mesh_lib.padded_batch_size(shared.batch_size, population.row_devices(k, len(devices))), hyper,
                  _jitted_step(shared, nets, mesh, sharding, layout, k), target,
-                 functools.partial(build, config, bert_config, encoder, devices, tokens))
+                 lambda t, n=None: build(config, bert_config, encoder, devices, tokens, t, steps if n is None else n),
+                 steps)
+
+
+def steps_for(config: ml_collections.ConfigDict, bert_config: BertConfig, target: choice.Target,
+              arrays: int) -> int:
+  """`steps_per_dispatch` for `target`: as given, or `auto`'s choice (`dispatch.auto_steps`, from the
+  step's model FLOPs and the `arrays` a call passes, over the run's usual gap between syncs)."""
+  chosen = dispatch.requested(config.get("steps_per_dispatch", 1))
+  if chosen is not None:
+    return chosen
+  syncs = dispatch.sync_steps(0, config.num_train_steps, lambda done: any(sync_due(config, True, done)))
+  members = max(population_fields.size(config), 1)
+  flops = members * train_step_flops_of(config, bert_config)
+  return dispatch.auto_steps(target.platform, target.compute_capability, flops / max(target.devices, 1), arrays,
+                             bert_config.num_hidden_layers, dispatch.usual_gap(dispatch.gaps(0, syncs)))
+
+
+def sync_due(config: ml_collections.ConfigDict, evaluates: bool, done: int) -> tuple[bool, bool, bool]:
+  """(log, evaluate, save) after `done` steps; the last step does all three that are enabled."""
+  last = done == config.num_train_steps
+  return (done % config.log_every == 0 or last, evaluates and is_due(done, config.eval_every, config.num_train_steps),
+          done % config.checkpoint_every == 0 or last)
 
 
 def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: choice.Target,
@@ -204,7 +271,7 @@ def compiled(prog: Program) -> Program:
     model = prog.config.model
     if not choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat):
       raise
-    plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False))
+    plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False), prog.steps)
     reason = (str(error).strip().splitlines() or [""])[0][:300]
     logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) failed to compile "
                     "for %s (%s: %s); training on the explicit attention path, the same values "
@@ -222,27 +289,65 @@ def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:
   return [run_inputs.prepare(c, rows_over) for c in run_views.run_configs(config)]
 
 
-def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None) -> Program:
+def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None, steps: int | None = None) -> Program:
   """The program of `config`'s prepared runs (`run_inputs.prepare`: the run, or each member): the
-  encoder's shapes and special tokens of the first, which all share."""
+  encoder's shapes and special tokens of the first, which all share; `steps` per call as `build`."""
   first = runs[0]
-  return build(config, first.bert_config, abstract_of(first.encoder_params), devices, first.tokens)
+  return build(config, first.bert_config, abstract_of(first.encoder_params), devices, first.tokens, steps=steps)
 
 
 def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, members: int) -> Callable:
-  """The one jit of the train step: state in/out on `sharding` (donated), the packed batch unpacked
-  inside; a population's step vmapped over its members, with their step inputs."""
+  """The one jit of the training call: a step for each row of a chunk of packed batches (unpacked
+  inside; the chunk's length is the program's `steps`), the state in and out on `sharding` (donated);
+  a population's step vmapped over its members, with their step inputs; a solo run's non-finite
+  watch folded in at every step."""
   schedule = learning_rate_schedule(config)
+  replicated = mesh_lib.replicated(mesh)
   if members:
-    step = make_train_step(config, nets, schedule, population.inner_mesh(mesh))
+    one = population.make_population_step(make_train_step(config, nets, schedule, population.inner_mesh(mesh)),
+                                          layout, mesh)
     per_member = population.member_sharding(mesh)
-    fn = population.make_population_step(step, layout, mesh)
-    shardings = (sharding, population.batch_sharding(mesh), per_member), (sharding, per_member)
+
+    def population_steps(state, packed, hyper):
+      state, metrics = repeated(lambda s, p: one(s, p, hyper), state, packed)
+      return state, metrics, state.stopped_at
+    fn = population_steps
+    shardings = (sharding, population.batch_sharding(mesh, chunked=True), per_member), (sharding, per_member, per_member)
   else:
     step = make_train_step(config, nets, schedule, mesh)
 
-    def train_step(state, packed):
-      return step(state, layout.unpack(packed))
-    fn, shardings = train_step, ((sharding, mesh_lib.batch_sharded(mesh)), (sharding, mesh_lib.replicated(mesh)))
+    def watched(carry, packed):
+      state, watch = carry
+      state, metrics = step(state, layout.unpack(packed))
+      return (state, finite.fold(watch, metrics, state.step)), metrics
+
+    def train_steps(state, packed, watch):
+      (state, watch), metrics = repeated(watched, (state, watch), packed)
+      return state, metrics, watch
+    fn, shardings = train_steps, ((sharding, mesh_lib.chunk_sharded(mesh), replicated),
+                                  (sharding, replicated, replicated))
   return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
 
+
+def repeated(step: Callable, carry, chunk):
+  """`step(carry, x) -> (carry, y)` on each row of the chunk → (carry, the last step's y): a loop,
+  also for a chunk of one step, every call running the step as the same loop body.
+
+  XLA compiles code differently where it can tell more: a loop of one trip would be replaced by its
+  body (compiled as top-level code), a chunk's row read from a one-row chunk is the chunk itself, and
+  a y would be fused into its row of a stacked output. Each changes how the step's fusions are formed,
+  and with them the order of some sums (a last bit): a run of one step per call would not be the run
+  of K. So the one-trip loop is kept (XLA's frontend attribute `SKIP_TRIP_COUNT_ONE`), each step reads
+  its batch from the loop's carry (read from the chunk by the step before, or before the loop for the
+  first), and its y is carried, not stacked. The loop logs only steps that end a call
+  (`training/dispatch.plan`), so the last step's y is all it reads."""
+  rows = chunk.shape[0]
+  last = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(step, carry, chunk[0])[1])
+
+  def body(loop, i):
+    state, _, x = loop
+    upcoming = jax.lax.dynamic_index_in_dim(chunk, jnp.minimum(i + 1, rows - 1), keepdims=False)
+    return (*step(state, x), upcoming), None
+  (carry, last, _), _ = set_xla_metadata(jax.lax.scan(body, (carry, last, chunk[0]), jnp.arange(rows)),
+                                         **{SKIP_TRIP_COUNT_ONE: "true"})
+  return carry, last

@@ -1,5 +1,5 @@
-"""The training loop, for a solo run and a population alike: data → the program's jitted step
-(`training/program.py`) → logs, evaluators, checkpoints.
+"""The training loop, for a solo run and a population alike: data → the program's jitted calls
+(`training/program.py`, several steps each: `training/dispatch.py`) → logs, evaluators, checkpoints.
 
 A population (`population.seeds`) is K runs stepped by one program; the loop sees a solo run as
 one run and a population as K (`training/run_views.py`: each run's folder, params, scalars and
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 
 import jax
@@ -25,11 +26,19 @@ from micse_jax.configs import population as population_fields
 from micse_jax.data.prefetch import Prefetcher
 from micse_jax.encoder import SentenceEncoder
 from micse_jax.errors import ConfigError, NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
-from micse_jax.evaluation.evaluators import is_due
 from micse_jax.evaluation.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluation.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
-from micse_jax.training import checkpoint, finite, legacy_checkpoints, precision, program, run_views, summaries
+from micse_jax.training import (
+  checkpoint,
+  dispatch,
+  finite,
+  legacy_checkpoints,
+  precision,
+  program,
+  run_views,
+  summaries,
+)
 from micse_jax.training.run_inputs import Run
 from micse_jax.training.run_views import RunView
 
@@ -39,27 +48,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   population's: {'members': [each member's]}).
 
   The session's seconds per phase are added to `workdir/timeline.json` (`micse_jax/timeline.py`)
-  and to each member folder's, at each checkpoint and at the end, also when training fails; never
-  when the input was refused (nothing is written then)."""
+  and to each member folder's, at each committed checkpoint and at the end, also when training
+  fails; never when the input was refused (nothing is written then)."""
   session = timeline.Timeline(lambda: _timeline_files(config, workdir)).start()
   try:
     return _train_and_evaluate(config, workdir, session)
   finally:
     session.finish()
-    session.record()  # also written at each checkpoint (timeline.checkpoint_saved)
+    session.record()  # also written at each committed checkpoint (timeline.checkpoint_saved)
 
 
 @dataclasses.dataclass
 class _Loop:
-  """What the loop works with: the program, the runs' views and evaluators, the rolling manager."""
-  program: program.Program
+  """What the loop works with: the programs by steps per call, the chunk plan, the runs' views and
+  evaluators, the checkpoint writer."""
+  programs: dict[int, program.Program]
+  chunks: list[tuple[int, int]]
   views: list[RunView]
   evaluators: "_Evaluators"
-  rolling: object
+  saver: checkpoint.Saver
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session: timeline.Timeline) -> dict:
-  """`train_and_evaluate` with its phases marked on `session`."""
+  """`train_and_evaluate` with its phases marked on `session`: the input checked, the program built
+  and compiled beside the state's loading and the evaluators' first (compiling) call, then the loop."""
   requested_dtype = config.model.dtype
   config = precision.with_resolved_dtype(config, announce=False)  # "auto" → this accelerator's dtype
   config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
@@ -69,31 +81,80 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   runs = program.prepared_runs(config)  # all input validation before the workdir is touched
   precision.announce_dtype(requested_dtype, config.model.dtype)  # after the checks: nothing before an error line
   caches.announce_unusable()  # a cache folder that cannot be written: one line, the run goes on without it
-  prog, first = program.compiled(program.of_runs(config, runs)), runs[0]
+  built, first = program.of_runs(config, runs), runs[0]
   os.makedirs(workdir, exist_ok=True)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
+  steps = built.steps  # K: the chunks' length where they fit
+  guess = _plan(config, config.eval_every > 0, rolling.latest_step() or 0, steps)  # before the restore and evaluators
+  compiling = {n: _Background(program.compiled, built.with_steps(n)) for n in {n for _, n in guess} or {steps}}
   with session.phase("load"):
-    state = _start(prog, runs, rolling)
-  session.info.update(steps={"from": int(state.step), "to": int(state.step)}, finished=False)
-  if prog.members:
-    session.info["population"] = {"size": prog.members, "seeds": list(config.population.seeds),
-                                  "placement": prog.mesh.axis_names[0]}
+    state = _start(built, runs, rolling)
+  start = int(state.step)
+  session.info.update(steps={"from": start, "to": start}, finished=False)
+  if built.members:
+    session.info["population"] = {"size": built.members, "seeds": list(config.population.seeds),
+                                  "placement": built.mesh.axis_names[0]}
   if jax.process_index() == 0:
     workdir_lib.write_run_config(workdir, run_views.config_json(first, config))
-  with session.phase("eval"):  # the dev sets read and tokenised once
-    loop = _Loop(prog, run_views.create(config, runs, workdir), _Evaluators.create(first, prog), rolling)
+  with session.phase("eval"):  # the dev sets read and tokenised once; their programs compiled now
+    views, evaluators = run_views.create(config, runs, workdir), _Evaluators.create(first, built)
+    evaluators.warm([view.params(state) for view in views])
+  chunks = _plan(config, evaluators.active, start, steps)
+  programs = _compiled(built, compiling, chunks)
+  session.info["steps_per_dispatch"] = sorted({n for _, n in chunks}, reverse=True)
+  saver = checkpoint.Saver(rolling, on_saved=timeline.checkpoint_saved)
+  loop = _Loop(programs, chunks, views, evaluators, saver)
   try:
     with session.phase("train"):
       state = _train(loop, state)
     session.info["steps"]["to"] = int(state.step)
   finally:
     with session.phase("save"):
-      rolling.wait_until_finished()
+      saver.close()
       run_views.close(loop.views)
   with session.phase("final_eval"):
     results = [_final_evaluation(loop, view, state) for view in loop.views]
   session.info["finished"] = True
-  return {"members": results} if prog.members else results[0]
+  return {"members": results} if built.members else results[0]
+
+
+class _Background:
+  """`fn(*args)` on a daemon thread (a compile: the process may exit with an input error meanwhile);
+  `result()` waits for it and returns or raises what it did."""
+
+  def __init__(self, fn, *args):
+    self._box: dict = {}
+    self._thread = threading.Thread(target=self._run, args=(fn, args), name="micse-compile", daemon=True)
+    self._thread.start()
+
+  def _run(self, fn, args) -> None:
+    try:
+      self._box["value"] = fn(*args)
+    except BaseException as error:  # noqa: BLE001  (re-raised by result())
+      self._box["error"] = error
+
+  def result(self):
+    self._thread.join()
+    if "error" in self._box:
+      raise self._box["error"]
+    return self._box["value"]
+
+
+def _plan(config: ml_collections.ConfigDict, evaluates: bool, start: int, steps: int) -> list[tuple[int, int]]:
+  """The loop's chunks (first step, steps) from `start`: each log, evaluation and save step ends one."""
+  syncs = dispatch.sync_steps(start, config.num_train_steps, lambda done: any(program.sync_due(config, evaluates,
+                                                                                               done)))
+  return dispatch.plan(start, syncs, steps)
+
+
+def _compiled(prog: program.Program, compiling: dict, chunks: list[tuple[int, int]]) -> dict[int, program.Program]:
+  """The compiled programs the chunks call, by steps per call: those `compiling` in the background
+  (the lengths of the plan guessed before the restore: the usual one and the shorter one, if any),
+  and any other the plan needs (`prog` with its steps), compiled now."""
+  programs = {n: job.result() for n, job in compiling.items()}
+  for n in {n for _, n in chunks} - set(programs):
+    programs[n] = program.compiled(prog.with_steps(n))
+  return programs
 
 
 def _start(prog: program.Program, runs: list[Run], rolling):
@@ -130,8 +191,22 @@ class _Evaluators:
   def active(self) -> bool:
     return self.selection.enabled or self.heldout is not None
 
-  def __call__(self, view: RunView, params, done: int, bar) -> None:
-    """A run's held-out metrics, then its dev selection (a better score saves its `best/`); logged."""
+  def warm(self, params_of_runs: list) -> None:
+    """Each evaluator called once on the runs' starting params, its scores dropped: its programs
+    compile now, beside the train step's, instead of stopping the run at its first evaluation (one
+    call per placement of the params: members spread over devices each have their own)."""
+    placements = {}
+    for params in params_of_runs:
+      placements.setdefault(jax.tree.leaves(params)[0].sharding, params)
+    for params in placements.values():
+      if self.heldout is not None:
+        self.heldout(params["encoder"])
+      if self.selection.enabled:
+        self.selection(params)
+
+  def __call__(self, view: RunView, params, done: int, bar, saver: checkpoint.Saver, host_params=None) -> None:
+    """A run's held-out metrics, then its dev selection (a better score saves its `best/`, from
+    `host_params` where the step's state was copied to the host already); logged."""
     if self.heldout is not None:
       stats = self.heldout(params["encoder"])  # alignment, uniformity, attention MI
       summaries.write_scalars(view.writer, done, stats)
@@ -142,7 +217,9 @@ class _Evaluators:
     if scores[workdir_lib.BEST_METRIC] > view.best_score:
       view.best_score = scores[workdir_lib.BEST_METRIC]
       with timeline.phase("save"):
-        checkpoint.save_best(view.best, done, params, view.best_score, wait=False)  # waited for at the end
+        t = time.perf_counter()
+        saver.best(view.best, done, params if host_params is None else host_params, view.best_score)
+        timeline.save_blocked(done, time.perf_counter() - t, kind="best")
     summaries.write_scalars(view.writer, done, self.selection.tagged(scores))
     bar.write(f"step {done}{view.label}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
 
@@ -159,55 +236,92 @@ def _final_evaluation(loop: _Loop, view: RunView, state) -> dict:
   return final_evaluation(loop.evaluators.selection, view.folder, params, which)
 
 
-def _due(c: ml_collections.ConfigDict, evaluates: bool, done: int) -> tuple[bool, bool, bool]:
-  """(log, evaluate, save) after `done` steps; the last step does all three that are enabled."""
-  last = done == c.num_train_steps
-  return (done % c.log_every == 0 or last, evaluates and is_due(done, c.eval_every, c.num_train_steps),
-          done % c.checkpoint_every == 0 or last)
+class _Logs:
+  """The training scalars of log steps, written one log later: a log step's metrics and health are
+  copied to the host while the device goes on, and read at the next log, evaluation, save or the
+  end, when they are long done (the pipeline never drains for a log)."""
 
+  def __init__(self, bar, views: list[RunView], health: finite.Health, start: int):
+    self.bar, self.views, self.health = bar, views, health
+    self.pending, self.tick, self.last = None, time.perf_counter(), start
 
-def _log(bar, views: list[RunView], metrics, done: int, every: int, tick: float) -> float:
-  """Reads the step's metrics (a sync); writes each training run's scalars with the steps/s since
-  `tick`, shows the first one's on the progress bar; returns the new time mark."""
-  host = jax.device_get(metrics)
-  now = time.perf_counter()
-  for i, view in enumerate(views):
-    scalars = dict(view.scalars(host), steps_per_sec=every / max(now - tick, 1e-9))
-    if i == 0:
-      bar.set_postfix({k: f"{scalars[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi")
-                       if k in scalars})
-    summaries.write_scalars(view.writer, done, scalars)
-  return now
+  def defer(self, done: int, metrics, watch, saved: int | None) -> None:
+    """Holds a log step's metrics (those of its call's last step) and health."""
+    self.flush()
+    for leaf in jax.tree.leaves((metrics, watch)):
+      leaf.copy_to_host_async()
+    self.pending = (done, metrics, watch, saved)
+
+  def flush(self) -> None:
+    """Writes the held log step's scalars (its runs still training: the non-finite policy)."""
+    if self.pending is None:
+      return
+    done, metrics, watch, saved = self.pending
+    self.pending = None
+    alive = self.health.alive(watch, saved, self.bar.write)  # never log a non-finite state
+    host = jax.device_get(metrics)
+    now = time.perf_counter()
+    rate = (done - self.last) / max(now - self.tick, 1e-9)  # between the two log steps' reads
+    for i, view in enumerate(alive):
+      scalars = dict(view.scalars(host), steps_per_sec=rate)
+      if i == 0:
+        self.bar.set_postfix({k: f"{scalars[k]:.4g}" for k in ("loss", "infonce", "positive_only", "ami_mi")
+                              if k in scalars})
+      summaries.write_scalars(view.writer, done, scalars)
+    self.tick, self.last = now, done
 
 
 def _train(loop: _Loop, state):
-  """Steps without a per-step sync: which runs still train is read only before logging,
-  evaluating or saving, so a non-finite state is never logged, selected or saved."""
-  c, prog = loop.views[0].run.config, loop.program
+  """Calls the programs on the plan's chunks without waiting for the device: which runs still train
+  is read where the state is read anyway (before evaluating or saving) and one log later for a log
+  step, so a non-finite state is never logged, selected or saved."""
+  c, first = loop.views[0].run.config, loop.programs[loop.chunks[0][1]] if loop.chunks else None
   start = int(state.step)
-  bar = tqdm(range(start, c.num_train_steps), initial=start, total=c.num_train_steps,
-             disable=jax.process_index() != 0, desc="train" + (f" x{prog.members}" if prog.members else ""))
-  health, tick, saved = finite.Health(loop.views, state), time.perf_counter(), loop.rolling.latest_step()
-  alive = health.alive(state, saved, bar.write)
-  place = lambda step: prog.place_batch([v.run.batches.batch(step) for v in loop.views])
-  with Prefetcher(place, range(start, c.num_train_steps), c.data.prefetch) as batches:
-    for step, batch in zip(bar, batches):
-      state, metrics = prog.step(*prog.inputs(state, batch))
-      health.update(state, metrics)
-      done = step + 1
-      log, evaluate, save = _due(c, loop.evaluators.active, done)
-      if log or evaluate or save:  # never log, select or save a non-finite state
-        alive = health.alive(state, saved, bar.write)
+  members = bool(first and first.members)
+  bar = tqdm(total=c.num_train_steps, initial=start, disable=jax.process_index() != 0,
+             desc="train" + (f" x{first.members}" if members else ""))
+  watch = state.stopped_at if members else (first.fresh_watch() if first else None)
+  health, saved = finite.Health(loop.views, watch if members else None), loop.saver.rolling.latest_step()
+  alive = health.alive(watch, saved, bar.write) if first else loop.views
+  logs = _Logs(bar, loop.views, health, start)
+  place = lambda chunk: loop.programs[chunk[1]].place_chunk(
+      [[v.run.batches.batch(s) for v in loop.views] for s in range(chunk[0], chunk[0] + chunk[1])])
+  with dispatch.quiet_collector(), Prefetcher(place, loop.chunks, c.data.prefetch) as batches:
+    for (step, n), batch in zip(loop.chunks, batches):
+      state, metrics, watch = loop.programs[n].run(state, batch, watch)
+      done = step + n
+      bar.update(n)
+      log, evaluate, save = program.sync_due(c, loop.evaluators.active, done)
+      if not (log or evaluate or save):
+        continue
+      dispatch.collect()  # where the loop waits or the device has work queued
+      if not (evaluate or save):
+        logs.defer(done, metrics, watch, saved)
+        continue
+      logs.flush()
+      alive = health.alive(watch, saved, bar.write)  # reads the state's health: waits for the device
       if log:
-        tick = _log(bar, alive, metrics, done, c.log_every, tick)
-      if evaluate:
-        with timeline.phase("eval"):
-          for view in alive:
-            loop.evaluators(view, view.params(state), done, bar)
-      if save:
-        with timeline.phase("save"):
-          checkpoint.save_state(loop.rolling, state)
-          saved = done
-        timeline.checkpoint_saved(done)
+        logs.defer(done, metrics, watch, saved)
+        logs.flush()
+      saved = _evaluate_and_save(loop, state, alive, done, evaluate, save, bar) or saved
+  logs.flush()
+  bar.close()
   return state
 
+
+def _evaluate_and_save(loop: _Loop, state, alive: list[RunView], done: int, evaluate: bool, save: bool,
+                       bar) -> int | None:
+  """The evaluations and the rolling save after `done` steps (the state's host copy taken first when
+  both are due, so a new best's params are not copied twice); returns `done` when it saved."""
+  host = None
+  if save:
+    with timeline.phase("save"):
+      t = time.perf_counter()
+      host = loop.saver.state(state)
+      timeline.save_blocked(done, time.perf_counter() - t)
+  if evaluate:
+    with timeline.phase("eval"):
+      for view in alive:
+        loop.evaluators(view, view.params(state), done, bar, loop.saver,
+                        None if host is None else view.params(host))
+  return done if save else None
