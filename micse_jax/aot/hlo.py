@@ -207,6 +207,21 @@ def summary(hlo_text: str) -> dict:
           "by_phase_and_kind": {p: dict(c.most_common()) for p, c in by_phase_kind.items()}}
 
 
+# What only one XLA backend writes into an optimised module: its backend configs' own fields, its
+# library calls, a TPU's tiled layouts (`{1,0:T(8,128)}`). A module with none of them (hand-written, or
+# a program with nothing but copies) is of no known platform.
+_PLATFORM_MARKS = (
+    ("tpu", re.compile(r"\{[\d,]*:T\(\d")),
+    ("gpu", re.compile(r'"operation_queue_id"|"fusion_backend_config"|custom_call_target="__(?:cublas|cudnn|gpu)')),
+    ("cpu", re.compile(r'"outer_dimension_partitions"|"__ynn_fusion"|custom_call_target="__onednn')))
+
+
+def compiled_for(hlo_text: str) -> str | None:
+  """The platform ("gpu", "tpu", "cpu") an optimised module was compiled for, by what only that XLA
+  backend writes into it (`_PLATFORM_MARKS`); None when nothing in it says."""
+  return next((platform for platform, mark in _PLATFORM_MARKS if mark.search(hlo_text)), None)
+
+
 def phase_by_instruction(hlo_text: str) -> dict[str, str]:
   """{kernel (instruction) name: phase}: the key that maps a profile's op or kernel events to phases."""
   return {k.name: k.phase for k in kernels(hlo_text)}

@@ -256,7 +256,7 @@ def predict(hlo_text: str, target: str, top: int = 20, members: int = 1, cuda_gr
   extra = {"predicted_ms_per_member_step": 1e3 * step_s / members} if members > 1 else {}
   return {
       "time_model_target": target, "time_model_device": device.name, **extra,
-      "predicted_step_ms": 1e3 * step_s, "predicted_over_floor": step_s / floor_s,
+      "predicted_step_ms": 1e3 * step_s, "predicted_over_floor": step_s / floor_s if floor_s else None,  # None: no kernel moves a byte
       "predicted_blocked_step_ms": 1e3 * (device_s + host_s),
       "predicted_device_ms": 1e3 * device_s, "predicted_host_ms": 1e3 * host_s,
       "predicted_pipelined_host_ms": 1e3 * pipelined_host_seconds(host_s, device_s, len(library), cuda_graphs),
@@ -292,6 +292,16 @@ def read_hlo(path: str) -> str:
   return text
 
 
+def check_platform(hlo_text: str, path: str, target: str) -> None:
+  """`ConfigError` when the module says it was compiled for another platform than `target`'s (`hlo.compiled_for`):
+  another backend's kernels, fusions and library calls are not the ones the target would run."""
+  compiled_for, platform = hlo.compiled_for(hlo_text), DEVICES[target].platform
+  if compiled_for is not None and compiled_for != platform:
+    raise ConfigError(f"--aot_hlo {path} was compiled for {compiled_for.upper()}, not for {target}'s platform "
+                      f"({platform.upper()}): its kernels are not the ones {target} runs; save the optimized HLO of a "
+                      f"program compiled for {target} (python -m micse_jax.bench --aot {target} compiles the step)")
+
+
 def run_saved(path: str, target: str, output: str | None = None, members: int = 1,
               cuda_graphs: str = "auto") -> dict:
   """`python -m micse_jax.bench --aot_hlo FILE --aot TARGET [--population K] [--cuda_graphs M]`: the
@@ -303,6 +313,7 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
     if target not in DEVICES:
       raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
     text = read_hlo(path)
+    check_platform(text, path, target)
   counts = hlo.summary(text)
   from micse_jax.training import mesh
   cuda_graphs = mesh.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
@@ -318,13 +329,17 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
   return result
 
 
+def _ratio(x: float | None) -> str:
+  return "n/a" if x is None else f"{x:.2f}"
+
+
 def report_lines(p: dict) -> list[str]:
   """The prediction as report lines."""
   lines = [f"  time model ({p['time_model_device']}; docs/AOT.md): step {p['predicted_step_ms']:.2f} ms "
            f"pipelined, {p['predicted_blocked_step_ms']:.2f} ms blocked (device {p['predicted_device_ms']:.2f} ms, "
            f"host dispatch {p['predicted_host_ms']:.2f} ms, {p['predicted_pipelined_host_ms']:.2f} pipelined; "
            f"CUDA graphs: {p['cuda_graphs']}, {p['library_calls_per_step']} library calls), floor {p['floor_ms']:.2f} ms "
-           f"(predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
+           f"(predicted / floor {_ratio(p.get('predicted_over_floor'))})"
            + (f"; {p['predicted_ms_per_member_step']:.2f} ms per member-step"
               if "predicted_ms_per_member_step" in p else ""),
            f"    collectives {p['predicted_collective_ms']:.2f} ms priced, "
