@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -32,7 +34,7 @@ from jax.sharding import Mesh
 from micse_jax.configs import population as population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
-from micse_jax.kernels import choice
+from micse_jax.kernels import choice, dropout_attention
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import mesh as mesh_lib
 from micse_jax.training import population, run_inputs, run_views
@@ -193,24 +195,88 @@ def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: ch
   return config
 
 
-def compiled(prog: Program) -> Program:
-  """`prog` with its step compiled once (`Program.executable`, the step the trainer calls). If the
-  program holds our own kernels and lowering or compiling it raises (a GPU, jax or shape the kernels
-  were not tested on), it is built again without them, on the explicit path (the same values),
-  after one warning line naming the kernels and the reason: a run never dies on our kernels."""
+def compiled(prog: Program, run_once: bool = False) -> Program:
+  """`prog` with its step compiled once (`Program.executable`, the step the trainer calls).
+
+  Our kernels never stop a run: when the program holds the dropout-attention kernels and fails with an
+  error that is theirs (`_our_kernels_failed`: raised while they were traced or lowered, or naming them
+  from XLA's compile or from the run), it is built again without them, on the explicit path (the same
+  values), after one warning line naming the kernels, the stage and the reason. Any other failure is
+  raised as it is, once. `run_once`: where the program's devices are this process's (one process), the
+  compiled step is also run once on zeros (`_run_once`) when it holds the kernels, so that a kernel that
+  cannot be launched here falls back the same way before the run's state exists (the trainer, the
+  bench's timed steps); a kernel that hangs, or faults the device, is not caught (docs/reliability.md)."""
+  lowered, stage = None, "compile"
   try:
-    return dataclasses.replace(prog, executable=prog.lower().compile(prog.compiler_options))
-  except Exception as error:  # noqa: BLE001  (any failure of the kernels' program: the plain one follows)
-    model = prog.config.model
-    if not choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat):
+    lowered = prog.lower()
+    executable = lowered.compile(prog.compiler_options)
+    if run_once and _may_take_kernels(prog) and _runs_here(prog) and _holds_our_kernels(lowered):
+      stage = "run"
+      _run_once(prog, executable)
+    return dataclasses.replace(prog, executable=executable)
+  except Exception as error:  # noqa: BLE001  (sorted below: only our kernels' failures fall back)
+    if not _our_kernels_failed(lowered, error):
       raise
     plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False))
     reason = (str(error).strip().splitlines() or [""])[0][:300]
-    logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) failed to compile "
-                    "for %s (%s: %s); training on the explicit attention path, the same values "
-                    "(--config.model.attention=explicit skips this attempt)", prog.target.describe(),
+    logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) failed %s for %s (%s: %s); "
+                    "training on the explicit attention path, the same values (--config.model.attention=explicit "
+                    "skips this attempt)", "when run" if stage == "run" else "to compile", prog.target.describe(),
                     type(error).__name__, reason)
     return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
+
+
+# What names our kernels in a lowered program's text and in an error's message: their names (the backward
+# kernel's begins with the forward's), Pallas' Triton custom calls (no other Pallas call is in the program).
+_KERNEL_MARKS = (dropout_attention.KERNEL_NAME, "__gpu$xla.gpu.triton", "triton_kernel_call")
+
+
+def _may_take_kernels(prog: Program) -> bool:
+  """Whether any layer of the program may take the kernels on its target (`choice.kernels_allowed`): the
+  cheap test before its text is read."""
+  model = prog.config.model
+  return choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat)
+
+
+def _holds_our_kernels(lowered) -> bool:
+  """Whether the lowered program calls the dropout-attention kernels (their names are in its text: a
+  Triton call's backend config, the interpreter's name stack)."""
+  text = lowered.as_text(debug_info=True)
+  return any(mark in text for mark in _KERNEL_MARKS)
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+  """`error` and the exceptions it was raised from or during (JAX adds the traceback of the traced op)."""
+  chain = []
+  while error is not None and all(error is not e for e in chain):
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  return chain
+
+
+def _our_kernels_failed(lowered, error: BaseException) -> bool:
+  """Whether `error` is our kernels' failure: raised inside their module while the program was traced or
+  lowered (a frame of `kernels/dropout_attention.py` in a traceback of its chain), or raised by XLA's
+  compile or the run of a program that holds them, naming them (`_KERNEL_MARKS` in a message)."""
+  chain = _error_chain(error)
+  module = os.path.abspath(dropout_attention.__file__)
+  if any(os.path.abspath(frame.filename) == module for e in chain for frame in traceback.extract_tb(e.__traceback__)):
+    return True
+  named = any(mark in str(e) for e in chain for mark in _KERNEL_MARKS)
+  return named and lowered is not None and _holds_our_kernels(lowered)
+
+
+def _runs_here(prog: Program) -> bool:
+  """Whether this process alone runs the program: its devices are this process's (not a deviceless target's)."""
+  return jax.process_count() == 1 and set(prog.mesh.devices.flat) <= set(jax.local_devices())
+
+
+def _run_once(prog: Program, executable) -> None:
+  """The compiled step called once on a zero state and batch, placed as it takes them, and waited for:
+  a kernel that cannot be launched raises here (XLA names the kernel it failed to launch)."""
+  abstract = (prog.abstract_state, prog.abstract_batch())
+  zeros = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), abstract)
+  jax.block_until_ready(executable(*prog.inputs(*zeros)))
 
 
 def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:

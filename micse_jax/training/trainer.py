@@ -69,7 +69,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   runs = program.prepared_runs(config)  # all input validation before the workdir is touched
   precision.announce_dtype(requested_dtype, config.model.dtype)  # after the checks: nothing before an error line
   caches.announce_unusable()  # a cache folder that cannot be written: one line, the run goes on without it
-  prog, first = program.compiled(program.of_runs(config, runs)), runs[0]
+  prog, first = program.compiled(program.of_runs(config, runs), run_once=True), runs[0]
   os.makedirs(workdir, exist_ok=True)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   with session.phase("load"):
