@@ -62,7 +62,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   """`train_and_evaluate` with its phases marked on `session`."""
   requested_dtype = config.model.dtype
   config = precision.with_resolved_dtype(config, announce=False)  # "auto" → this accelerator's dtype
-  config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
+  resume_notes = config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
   if population_fields.enabled(config) and jax.process_count() > 1:
     raise ConfigError("population training runs on one host (several devices are fine)")
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
@@ -74,6 +74,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   with session.phase("load"):
     state = _start(prog, runs, rolling)
+  for note in resume_notes:  # a resumable change that alters the steps left, said once it has resumed
+    logging.warning("%s", note)
   session.info.update(steps={"from": int(state.step), "to": int(state.step)}, finished=False)
   if prog.members:
     session.info["population"] = {"size": prog.members, "seeds": list(config.population.seeds),
