@@ -13,7 +13,8 @@ A workdir's `timeline.json` holds one entry per session (a resume adds one) unde
 and at the top level the sums over sessions: the run's cost, however often it was resumed.
 A session's entry is written at each checkpoint (`checkpoint_saved`, the trainer's save site)
 and once more when the session ends, replacing its earlier version (matched by its `id`), so a
-process killed at any moment leaves its time up to its last checkpoint on record.
+process killed at any moment leaves its time up to its last checkpoint on record; its `steps.to`
+is only ever a step whose checkpoint has committed (a save still being written is not claimed).
 """
 from __future__ import annotations
 
@@ -163,14 +164,16 @@ class Timeline:
         logging.warning("could not write %s: %s", path, e)
 
 
-def checkpoint_saved(step: int) -> None:
-  """The active session reached `step` and saved it: its `steps.to` and its timeline entry follow."""
+def checkpoint_saved(committed: int | None) -> None:
+  """At a checkpoint: the active session's timeline entry is written, its `steps.to` the newest step
+  whose save has committed (`committed`; None: none yet, `steps.to` unchanged). A save still being
+  written is not claimed: a kill before it commits resumes from the step before it."""
   active = _active
   if active is None:
     return
   steps = active.info.get("steps")
-  if isinstance(steps, dict):
-    steps["to"] = int(step)
+  if isinstance(steps, dict) and committed is not None:
+    steps["to"] = max(int(committed), int(steps.get("from", committed)))
   active.record()
 
 

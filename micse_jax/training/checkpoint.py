@@ -31,10 +31,15 @@ if TYPE_CHECKING:
 UNREADABLE_DIR = "unreadable_checkpoints"
 
 
-def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> None:
+def save_state(manager: ocp.CheckpointManager, state, metrics: dict | None = None) -> int | None:
   """Asynchronous save of the full train state at its step (returns once the arrays are on the host;
-  Orbax writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one)."""
+  Orbax writes into a temporary folder renamed to `<step>` when complete, so a crash keeps the last one).
+  Returns the newest step whose save has committed (its folder renamed into place): the previous
+  save's, waited for first, as Orbax's next save would; None when the manager holds none."""
+  manager.wait_until_finished()
+  committed = manager.latest_step()
   manager.save(int(state.step), args=ocp.args.StandardSave(weight_copies.dropped(state)), metrics=metrics)
+  return committed
 
 
 def on_current_devices(abstract_state):

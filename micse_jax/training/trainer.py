@@ -87,11 +87,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   try:
     with session.phase("train"):
       state = _train(loop, state)
-    session.info["steps"]["to"] = int(state.step)
   finally:
     with session.phase("save"):
       rolling.wait_until_finished()
       run_views.close(loop.views)
+  session.info["steps"]["to"] = int(state.step)  # its save (the last step saves) committed: waited for above
   with session.phase("final_eval"):
     results = [_final_evaluation(loop, view, state) for view in loop.views]
   session.info["finished"] = True
@@ -208,8 +208,8 @@ def _train(loop: _Loop, state):
             loop.evaluators(view, view.params(state), done, bar)
       if save:
         with timeline.phase("save"):
-          checkpoint.save_state(loop.rolling, state)
+          committed = checkpoint.save_state(loop.rolling, state)
           saved = done
-        timeline.checkpoint_saved(done)
+        timeline.checkpoint_saved(committed)  # the newest step whose save has committed, not `done`
   return state
 
