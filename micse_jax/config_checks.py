@@ -1,13 +1,15 @@
 """Everything about a training config that can be checked before a model is built or compiled.
 
-`check_config(config)` needs nothing but the config: types and ranges (the `RULES` table), constraints
-between fields, the methods' parts and how they combine (`check_methods`), the population's fields
-(`check_population`, by `configs/population.PER_MEMBER`), the optional packages. The sweep runs it
-for every run before any starts. `check_run(config, workdir)` runs it once more with the file-system
-checks: the SentEval directory when dev selection is on, a writable workdir, and, for a workdir that
-already holds checkpoints, a `config.json` compatible with the new config. `micse-train` adds
-`check_command_line` (a member field given on the command line that the population replaces). The
-checks that need the checkpoint run in `training/run_inputs.prepare`. A failure: one `ConfigError` line.
+`check_config(config)` needs nothing but the config: types and ranges (the `RULES` table),
+constraints between fields, the methods' parts and how they combine (`check_methods`), the
+population's fields (`check_population`, by `configs/population.PER_MEMBER`), the optional
+packages. The sweep runs it for every run before any starts. `check_run(config, workdir)` runs
+it once more with the file-system checks: the SentEval directory when dev selection is on, a
+writable workdir, and, for a workdir that already holds checkpoints, a `config.json` compatible
+with the new config (`resume_checks.py`: which fields may change on resume, and the line a change
+that alters the steps left says). `micse-train` adds `check_command_line` (a member field given on the command
+line that the population replaces). The checks that need the checkpoint run in
+`training/run_inputs.prepare`. Every failure is a `ConfigError`: one line, nothing written.
 
 The choice lists these checks read are owned below the training package (`configs/methods.py`,
 `augmentation/add.py`, `models/`, `losses/ami.py`, `data/pipeline.py`, `configs/population.py`):
@@ -15,7 +17,6 @@ this module imports nothing from `micse_jax.training`, which imports it.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Callable
@@ -23,7 +24,6 @@ from typing import Any, Callable
 import ml_collections
 
 from micse_jax import caches, paths
-from micse_jax import workdir as workdir_lib
 from micse_jax.augmentation.add import ADD_IMPORTANCE, ADD_MODES
 from micse_jax.configs import population
 from micse_jax.configs.methods import OBJECTIVES, VIEW_KINDS
@@ -36,18 +36,7 @@ from micse_jax.models.dtypes import DTYPES
 from micse_jax.models.policy import ATTENTION_MODES
 from micse_jax.models.remat import REMAT_POLICIES
 from micse_jax.optional import require
-
-# Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
-# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state;
-# where the caches live); any other difference would silently continue a different run. A
-# missing field of an old config.json is such a difference unless it is listed here.
-RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_every", "steps_per_dispatch", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.",
-                     "cache.")
-# Fields added after workdirs were first written, each with the value that does what the versions
-# before it did: an old config.json without the field resumes when the config holds that value
-# (any other value is a different run, refused like any difference).
-ADDED_FIELDS = {"model.rng_impl": "threefry", **population.DEFAULTS}
+from micse_jax.resume_checks import check_resume_compatible, config_differences  # noqa: F401  (re-exported)
 
 
 def _is_int(v) -> bool:
@@ -88,6 +77,12 @@ def _text(v):
   return None if isinstance(v, str) and v.strip() else f"must be a non-empty string, got {v!r}"
 
 
+def _auto_or_positive(v):
+  """"auto" or an integer >= 1, as text (`--config.steps_per_dispatch=8` gives "8") or an int."""
+  text = str(v)
+  return None if text == "auto" or text.isdigit() and int(text) >= 1 else f"must be auto or an integer >= 1, got {v!r}"
+
+
 def _choice(*allowed):
   return lambda v: None if v in allowed else f"must be one of {', '.join(allowed)}, got {v!r}"
 
@@ -100,8 +95,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "checkpoint_every": _int(1),
     "keep_checkpoints": _int(1),
     "eval_every": _int(0),
-    "steps_per_dispatch": lambda v: None if str(v) == "auto" or str(v).isdigit() and int(v) >= 1 else
-    f"must be auto or an integer >= 1, got {v!r}",  # text (--config.steps_per_dispatch=8) or int
+    "steps_per_dispatch": _auto_or_positive,  # training/dispatch.py
     "model.name_or_path": _text,
     "model.max_length": _int(2),  # [CLS] and [SEP]
     "model.dtype": _choice(*DTYPES),
@@ -295,47 +289,6 @@ def check_workdir_writable(workdir: str) -> None:
     raise ConfigError(f"workdir is not writable: {path} ({existing} does not allow writing)")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-  flat = {}
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      flat.update(_flatten(v, f"{prefix}{k}."))
-    else:
-      flat[f"{prefix}{k}"] = v
-  return flat
-
-
-def config_differences(saved: dict, config_dict: dict) -> list[str]:
-  """`field (saved → new)` for every run-defining field that differs (JSON-normalised)."""
-  new = _flatten(json.loads(json.dumps(config_dict)))
-  old = _flatten({k: v for k, v in saved.items() if k not in ("model_dir", "bert_config")})
-  differences = []
-  for field in sorted(set(new) | set(old)):
-    if field.startswith(RESUMABLE_CHANGES) or old.get(field) == new.get(field):
-      continue
-    if field not in old and new.get(field) == ADDED_FIELDS.get(field, "<none>"):
-      continue  # written before the field existed: what that version did
-    differences.append(f"{field} ({old.get(field, '<absent>')!r} -> {new.get(field, '<absent>')!r})")
-  return differences
-
-
-def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """A workdir with checkpoints resumes only a run with the same model, data and objective."""
-  if not workdir_lib.has_steps(os.path.join(workdir, workdir_lib.ROLLING_DIR)):
-    return
-  saved = workdir_lib.read_run_config(workdir)
-  if "shuffle" not in saved.get("data", {}):
-    raise ConfigError(
-        f"{workdir} holds checkpoints of a run whose batches were ordered by grain's shuffle (written "
-        "before data.shuffle existed); this version orders batches by NumPy epoch permutations and "
-        "cannot continue that run bit for bit. Start a new --workdir, or resume with the version that wrote it")
-  differences = config_differences(saved, config.to_dict())
-  if differences:
-    raise ConfigError(
-        f"{workdir} holds checkpoints of a different run; differing fields: {', '.join(differences)}. "
-        "To start fresh, pass a new --workdir (or delete this one); to resume, use its config.json values")
-
-
 def check_population(config: ml_collections.ConfigDict) -> None:
   """The `population.*` fields (`configs/population.PER_MEMBER`): each value passes its member field's
   own rule (`RULES`), one per member (or none), distinct seeds, and what they combine with."""
@@ -392,9 +345,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   check_packages(config)
 
 
-def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """All checks that need no model: call before anything is loaded, built or written."""
+def check_run(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
+  """All checks that need no model: call before anything is loaded, built or written. Returns the
+  lines a resume with a changed field says once resumed (`resume_checks.resume_notes`; [] for none)."""
   check_config(config)
   check_workdir_writable(workdir)
-  check_resume_compatible(config, workdir)
+  notes = check_resume_compatible(config, workdir)
   check_senteval(config)
+  return notes

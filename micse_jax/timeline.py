@@ -165,14 +165,16 @@ class Timeline:
         logging.warning("could not write %s: %s", path, e)
 
 
-def checkpoint_saved(step: int) -> None:
-  """The active session reached `step` and saved it: its `steps.to` and its timeline entry follow."""
+def checkpoint_saved(committed: int | None) -> None:
+  """At a checkpoint: the active session's timeline entry is written, its `steps.to` the newest step
+  whose save has committed (`committed`; None: none yet, `steps.to` unchanged). A save still being
+  written is not claimed: a kill before it commits resumes from the step before it."""
   active = _active
   if active is None:
     return
   steps = active.info.get("steps")
-  if isinstance(steps, dict):
-    steps["to"] = int(step)
+  if isinstance(steps, dict) and committed is not None:
+    steps["to"] = max(int(committed), int(steps.get("from", committed)))
   active.record()
 
 

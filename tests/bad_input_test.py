@@ -1,4 +1,4 @@
-"""Bad input across `main`, `evaluate` and `convert`: one `error:` line, non-zero exit, no
+"""Bad input across `main`, `evaluate`, `convert` and the bench: one `error:` line, non-zero exit, no
 traceback, nothing printed before it, nothing written, an existing workdir untouched; a bad corpus
 is found before the model's weights are read.
 
@@ -328,3 +328,36 @@ def test_convert_program_workdir_without_checkpoint(base, tmp_path):
   assert proc.returncode == 1, proc.stderr
   _assert_one_line(proc.stderr, "no rolling checkpoint")
   assert not out.exists()
+
+
+# ------------------------------------------------------------------ the bench (argparse)
+
+@pytest.mark.parametrize("argv,status,fragment", [
+    (["--aot", "bogus"], 2, "argument --aot: invalid choice: 'bogus'"),
+    (["--devices", "0"], 2, "--devices must be >= 1"),
+    (["--batch_size", "-5"], 2, "--batch_size"),
+    (["--batch_size", "x"], 2, "argument --batch_size: invalid int value: 'x'"),
+    (["--population", "-1", "--aot", "h100"], 2, "argument --population: must be an integer >= 1, got '-1'"),
+    (["--population", "0", "--aot", "h100"], 2, "argument --population: must be an integer >= 1, got '0'"),  # was no population
+    (["--population", "2"], 2, "--population K (K >= 1) goes with --aot"),
+    # the trainer's length check, before anything is compiled (an --aot compile used to fail in XLA after
+    # a spurious kernel fallback) or written (--output, --rows)
+    (["--aot", "h100", "--model", "tiny", "--batch_size", "8", "--max_length", "1000"], 1,
+     "--model tiny --max_length 1000: model.max_length 1000 exceeds the 512 positions the model has"),
+    (["--model", "tiny", "--max_length", "513", "--no_torch"], 1, "exceeds the 512 positions")])
+def test_bench_bad_input_is_one_error_line(argv, status, fragment, tmp_path, capsys):
+  from micse_jax.bench import __main__ as bench
+  written = [str(tmp_path / "out.json"), str(tmp_path / "rows.jsonl")]
+  with pytest.raises(SystemExit) as e:
+    bench.entry(argv + ["--output", written[0], "--rows", written[1]])
+  out, err = capsys.readouterr()
+  assert e.value.code == status and out == ""
+  _assert_one_line(err, fragment)
+  assert not any(os.path.exists(p) for p in written)
+
+
+def test_bench_help_prints_the_usage_and_exits_0(capsys):
+  from micse_jax.bench import __main__ as bench
+  with pytest.raises(SystemExit) as e:
+    bench.entry(["--help"])
+  assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m micse_jax.bench")

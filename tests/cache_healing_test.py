@@ -193,6 +193,8 @@ def test_a_session_is_recorded_at_each_checkpoint_and_replaced_not_added(tmp_pat
     timeline.checkpoint_saved(4)  # before the run recorded its steps: nothing written
     assert jsonio.read_json(files[0])["num_sessions"] == 1
     session.info.update(steps={"from": 2, "to": 2}, finished=False)
+    timeline.checkpoint_saved(None)  # a first save still being written: the time recorded, no step claimed
+    assert jsonio.read_json(files[0])["sessions"][1]["steps"] == {"from": 2, "to": 2}
     timeline.checkpoint_saved(4)
     timeline.checkpoint_saved(6)
   finally:

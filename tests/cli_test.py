@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from micse_jax import cli, config_checks, errors
+from micse_jax import cli, config_checks, errors, resume_checks
 from micse_jax import workdir as workdir_lib
 from tests.helpers import REPO, run_module
 from tests.train_utils import set_dotted
@@ -135,14 +135,39 @@ def test_resume_compatibility_names_only_run_defining_fields(tmp_path):
     config_checks.check_resume_compatible(other, wd)
 
 
-def test_a_workdir_written_before_rng_impl_resumes_with_threefry_only():
-  """An old config.json has no model.rng_impl: its run drew dropout with threefry, so the default
-  resumes it and another generator (a different random stream) is a named difference."""
+def test_a_workdir_resumes_across_rng_impl_with_one_line_saying_so(tmp_path):
+  """The train state's key is threefry whatever generator draws the dropout bits (it seeds the rbg keys,
+  `models/dropout.site_key`), so a checkpoint resumes under another generator (docs/precision.md): no
+  difference refused, one line saying the masks after the checkpoint come from the new generator. An
+  old config.json without the field drew with threefry."""
   saved = json.loads(json.dumps(_config().to_dict()))
+  rbg = _config(**{"model.rng_impl": "rbg"})
+  assert config_checks.config_differences(saved, rbg.to_dict()) == []
+  wd = str(tmp_path)
+  workdir_lib.write_run_config(wd, saved)
+  os.makedirs(os.path.join(wd, workdir_lib.ROLLING_DIR, "250"))
+  (note,) = config_checks.check_resume_compatible(rbg, wd)
+  assert note.startswith("model.rng_impl changes on resume ('threefry' -> 'rbg'): the dropout masks of the "
+                         "steps after the checkpoint are drawn by rbg instead of threefry") and "\n" not in note
+  assert config_checks.check_resume_compatible(_config(), wd) == []  # nothing changed: nothing said
   del saved["model"]["rng_impl"]
-  assert config_checks.config_differences(saved, _config(**{"model.rng_impl": "threefry"}).to_dict()) == []
-  assert config_checks.config_differences(saved, _config(**{"model.rng_impl": "rbg"}).to_dict()) == [
-      "model.rng_impl ('<absent>' -> 'rbg')"]
+  assert resume_checks.resume_notes(saved, rbg.to_dict()) == [note]
+  assert resume_checks.resume_notes(saved, _config().to_dict()) == []
+
+
+def test_a_longer_run_resumes_with_one_line_on_its_learning_rate():
+  """num_train_steps may change on resume, but the learning rate decays linearly to 0 at num_train_steps
+  (`optim.learning_rate_schedule`), so the steps left take other rates: one line says where the decay now
+  ends (checked here against the schedule itself: the rate at the new end is 0, at the old end not)."""
+  from micse_jax.training.optim import learning_rate_schedule
+  saved = json.loads(json.dumps(_config(num_train_steps=1000).to_dict()))
+  longer = _config(num_train_steps=2000)
+  (note,) = resume_checks.resume_notes(saved, longer.to_dict())
+  assert note.startswith("num_train_steps changes on resume (1000 -> 2000): the learning rate's linear decay to 0 "
+                         "now ends at step 2000 instead of 1000") and "\n" not in note
+  old, new = learning_rate_schedule(_config(num_train_steps=1000)), learning_rate_schedule(longer)
+  assert float(old(1000)) == 0.0 < float(new(1000)) and float(new(2000)) == 0.0
+  assert resume_checks.resume_notes(saved, _config(num_train_steps=1000, log_every=7).to_dict()) == []
 
 
 def test_workdir_from_before_the_numpy_shuffle_is_refused_on_resume(tmp_path):

@@ -1,7 +1,8 @@
-"""Crash safety, proven with a real kill: `python -m micse_jax.main` is SIGKILLed mid-run and
-once while a checkpoint is being written; re-running the same command resumes, and the final
-train state equals that of an uninterrupted run exactly (CPU); the killed session's time is in
-timeline.json up to its last checkpoint."""
+"""Crash safety, proven with a real kill: `python -m micse_jax.main` is SIGKILLed in the middle of
+its first save, mid-run and once while a later checkpoint is being written; re-running the same
+command resumes, and the final train state equals that of an uninterrupted run exactly (CPU); the
+killed session's time is in timeline.json up to its last checkpoint, which never claims a step whose
+save had not committed."""
 import os
 import re
 import signal
@@ -42,6 +43,34 @@ def _env(cache_dir):
 def _entries(workdir):
   folder = os.path.join(workdir, workdir_lib.ROLLING_DIR)
   return os.listdir(folder) if os.path.isdir(folder) else []
+
+
+# `python -m micse_jax.main` with every Orbax save committed (its folder renamed into place) 5 s late:
+# a kill in the middle of the first save is then certain to find it unfinished.
+SLOW_COMMIT = """import time
+import orbax.checkpoint as ocp
+finalize = ocp.CheckpointManager._finalize
+def finalize_late(self, *args, **kwargs):
+  time.sleep(5)
+  return finalize(self, *args, **kwargs)
+ocp.CheckpointManager._finalize = finalize_late
+from micse_jax import main
+main.run()
+"""
+
+
+def _slow_commit(cmd):
+  """`cmd` (a `python -m micse_jax.main ...` command) with the saves committed late (`SLOW_COMMIT`)."""
+  assert cmd[1:3] == ["-m", "micse_jax.main"]
+  return [cmd[0], "-c", SLOW_COMMIT, *cmd[3:]]
+
+
+def _sessions(path) -> int:
+  """Sessions in a timeline file (0 while it does not exist or is being replaced)."""
+  try:
+    return len(jsonio.read_json(str(path))["sessions"])
+  except (OSError, ValueError, KeyError):
+    return 0
 
 
 def _committed(workdir):
@@ -90,15 +119,17 @@ def _first_progress_step(log_path):
   return int(match.group(1))
 
 
-def _assert_killed_session_recorded(path, committed: int) -> None:
-  """The SIGKILLed session's time is on record up to a checkpoint (the last committed one, or the
-  next, saved and recorded while Orbax was still writing it)."""
+def _assert_killed_session_recorded(path, committed: list[int], sessions: int) -> None:
+  """The SIGKILLed session (the `sessions`-th) is on record up to a checkpoint: its time, and as the step
+  it reached one whose save had committed when it was killed (`committed`), or none (0)."""
   document = jsonio.read_json(str(path))
-  (session,) = document["sessions"]
+  assert document["num_sessions"] == sessions
+  session = document["sessions"][-1]
   assert not session["finished"] and session["steps"]["from"] == 0
-  assert session["steps"]["to"] in (committed, committed + 2)  # checkpoint_every=2
+  assert session["steps"]["to"] in [0, *committed], (session["steps"], committed)
   assert session["compile_s"] > 0 and session["train_s"] > 0
-  assert session["total_s"] >= session["compile_s"] + session["train_s"] and document["total_s"] == session["total_s"]
+  assert session["total_s"] >= session["compile_s"] + session["train_s"]
+  assert document["total_s"] == pytest.approx(sum(s["total_s"] for s in document["sessions"]), abs=1e-2)
 
 
 def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp_path, minilm_dir):
@@ -109,12 +140,18 @@ def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp
 
   cmd = _command(config, crashed)
   timeline_file = crashed / workdir_lib.TIMELINE_FILE
+  # 0. killed in the middle of the first save (written, not yet committed), its timeline written at that save.
+  assert _run_and_kill(_slow_commit(cmd), env, tmp_path / "kill0.log",
+                       lambda: _temporaries(crashed) and _sessions(timeline_file) == 1), "no first save caught"
+  assert _committed(crashed) == []
+  _assert_killed_session_recorded(timeline_file, [], sessions=1)  # step 2 was never committed: not claimed
   # 1. killed mid-run: right after the first checkpoint is committed (and its timeline written), between saves.
-  assert _run_and_kill(cmd, env, tmp_path / "kill1.log", lambda: _committed(crashed) and timeline_file.exists()), \
+  assert _run_and_kill(cmd, env, tmp_path / "kill1.log", lambda: _committed(crashed) and _sessions(timeline_file) == 2), \
       "the run finished before it could be killed"
+  assert _first_progress_step(tmp_path / "kill1.log") == 0  # the first save never committed: from the start
   after_first = _committed(crashed)
   assert after_first and after_first[-1] < STEPS
-  _assert_killed_session_recorded(timeline_file, after_first[-1])
+  _assert_killed_session_recorded(timeline_file, after_first, sessions=2)
   # 2. killed while a later checkpoint is being written (a new Orbax temporary folder exists).
   leftovers = _temporaries(crashed)
   assert _run_and_kill(cmd, env, tmp_path / "kill2.log",
@@ -128,7 +165,7 @@ def test_sigkill_mid_run_and_mid_checkpoint_then_resume_equals_uninterrupted(tmp
   assert _first_progress_step(tmp_path / "resume.log") == resume_from > 0
 
   document = jsonio.read_json(str(timeline_file))  # one entry per session, the resume's finished
-  assert len({s["id"] for s in document["sessions"]}) == document["num_sessions"] >= 2
+  assert len({s["id"] for s in document["sessions"]}) == document["num_sessions"] >= 3
   assert document["sessions"][-1]["finished"] and document["sessions"][-1]["steps"]["to"] == STEPS
   assert document["total_s"] == pytest.approx(sum(s["total_s"] for s in document["sessions"]), abs=1e-2)
 

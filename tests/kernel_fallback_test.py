@@ -1,7 +1,9 @@
 """A run never dies on our kernels: when the program holding the dropout-attention kernels fails to
-lower or compile (injected here: the kernel raises as Triton would refuse it), `program.compiled`
-builds the program again on the explicit path, says so in one warning line naming the kernels and
-the reason, and the run trains exactly as one that never tried them."""
+lower or compile (injected here: the kernel raises as Triton would refuse it, or XLA's compile names
+it) or, with `run_once`, to launch, `program.compiled` builds the program again on the explicit
+path, says so in one warning line naming the kernels and the reason, and the run trains exactly as
+one that never tried them. Any other failure (a program without kernel calls, an error that does not
+name them) is raised as it is, once."""
 import logging
 
 import jax
@@ -70,6 +72,107 @@ def test_a_program_without_our_kernels_keeps_its_own_error(tmp_path, tiny_real_d
   with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="injected"):
     program.compiled(prog)
   assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+class _FailingCompile:
+  """A lowered program whose compile fails with `message` (as XLA would), counted in `attempts`."""
+
+  def __init__(self, lowered, message: str, attempts: list):
+    self.lowered, self.message, self.attempts = lowered, message, attempts
+
+  def as_text(self, *args, **kwargs):
+    return self.lowered.as_text(*args, **kwargs)
+
+  def compile(self, *args, **kwargs):
+    self.attempts.append(self.message)
+    raise jax.errors.JaxRuntimeError(self.message)
+
+
+def _failing_compiles(monkeypatch, message: str) -> list:
+  """Every `Program.lower()` returns a program whose compile fails with `message`; returns the attempts."""
+  attempts, lower = [], program.Program.lower
+  monkeypatch.setattr(program.Program, "lower", lambda self: _FailingCompile(lower(self), message, attempts))
+  return attempts
+
+
+TILE_ERROR = ("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.118 = f32[16000,64]{1,0} "
+              "dot(%bitcast.439, %parameter_1.41), metadata={op_name=\"jit(train_step)/transpose(jvp(encode))/BertModel/"
+              "encoder/layer_0/attention/self/dot_general\"}")
+
+
+def _holds_kernel_calls(prog) -> bool:
+  return "pallas_call" in str(jax.make_jaxpr(prog.jitted)(prog.abstract_state, prog.abstract_batch()))
+
+
+def test_a_program_without_kernel_calls_keeps_its_compile_error_once(tmp_path, tiny_real_dir, monkeypatch, caplog):
+  """float32 on a target where the kernels may run: no layer takes them (they compute in half precision),
+  so XLA's own compile failure is the error, raised once: no warning about kernels, no second compile."""
+  prog, _ = _program(_config(tmp_path, tiny_real_dir, **{"model.dtype": "float32"}), INTERPRET)
+  assert prog.target.pallas and not _holds_kernel_calls(prog)
+  attempts = _failing_compiles(monkeypatch, TILE_ERROR)
+  with caplog.at_level(logging.WARNING), pytest.raises(jax.errors.JaxRuntimeError, match="output tile sizes"):
+    program.compiled(prog)
+  assert attempts == [TILE_ERROR]
+  assert not [r for r in caplog.records if "dropout-attention kernels" in r.getMessage()]
+
+
+@pytest.mark.parametrize("message, ours", [
+    (TILE_ERROR, False),  # XLA's own GEMM tiling: nothing of ours in it
+    ("INTERNAL: Triton compilation failed for custom-call micse_dropout_attention_backward_h2 (injected)", True),
+    ('INTERNAL: ptxas failed for custom_call_target="__gpu$xla.gpu.triton" (injected)', True)])
+def test_a_compile_error_falls_back_only_when_it_names_our_kernels(tmp_path, tiny_real_dir, monkeypatch, caplog,
+                                                                   message, ours):
+  prog, _ = _program(_config(tmp_path, tiny_real_dir), INTERPRET)
+  assert _holds_kernel_calls(prog)
+  attempts = _failing_compiles(monkeypatch, message)
+  with caplog.at_level(logging.WARNING):
+    if ours:
+      with pytest.raises(jax.errors.JaxRuntimeError, match="injected"):  # the plain program's compile fails too here
+        program.compiled(prog)
+    else:
+      with pytest.raises(jax.errors.JaxRuntimeError, match="output tile sizes"):
+        program.compiled(prog)
+  warned = [r.getMessage() for r in caplog.records if "dropout-attention kernels" in r.getMessage()]
+  assert len(attempts) == (2 if ours else 1) and len(warned) == (1 if ours else 0)
+  assert not ours or "failed to compile" in warned[0]
+
+
+def _failing_when_run(message: str):
+  """`_pallas` that runs as before, plus a host callback raising `message` when the program runs."""
+  real = da._pallas
+
+  def fail(*_):
+    raise RuntimeError(message)
+
+  def pallas(projection, *args, **kwargs):
+    jax.debug.callback(fail, projection[0, 0, 0])
+    return real(projection, *args, **kwargs)
+  return pallas
+
+
+@pytest.mark.slow  # the interpreted kernels' program compiled and run: ~35 s each on an idle 2-core CPU
+@pytest.mark.parametrize("message, ours", [
+    ("Failed to launch CUDA kernel: micse_dropout_attention_h2 with block dimensions: 128x1x1: "
+     "CUDA_ERROR_OUT_OF_RESOURCES (injected)", True),
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 80.00GiB (injected)", False)])
+def test_a_kernel_that_fails_when_run_falls_back_before_training(tmp_path, tiny_real_dir, monkeypatch, caplog,
+                                                                 message, ours):
+  """`run_once` (the trainer's): the compiled step runs once on zeros; a launch failure that names our
+  kernel is their failure (the explicit program follows, its step runs), any other is raised."""
+  prog, run = _program(_config(tmp_path, tiny_real_dir), INTERPRET)
+  monkeypatch.setattr(da, "_pallas", _failing_when_run(message))
+  with caplog.at_level(logging.WARNING):
+    if not ours:
+      with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        program.compiled(prog, run_once=True)
+      assert not [r for r in caplog.records if "dropout-attention kernels" in r.getMessage()]
+      return
+    fell_back = program.compiled(prog, run_once=True)
+  warned = [r.getMessage() for r in caplog.records if "dropout-attention kernels" in r.getMessage()]
+  assert len(warned) == 1 and "failed when run" in warned[0]
+  assert not fell_back.target.own_kernels and not _holds_kernel_calls(fell_back)
+  state, batch = fell_back.initial_state([run]), fell_back.place_batch([run.batches.batch(0)])
+  jax.block_until_ready(fell_back.step(*fell_back.inputs(state, batch)))
 
 
 def test_the_trainer_trains_on_when_the_kernels_fail(tmp_path, tiny_real_dir, monkeypatch, caplog):

@@ -128,14 +128,25 @@ def test_sizes_per_group_and_the_cache_is_reused(tmp_path, monkeypatch):
   assert compiled == [1, 2, 3, 1, 2, 3]
 
 
-def test_groups_without_a_population_stay_solo(tmp_path, monkeypatch):
+@pytest.mark.parametrize("field", ["mesh.shard_state", "mesh.shard_update"])
+def test_groups_the_trainer_refuses_as_populations_stay_solo_without_a_compile(tmp_path, monkeypatch, field):
+  """What `config_checks.check_population` refuses (each member's state whole: no FSDP, no sharded
+  update) is K = 1 with the trainer's reason, decided before any compile; the launch then keeps the
+  runs solo instead of failing on the population it would have built."""
   monkeypatch.setattr(sizing, "compiled_peak", lambda *a: pytest.fail("nothing to measure"))
   device, cache = sizing.Device((), 20 * GIB, "d", "a test"), sizing.Cache(str(tmp_path))
-  fsdp = spec.expand(_sweep("unused", extra=(("mesh.shard_state", True),)), str(tmp_path))
+  refused = spec.expand(_sweep("unused", extra=((field, True),)), str(tmp_path))
   single = spec.expand(_sweep("unused", seeds=(0,)), str(tmp_path))
-  reasons = [c.reason for c in sizing.choose_sizes(spec.population_groups(fsdp + single[:1]), device, 0.9, cache)]
-  assert reasons == ["mesh.shard_state=True (FSDP) does not combine with population training"] * 2 + [
-      "one run in the group"]
+  groups = spec.population_groups(refused + single[:1])
+  choices = sizing.choose_sizes(groups, device, 0.9, cache)
+  assert [c.k for c in choices] == [1, 1, 1] and choices[2].reason == "one run in the group"
+  for choice in choices[:2]:
+    assert choice.reason.startswith("refused as a population by the trainer's checks: ")
+    assert f"{field}=True is not supported with population.seeds" in choice.reason
+  launched, _ = spec.group_populations(refused, {g[0].name: c.k for g, c in zip(groups, choices)}, str(tmp_path))
+  assert [r.name for r in launched] == [r.name for r in refused]  # six solo runs, no error
+  with pytest.raises(spec.SweepError, match=f"{field}=True is not supported"):  # what a K > 1 would have met
+    spec.group_populations(refused, 2, str(tmp_path))
 
 
 @pytest.mark.slow  # two compiles: ~15 s each on an idle 2-core CPU, ~25 s under load

@@ -1,5 +1,7 @@
 """float16 training: dynamic loss scaling (jmp rule), skipped steps on infinities, the scale
 state across checkpoint/resume, and fp16 vs fp32 loss on one fixed batch."""
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,9 +116,10 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
+def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir, caplog):
   """period 1 doubles S after every finite step: 1 → 4 after two steps, → 16 after four
-  (a resume that reset the scale would end at 4)."""
+  (a resume that reset the scale would end at 4). The longer run says once that its learning rate's
+  decay now ends later (`resume_checks.resume_notes`)."""
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=2, checkpoint_every=2)
   config.model.dtype, config.model.loss_scale_init, config.model.loss_scale_period = "float16", 1.0, 1
   workdir = str(tmp_path / "fp16_resume")
@@ -125,7 +128,10 @@ def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir):
   saved = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
   assert float(saved.loss_scale["scale"]) == 4.0 and int(saved.loss_scale["skipped_steps"]) == 0
   config.num_train_steps = 4
-  trainer.train_and_evaluate(config, workdir)
+  with caplog.at_level(logging.WARNING):
+    trainer.train_and_evaluate(config, workdir)
+  notes = [r.getMessage() for r in caplog.records if "changes on resume" in r.getMessage()]
+  assert len(notes) == 1 and notes[0].startswith("num_train_steps changes on resume (2 -> 4): the learning rate's")
   resumed = checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
   assert int(resumed.step) == 4 and float(resumed.loss_scale["scale"]) == 16.0
   assert {x.dtype for x in jax.tree.leaves(resumed.params)} == {np.dtype("float32")}

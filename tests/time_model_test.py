@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from micse_jax.aot import host, kernel_cost, time_model
+from micse_jax.aot import hlo, host, kernel_cost, time_model
 
 H100 = time_model.DEVICES["h100"]
 
@@ -204,7 +204,7 @@ def test_library_calls_between_cuda_graphs_cost_the_gpu_a_gap_and_inside_them_th
 
 def _loop(trips: int, kernels: int) -> str:
   """A program whose entry runs `kernels` negations of a [1024, 256] array in a `while` of `trips`
-  known trips (the step loop of `training/program.repeated`), then one more outside it."""
+  known trips (the step loop of `training/dispatch.repeated`), then one more outside it."""
   shape = "f32[1024,256]{1,0}"
   fused = f"%fneg (p.0: f32[1024,256]) -> f32[1024,256] {{\n  %p.0 = {shape} parameter(0)\n" \
           f"  ROOT %n.0 = {shape} negate(%p.0)\n}}\n"
@@ -345,3 +345,54 @@ def test_a_tpu_batched_matmul_written_as_a_dilated_convolution_counts_one_tap_pe
       f"  %q = {shape_q}{{3,2,1,0}} parameter(0)\n  %k = {shape_q}{{3,2,1,0}} parameter(1)\n"
       f"  ROOT %fusion.7 = {shape_out}{{3,2,1,0}} fusion(%q, %k), kind=kOutput, calls=%fused_bmm")
   assert _one(text).flops == 2 * (128 * 12 * 32 * 32) * 64
+
+
+TRIVIAL = "HloModule trivial, entry_computation_layout={()->f32[]}\n\nENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(1)\n}\n"
+
+
+def test_a_program_without_kernels_is_priced_not_divided_by_zero(tmp_path, capsys):
+  """An ENTRY returning a constant runs no kernel: 0 ms on the device, the host's call alone (no
+  argument, one result), a floor of 0 and no ratio to it (it used to stop with a ZeroDivisionError)."""
+  from micse_jax.bench import __main__ as bench
+  p = time_model.predict(TRIVIAL, "h100")
+  assert p["kernels_per_step"] == 0 and p["predicted_device_ms"] == p["floor_ms"] == 0.0
+  assert p["predicted_step_ms"] == p["predicted_host_ms"] == pytest.approx(1e3 * _host(arrays=1))
+  assert p["predicted_over_floor"] is None
+  path = tmp_path / "trivial.hlo"
+  path.write_text(TRIVIAL)
+  result = bench.main(["--aot_hlo", str(path), "--aot", "h100"])
+  out = capsys.readouterr().out
+  assert result["predicted_device_ms"] == 0.0 and "(predicted / floor n/a)" in out
+  assert json.loads(out.strip().splitlines()[-1])["predicted_over_floor"] is None
+
+
+@pytest.mark.parametrize("text, platform", [
+    (SLICE, None),  # hand-written: nothing says
+    (SLICE.replace("calls=%fused_slice,", 'calls=%fused_slice, backend_config={"operation_queue_id":"0"},'), "gpu"),
+    (SLICE.replace("calls=%fused_slice,",
+                   'calls=%fused_slice, backend_config={"outer_dimension_partitions":[]},'), "cpu"),
+    (SLICE.replace("f32[8,256]{1,0} fusion", "f32[8,256]{1,0:T(8,128)} fusion"), "tpu")])
+def test_the_platform_an_hlo_was_compiled_for(text, platform):
+  assert hlo.compiled_for(text) == platform
+
+
+def test_an_hlo_compiled_for_another_platform_is_one_error_line(tmp_path, capsys):
+  """A program XLA compiled for this CPU (here) is refused for an H100 in one line naming its platform;
+  a GPU's is refused for a TPU; the GPU's is priced for an H100."""
+  import jax
+  import jax.numpy as jnp
+
+  from micse_jax.bench import __main__ as bench
+  cpu = tmp_path / "cpu.hlo"
+  x = jnp.ones((64, 64), device=jax.devices("cpu")[0])  # compiled for the CPU wherever the tests run
+  cpu.write_text(jax.jit(lambda x: jnp.tanh(x @ x.T).sum()).lower(x).compile().as_text())
+  gpu = tmp_path / "gpu.hlo"
+  gpu.write_text(SLICE.replace("calls=%fused_slice,", 'calls=%fused_slice, backend_config={"operation_queue_id":"0"},'))
+  for path, target, compiled_for in ((cpu, "h100", "CPU"), (gpu, "tpu-v5e", "GPU")):
+    with pytest.raises(SystemExit) as e:
+      bench.entry(["--aot_hlo", str(path), "--aot", target])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"error: --aot_hlo {path} was compiled for {compiled_for}, "
+                                                   f"not for {target}'s platform")
+  assert bench.main(["--aot_hlo", str(gpu), "--aot", "h100"])["kernels_per_step"] == 1

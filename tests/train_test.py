@@ -1,5 +1,6 @@
 """Trainer: queue/EMA/schedule formulas, one step per objective, 4 devices == 1 device,
 bit-identical resume, non-finite stop, bad input → one error line and nothing written."""
+import logging
 import os
 import threading
 
@@ -161,6 +162,23 @@ def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   run = run_inputs.prepare(config)
   want = np.concatenate([run.batches.global_sentence_ids(s) for s in (4, 5)])
   np.testing.assert_array_equal(ids, np.roll(want[4:], int(b.queue.ptr)))
+
+
+@pytest.mark.slow  # two tiny trainings, ~25 s on an idle 2-core CPU
+def test_a_checkpoint_resumes_under_another_dropout_generator(tmp_path, minilm_dir, caplog):
+  """docs/precision.md: checkpoints resume across model.rng_impl (the train state's threefry key seeds
+  either generator), here with a longer run too: one line for each change, then the steps left."""
+  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=2, checkpoint_every=2)
+  workdir = str(tmp_path / "switched")
+  trainer.train_and_evaluate(config, workdir)
+  config.model.rng_impl, config.num_train_steps = "rbg", 3
+  with caplog.at_level(logging.WARNING):
+    trainer.train_and_evaluate(config, workdir)  # refused before: "differing fields: model.rng_impl"
+  notes = sorted(r.getMessage() for r in caplog.records if "changes on resume" in r.getMessage())
+  assert len(notes) == 2
+  assert notes[0].startswith("model.rng_impl changes on resume ('threefry' -> 'rbg'): the dropout masks")
+  assert notes[1].startswith("num_train_steps changes on resume (2 -> 3): the learning rate's linear decay")
+  assert int(restore_latest(config, workdir).step) == 3
 
 
 def test_a_workdir_of_an_unknown_state_layout_is_refused_in_one_line(tmp_path, minilm_dir):

@@ -206,7 +206,7 @@ def scheduled(computations: dict[str, list[Instruction]], entry: str | None):
 
 def steps_per_call(computations: dict[str, list[Instruction]], entry: str | None) -> int:
   """The training steps one call of a program runs: the trip count of the entry computation's loop
-  whose body holds the most instructions (the step, `training/program.repeated`), 1 without one."""
+  whose body holds the most instructions (the step, `training/dispatch.repeated`), 1 without one."""
   loops = [ins for ins in computations.get(entry, ()) if ins.opcode == "while"]
   size = lambda ins: sum(len(computations.get(c, ())) for c in ins.called())
   return trip_count(max(loops, key=size)) if loops else 1
@@ -248,6 +248,21 @@ def summary(hlo_text: str) -> dict:
           "update_by_kind": count(update, "kind"), "steps_per_call": steps,
           "by_phase_and_kind": {p: {key: per_step(n / steps) for key, n in c.most_common()}
                                 for p, c in by_phase_kind.items()}}
+
+
+# What only one XLA backend writes into an optimised module: its backend configs' own fields, its
+# library calls, a TPU's tiled layouts (`{1,0:T(8,128)}`). A module with none of them (hand-written, or
+# a program with nothing but copies) is of no known platform.
+_PLATFORM_MARKS = (
+    ("tpu", re.compile(r"\{[\d,]*:T\(\d")),
+    ("gpu", re.compile(r'"operation_queue_id"|"fusion_backend_config"|custom_call_target="__(?:cublas|cudnn|gpu)')),
+    ("cpu", re.compile(r'"outer_dimension_partitions"|"__ynn_fusion"|custom_call_target="__onednn')))
+
+
+def compiled_for(hlo_text: str) -> str | None:
+  """The platform ("gpu", "tpu", "cpu") an optimised module was compiled for, by what only that XLA
+  backend writes into it (`_PLATFORM_MARKS`); None when nothing in it says."""
+  return next((platform for platform, mark in _PLATFORM_MARKS if mark.search(hlo_text)), None)
 
 
 def phase_by_instruction(hlo_text: str) -> dict[str, str]:

@@ -259,7 +259,7 @@ def predict(hlo_text: str, target: str, top: int = 20, members: int = 1, cuda_gr
   per_step = lambda n: n / steps
   return {
       "time_model_target": target, "time_model_device": device.name, **extra,
-      "predicted_step_ms": 1e3 * step_s, "predicted_over_floor": step_s / floor_s,
+      "predicted_step_ms": 1e3 * step_s, "predicted_over_floor": step_s / floor_s if floor_s else None,  # None: no kernel moves a byte
       "predicted_blocked_step_ms": 1e3 * (device_s + host_s),
       "predicted_device_ms": 1e3 * device_s, "predicted_host_ms": 1e3 * host_s, "steps_per_call": steps,
       "host_per_call": work, "cuda_graphs": cuda_graphs if gpu else None,
@@ -296,6 +296,16 @@ def read_hlo(path: str) -> str:
   return text
 
 
+def check_platform(hlo_text: str, path: str, target: str) -> None:
+  """`ConfigError` when the module says it was compiled for another platform than `target`'s (`hlo.compiled_for`):
+  another backend's kernels, fusions and library calls are not the ones the target would run."""
+  compiled_for, platform = hlo.compiled_for(hlo_text), DEVICES[target].platform
+  if compiled_for is not None and compiled_for != platform:
+    raise ConfigError(f"--aot_hlo {path} was compiled for {compiled_for.upper()}, not for {target}'s platform "
+                      f"({platform.upper()}): its kernels are not the ones {target} runs; save the optimized HLO of a "
+                      f"program compiled for {target} (python -m micse_jax.bench --aot {target} compiles the step)")
+
+
 def run_saved(path: str, target: str, output: str | None = None, members: int = 1,
               cuda_graphs: str = "auto") -> dict:
   """`python -m micse_jax.bench --aot_hlo FILE --aot TARGET [--population K] [--cuda_graphs M]`: the
@@ -307,6 +317,7 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
     if target not in DEVICES:
       raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
     text = read_hlo(path)
+    check_platform(text, path, target)
   counts = hlo.summary(text)
   from micse_jax.training import mesh
   cuda_graphs = mesh.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
@@ -322,13 +333,17 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
   return result
 
 
+def _ratio(x: float | None) -> str:
+  return "n/a" if x is None else f"{x:.2f}"
+
+
 def report_lines(p: dict) -> list[str]:
   """The prediction as report lines."""
   h = p["host_per_call"]
   lines = [f"  time model ({p['time_model_device']}; docs/AOT.md): step {p['predicted_step_ms']:.2f} ms "
            f"pipelined, {p['predicted_blocked_step_ms']:.2f} ms blocked (device {p['predicted_device_ms']:.2f} ms, "
            f"host {p['predicted_host_ms']:.2f} ms per step; {p['steps_per_call']} step(s) per call), floor "
-           f"{p['floor_ms']:.2f} ms (predicted / floor {p['predicted_step_ms'] / max(p['floor_ms'], 1e-9):.2f})"
+           f"{p['floor_ms']:.2f} ms (predicted / floor {_ratio(p.get('predicted_over_floor'))})"
            + (f"; {p['predicted_ms_per_member_step']:.2f} ms per member-step"
               if "predicted_ms_per_member_step" in p else ""),
            f"    host per call: {h['arrays']} arrays, {h['graph_updates']} CUDA graphs updated, {h['graph_launches']} "

@@ -39,9 +39,17 @@ from micse_jax.optional import require
 from micse_jax.training.mesh import CUDA_GRAPHS
 
 
+class _OneLineParser(argparse.ArgumentParser):
+  """argparse with a bad flag or value as one `error:` line and exit 2, as every other program
+  (`cli.fail`); the usage is printed on --help only."""
+
+  def error(self, message):
+    cli.fail(message, cli.USAGE_EXIT)
+
+
 def parse_args(argv):
   """The benchmark's command line (argparse)."""
-  p = argparse.ArgumentParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
+  p = _OneLineParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
   p.add_argument("--model", default="minilm",
                  help="minilm (shipped checkpoint) | bert-base | tiny (random weights) | a HF directory")
   p.add_argument("--batch_size", type=int, default=64, help="sentences per step (two views each)")
@@ -80,7 +88,7 @@ def parse_args(argv):
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--cuda_graphs", choices=("auto", *CUDA_GRAPHS), default="auto", help="the step's "
                  "mesh.cuda_graphs (training/mesh.py); with --aot_hlo: how the saved program was compiled")
-  p.add_argument("--population", type=int, default=0, metavar="K",
+  p.add_argument("--population", type=_at_least_one, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
   p.add_argument("--population_members", metavar="K,K,...", help="instead: population training of these sizes "
                  "measured here, and the paper's few-shot protocol in device-hours (bench/population.py)")
@@ -94,11 +102,19 @@ def parse_args(argv):
     p.error("--batch_size, --steps, --rounds and --devices must be >= 1, --max_length >= 4")
   if args.population_members is not None and not _positive_ints(args.population_members):
     p.error(f"--population_members {args.population_members!r}: comma-separated population sizes >= 1")
-  if args.population and not args.aot or args.population < 0:
+  if args.population and not args.aot:
     p.error("--population K (K >= 1) goes with --aot")
   if args.aot and args.dtype == "auto":
     p.error("--aot needs an explicit --dtype (float32, bfloat16 or float16): 'auto' reads the local device")
   return args
+
+
+def _at_least_one(text: str) -> int:
+  """An integer >= 1 (argparse's `type`: anything else is its one-line usage error, `--population 0` too,
+  which the default 0, no population, would otherwise have hidden)."""
+  if not text.strip().isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+  return int(text)
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -311,6 +327,8 @@ def main(argv=None) -> dict:
     from micse_jax.aot import time_model
     return time_model.run_saved(args.aot_hlo, args.aot, args.output, members=args.population or 1,
                                 cuda_graphs=args.cuda_graphs)
+  if not args.encode_attention:  # the trainer's checks of the shape against the model, before anything compiles
+    aot.check_shape("bert-base" if args.collectives else args.model, args.batch_size, args.max_length)
   if args.aot:
     return run_aot(args)
   if args.encode_attention:

@@ -41,6 +41,17 @@ def step_config(model: str, bert_config, batch_size: int, max_length: int, dtype
   return config
 
 
+def check_shape(model: str, batch_size: int, max_length: int) -> None:
+  """The trainer's checks of the bench's config against its model (`run_inputs.check_against_model`:
+  `--max_length` within the model's positions, the AMI layers it has), as one `ConfigError`."""
+  from micse_jax.training.run_inputs import check_against_model
+  bert_config = bert_config_for(model)
+  try:
+    check_against_model(step_config(model, bert_config, batch_size, max_length, "float32"), bert_config)
+  except ConfigError as e:
+    raise ConfigError(f"--model {model} --max_length {max_length}: {e}") from e
+
+
 def run(target: str, num_devices: int, model: str, batch_size: int, max_length: int, dtype: str,
         encode: bool = True, population: int = 0, cuda_graphs: str = "auto", steps: str = "auto") -> dict:
   """Compiles the step (and the encode program) for `target`; returns the JSON-able report.

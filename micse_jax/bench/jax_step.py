@@ -115,13 +115,14 @@ class JaxStep:
     self.compiled = None
 
   def compile(self) -> tuple[float, float | None]:
-    """Lowers and compiles the full step; returns (compile seconds, XLA's FLOP count).
+    """Lowers and compiles the full step as the trainer does (a program holding our kernels also runs once
+    on zeros, `program.compiled`); returns (those seconds, XLA's FLOP count).
 
     XLA's count is reported as found; MFU uses `self.model_flops` (on a GPU XLA's cost analysis
     misses the FLOPs inside cuBLAS calls, see training/flops.py)."""
     from micse_jax.training import program
     t = time.perf_counter()
-    self.program = program.compiled(self.program)  # the trainer's compile: kernels, else the explicit path
+    self.program = program.compiled(self.program, run_once=True)  # the trainer's: kernels, else the explicit path
     self.compiled = self.program.executable
     seconds = time.perf_counter() - t
     return seconds, xla_flops(self.compiled)

@@ -29,7 +29,7 @@ The shuffle (`SHUFFLE_SCHEME`, recorded as `data.shuffle` in a run's config.json
 
 Runs of earlier releases used grain's `MapDataset.shuffle` (a Feistel index shuffle); that
 order is not reproduced, and such workdirs (no `data.shuffle` in config.json) are refused on
-resume (`config_checks.check_resume_compatible`).
+resume (`resume_checks.check_resume_compatible`).
 """
 from __future__ import annotations
 

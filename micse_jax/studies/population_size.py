@@ -303,9 +303,10 @@ def choose_for_group(group: list, device: Device, use: float, cache: Cache) -> C
     return Choice(1, name, "no seed override: nothing to vary between members")
   if limit == 1:
     return Choice(1, name, "one run in the group")
+  refused = _refused_as_population(group)
+  if refused:
+    return Choice(1, name, refused)
   config = run_config(group[0])
-  if config.mesh.shard_state:
-    return Choice(1, name, "mesh.shard_state=True (FSDP) does not combine with population training")
   key, counter = measurement_key(config, device), {"compiles": 0, "seconds": 0.0}
   known = cache.peaks(key)  # every K measured for this config and device, by earlier groups or launches too
 
@@ -324,6 +325,17 @@ def choose_for_group(group: list, device: Device, use: float, cache: Cache) -> C
     raise SweepError(f"group {name} on {device.name}: {e} ({use:g} × {gib(device.capacity)}: {device.source})") from e
   return Choice(k, name, _reason(k, limit, known, budget, use, device), dict(sorted(known.items())),
                 counter["compiles"], counter["seconds"])
+
+
+def _refused_as_population(group: list) -> str | None:
+  """Why the trainer refuses the group's runs as one population (`spec.population_run`: every config check
+  of the population run, `config_checks.check_population` among them), else None; asked before anything
+  is compiled or written."""
+  try:
+    spec.population_run(group, os.path.dirname(group[0].workdir))
+  except SweepError as e:
+    return f"refused as a population by the trainer's checks: {e}"
+  return None
 
 
 def _reason(k: int, limit: int, peaks: dict, budget: int, use: float, device: Device) -> str:

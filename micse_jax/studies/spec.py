@@ -289,8 +289,9 @@ def estimated_gpu_hours(runs: list[RunSpec], step_ms: float, gpus_per_run: int =
   return steps, ms / 3.6e6 * gpus_per_run
 
 
-def _population_run(chunk: list[RunSpec], sweep_dir: str) -> RunSpec:
-  """One population run training the runs of `chunk` (same overrides but their seeds) as members."""
+def population_run(chunk: list[RunSpec], sweep_dir: str) -> RunSpec:
+  """One population run training the runs of `chunk` (same overrides but their seeds) as members, its
+  config checked as the trainer checks it (`SweepError` when it refuses the population)."""
   first = chunk[0]
   shared = [(k, v) for k, v in first.overrides if k not in POPULATION_FIELDS]
   overrides = shared + [("population.seeds", tuple(int(r.override("seed")) for r in chunk))]
@@ -338,7 +339,7 @@ def group_populations(runs: list[RunSpec], size, sweep_dir: str) -> tuple[list[R
       if len(chunk) == 1:
         launched += chunk
         continue
-      population = _population_run(chunk, os.path.dirname(chunk[0].workdir))
+      population = population_run(chunk, os.path.dirname(chunk[0].workdir))
       launched.append(population)
       for i, run in enumerate(chunk):
         members[run.name] = dataclasses.replace(run, workdir=os.path.join(population.workdir, "members", str(i)))

@@ -191,7 +191,8 @@ class Saver:
   A write that fails is raised in the loop at its next save, `wait` or `close`.
 
   Several processes (multi-host) save as Orbax does, collectively and asynchronously from the
-  device arrays (each writes its shards), in the loop's thread.
+  device arrays (each writes its shards), in the loop's thread; `on_saved` is then told, at each
+  save, the newest step committed before it.
   """
 
   PENDING = 2  # host copies queued behind the one being written, at most: the loop waits past that
@@ -211,7 +212,9 @@ class Saver:
     """Saves the full train state at its step; returns its host copy (where `best` can take the
     params of the same step from), or None when the save runs from device arrays."""
     self._raise()
-    if not self.background:
+    if not self.background:  # Orbax waits for the previous save first: that one has committed then
+      self.rolling.wait_until_finished()
+      self.on_saved(self.rolling.latest_step())
       save_state(self.rolling, state)
       return None
     host = host_copy(state)

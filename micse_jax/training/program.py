@@ -9,7 +9,7 @@ here, so what `bench --aot` counts is the program the trainer runs.
 
 One call runs `steps` training steps (`steps_per_dispatch`, `training/dispatch.py`): a scan over a
 stacked chunk of packed batches, each step the one below, so K steps in one call equal K calls bit for
-bit (`repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
+bit (`dispatch.repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
 (state, packed `[steps, rows, cols]`, watch) → (state, the last step's metrics, watch), the non-finite
 `finite.Watch` folded in at every step. A population's (`population.seeds`) vmaps that step over the
 stacked members (`training/population.make_population_step`); its call is (PopulationState, packed
@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -31,24 +33,18 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh
 
 from micse_jax.configs import population as population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
-from micse_jax.evaluation.evaluators import is_due
-from micse_jax.kernels import choice
+from micse_jax.kernels import choice, dropout_attention
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import dispatch, finite, population, run_inputs, run_views
 from micse_jax.training import mesh as mesh_lib
-from micse_jax.training.flops import step_flops_for as train_step_flops_of
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
-
-# XLA's while-loop simplifier leaves a one-trip loop carrying this frontend attribute as a loop
-SKIP_TRIP_COUNT_ONE = "skip-simplify-while-loops_trip-count-one"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +192,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   `tokens` the checkpoint's special token ids (the views and masks that need them), `target` what
   the kernels are chosen for (default: the devices' own, `kernels/choice.target_of`), `steps` the
   training steps per call (default: `steps_per_dispatch`, `auto` resolved for the target:
-  `steps_for`)."""
+  `dispatch.steps_for`)."""
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
   mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
@@ -214,7 +210,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
     sharding = mesh_lib.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
                                        shared.mesh.shard_update)
   if steps is None:  # the arrays a call passes: the state both ways, about as many again besides
-    steps = steps_for(config, bert_config, target, 2 * len(jax.tree.leaves(abstract)) + 8)
+    steps = dispatch.steps_for(config, bert_config, target, 2 * len(jax.tree.leaves(abstract)) + 8)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
   return Program(shared, nets, tx, mesh, k, params, mesh_lib.placed(abstract, sharding), sharding, layout,
@@ -222,27 +218,6 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
                  _jitted_step(shared, nets, mesh, sharding, layout, k), target,
                  lambda t, n=None: build(config, bert_config, encoder, devices, tokens, t, steps if n is None else n),
                  steps)
-
-
-def steps_for(config: ml_collections.ConfigDict, bert_config: BertConfig, target: choice.Target,
-              arrays: int) -> int:
-  """`steps_per_dispatch` for `target`: as given, or `auto`'s choice (`dispatch.auto_steps`, from the
-  step's model FLOPs and the `arrays` a call passes, over the run's usual gap between syncs)."""
-  chosen = dispatch.requested(config.get("steps_per_dispatch", 1))
-  if chosen is not None:
-    return chosen
-  syncs = dispatch.sync_steps(0, config.num_train_steps, lambda done: any(sync_due(config, True, done)))
-  members = max(population_fields.size(config), 1)
-  flops = members * train_step_flops_of(config, bert_config)
-  return dispatch.auto_steps(target.platform, target.compute_capability, flops / max(target.devices, 1), arrays,
-                             bert_config.num_hidden_layers, dispatch.usual_gap(dispatch.gaps(0, syncs)))
-
-
-def sync_due(config: ml_collections.ConfigDict, evaluates: bool, done: int) -> tuple[bool, bool, bool]:
-  """(log, evaluate, save) after `done` steps; the last step does all three that are enabled."""
-  last = done == config.num_train_steps
-  return (done % config.log_every == 0 or last, evaluates and is_due(done, config.eval_every, config.num_train_steps),
-          done % config.checkpoint_every == 0 or last)
 
 
 def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: choice.Target,
@@ -260,24 +235,88 @@ def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: ch
   return config
 
 
-def compiled(prog: Program) -> Program:
-  """`prog` with its step compiled once (`Program.executable`, the step the trainer calls). If the
-  program holds our own kernels and lowering or compiling it raises (a GPU, jax or shape the kernels
-  were not tested on), it is built again without them, on the explicit path (the same values),
-  after one warning line naming the kernels and the reason: a run never dies on our kernels."""
+def compiled(prog: Program, run_once: bool = False) -> Program:
+  """`prog` with its step compiled once (`Program.executable`, the step the trainer calls).
+
+  Our kernels never stop a run: when the program holds the dropout-attention kernels and fails with an
+  error that is theirs (`_our_kernels_failed`: raised while they were traced or lowered, or naming them
+  from XLA's compile or from the run), it is built again without them, on the explicit path (the same
+  values), after one warning line naming the kernels, the stage and the reason. Any other failure is
+  raised as it is, once. `run_once`: where the program's devices are this process's (one process), the
+  compiled step is also run once on zeros (`_run_once`) when it holds the kernels, so that a kernel that
+  cannot be launched here falls back the same way before the run's state exists (the trainer, the
+  bench's timed steps); a kernel that hangs, or faults the device, is not caught (docs/reliability.md)."""
+  lowered, stage = None, "compile"
   try:
-    return dataclasses.replace(prog, executable=prog.lower().compile(prog.compiler_options))
-  except Exception as error:  # noqa: BLE001  (any failure of the kernels' program: the plain one follows)
-    model = prog.config.model
-    if not choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat):
+    lowered = prog.lower()
+    executable = lowered.compile(prog.compiler_options)
+    if run_once and _may_take_kernels(prog) and _runs_here(prog) and _holds_our_kernels(lowered):
+      stage = "run"
+      _run_once(prog, executable)
+    return dataclasses.replace(prog, executable=executable)
+  except Exception as error:  # noqa: BLE001  (sorted below: only our kernels' failures fall back)
+    if not _our_kernels_failed(lowered, error):
       raise
     plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False), prog.steps)
     reason = (str(error).strip().splitlines() or [""])[0][:300]
-    logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) failed to compile "
-                    "for %s (%s: %s); training on the explicit attention path, the same values "
-                    "(--config.model.attention=explicit skips this attempt)", prog.target.describe(),
+    logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) failed %s for %s (%s: %s); "
+                    "training on the explicit attention path, the same values (--config.model.attention=explicit "
+                    "skips this attempt)", "when run" if stage == "run" else "to compile", prog.target.describe(),
                     type(error).__name__, reason)
     return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
+
+
+# What names our kernels in a lowered program's text and in an error's message: their names (the backward
+# kernel's begins with the forward's), Pallas' Triton custom calls (no other Pallas call is in the program).
+_KERNEL_MARKS = (dropout_attention.KERNEL_NAME, "__gpu$xla.gpu.triton", "triton_kernel_call")
+
+
+def _may_take_kernels(prog: Program) -> bool:
+  """Whether any layer of the program may take the kernels on its target (`choice.kernels_allowed`): the
+  cheap test before its text is read."""
+  model = prog.config.model
+  return choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat)
+
+
+def _holds_our_kernels(lowered) -> bool:
+  """Whether the lowered program calls the dropout-attention kernels (their names are in its text: a
+  Triton call's backend config, the interpreter's name stack)."""
+  text = lowered.as_text(debug_info=True)
+  return any(mark in text for mark in _KERNEL_MARKS)
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+  """`error` and the exceptions it was raised from or during (JAX adds the traceback of the traced op)."""
+  chain = []
+  while error is not None and all(error is not e for e in chain):
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  return chain
+
+
+def _our_kernels_failed(lowered, error: BaseException) -> bool:
+  """Whether `error` is our kernels' failure: raised inside their module while the program was traced or
+  lowered (a frame of `kernels/dropout_attention.py` in a traceback of its chain), or raised by XLA's
+  compile or the run of a program that holds them, naming them (`_KERNEL_MARKS` in a message)."""
+  chain = _error_chain(error)
+  module = os.path.abspath(dropout_attention.__file__)
+  if any(os.path.abspath(frame.filename) == module for e in chain for frame in traceback.extract_tb(e.__traceback__)):
+    return True
+  named = any(mark in str(e) for e in chain for mark in _KERNEL_MARKS)
+  return named and lowered is not None and _holds_our_kernels(lowered)
+
+
+def _runs_here(prog: Program) -> bool:
+  """Whether this process alone runs the program: its devices are this process's (not a deviceless target's)."""
+  return jax.process_count() == 1 and set(prog.mesh.devices.flat) <= set(jax.local_devices())
+
+
+def _run_once(prog: Program, executable) -> None:
+  """The compiled step called once on a zero state and batch, placed as it takes them, and waited for:
+  a kernel that cannot be launched raises here (XLA names the kernel it failed to launch)."""
+  abstract = (prog.abstract_state, prog.abstract_batch())
+  zeros = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), abstract)
+  jax.block_until_ready(executable(*prog.inputs(*zeros)))
 
 
 def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:
@@ -309,7 +348,7 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
     per_member = population.member_sharding(mesh)
 
     def population_steps(state, packed, hyper):
-      state, metrics = repeated(lambda s, p: one(s, p, hyper), state, packed)
+      state, metrics = dispatch.repeated(lambda s, p: one(s, p, hyper), state, packed)
       return state, metrics, state.stopped_at
     fn = population_steps
     shardings = (sharding, population.batch_sharding(mesh, chunked=True), per_member), (sharding, per_member, per_member)
@@ -322,32 +361,8 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
       return (state, finite.fold(watch, metrics, state.step)), metrics
 
     def train_steps(state, packed, watch):
-      (state, watch), metrics = repeated(watched, (state, watch), packed)
+      (state, watch), metrics = dispatch.repeated(watched, (state, watch), packed)
       return state, metrics, watch
     fn, shardings = train_steps, ((sharding, mesh_lib.chunk_sharded(mesh), replicated),
                                   (sharding, replicated, replicated))
   return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
-
-
-def repeated(step: Callable, carry, chunk):
-  """`step(carry, x) -> (carry, y)` on each row of the chunk → (carry, the last step's y): a loop,
-  also for a chunk of one step, every call running the step as the same loop body.
-
-  XLA compiles code differently where it can tell more: a loop of one trip would be replaced by its
-  body (compiled as top-level code), a chunk's row read from a one-row chunk is the chunk itself, and
-  a y would be fused into its row of a stacked output. Each changes how the step's fusions are formed,
-  and with them the order of some sums (a last bit): a run of one step per call would not be the run
-  of K. So the one-trip loop is kept (XLA's frontend attribute `SKIP_TRIP_COUNT_ONE`), each step reads
-  its batch from the loop's carry (read from the chunk by the step before, or before the loop for the
-  first), and its y is carried, not stacked. The loop logs only steps that end a call
-  (`training/dispatch.plan`), so the last step's y is all it reads."""
-  rows = chunk.shape[0]
-  last = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(step, carry, chunk[0])[1])
-
-  def body(loop, i):
-    state, _, x = loop
-    upcoming = jax.lax.dynamic_index_in_dim(chunk, jnp.minimum(i + 1, rows - 1), keepdims=False)
-    return (*step(state, x), upcoming), None
-  (carry, last, _), _ = set_xla_metadata(jax.lax.scan(body, (carry, last, chunk[0]), jnp.arange(rows)),
-                                         **{SKIP_TRIP_COUNT_ONE: "true"})
-  return carry, last

@@ -74,7 +74,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   and compiled beside the state's loading and the evaluators' first (compiling) call, then the loop."""
   requested_dtype = config.model.dtype
   config = precision.with_resolved_dtype(config, announce=False)  # "auto" → this accelerator's dtype
-  config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
+  resume_notes = config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
   if population_fields.enabled(config) and jax.process_count() > 1:
     raise ConfigError("population training runs on one host (several devices are fine)")
   session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
@@ -86,9 +86,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   steps = built.steps  # K: the chunks' length where they fit
   guess = _plan(config, config.eval_every > 0, rolling.latest_step() or 0, steps)  # before the restore and evaluators
-  compiling = {n: _Background(program.compiled, built.with_steps(n)) for n in {n for _, n in guess} or {steps}}
+  compiling = {n: _Background(program.compiled, built.with_steps(n), True) for n in {n for _, n in guess} or {steps}}
   with session.phase("load"):
     state = _start(built, runs, rolling)
+  for note in resume_notes:  # a resumable change that alters the steps left, said once it has resumed
+    logging.warning("%s", note)
   start = int(state.step)
   session.info.update(steps={"from": start, "to": start}, finished=False)
   if built.members:
@@ -107,11 +109,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   try:
     with session.phase("train"):
       state = _train(loop, state)
-    session.info["steps"]["to"] = int(state.step)
   finally:
     with session.phase("save"):
       saver.close()
       run_views.close(loop.views)
+  session.info["steps"]["to"] = int(state.step)  # its save (the last step saves) committed: waited for above
   with session.phase("final_eval"):
     results = [_final_evaluation(loop, view, state) for view in loop.views]
   session.info["finished"] = True
@@ -142,7 +144,7 @@ class _Background:
 
 def _plan(config: ml_collections.ConfigDict, evaluates: bool, start: int, steps: int) -> list[tuple[int, int]]:
   """The loop's chunks (first step, steps) from `start`: each log, evaluation and save step ends one."""
-  syncs = dispatch.sync_steps(start, config.num_train_steps, lambda done: any(program.sync_due(config, evaluates,
+  syncs = dispatch.sync_steps(start, config.num_train_steps, lambda done: any(dispatch.sync_due(config, evaluates,
                                                                                                done)))
   return dispatch.plan(start, syncs, steps)
 
@@ -153,7 +155,7 @@ def _compiled(prog: program.Program, compiling: dict, chunks: list[tuple[int, in
   and any other the plan needs (`prog` with its steps), compiled now."""
   programs = {n: job.result() for n, job in compiling.items()}
   for n in {n for _, n in chunks} - set(programs):
-    programs[n] = program.compiled(prog.with_steps(n))
+    programs[n] = program.compiled(prog.with_steps(n), run_once=True)
   return programs
 
 
@@ -291,7 +293,7 @@ def _train(loop: _Loop, state):
       state, metrics, watch = loop.programs[n].run(state, batch, watch)
       done = step + n
       bar.update(n)
-      log, evaluate, save = program.sync_due(c, loop.evaluators.active, done)
+      log, evaluate, save = dispatch.sync_due(c, loop.evaluators.active, done)
       if not (log or evaluate or save):
         continue
       dispatch.collect()  # where the loop waits or the device has work queued
