@@ -125,7 +125,7 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert "| bf16 population K=5, batch 50 | 41.0 | 50.00 (10.00 per member) | 55.00 |" in md
   assert "| bf16 batch 50 | 10.00 (13.50) | 70.00 (72.90) | 7.00x (5.40x) | 40.00 (45.00) | 4.00x (3.33x) |" in md
   assert "| b512 | FAILED: RESOURCE_EXHAUSTED: out of memory |" in md
-  assert "runs of 20 (10 for the population) steps dispatched back to back" in md and "median of 3 runs" in md
+  assert "runs of 20 (10 for the population) calls dispatched back to back" in md and "median of 3 runs" in md
   assert "| encode (backward) | 7.500 | 75.0 | — |" in md and "| matrix multiply | 6.000 | 60.0 | — |" in md
   assert "| `loop_add_fusion_3` | 0.600 | 12 | loop_add_fusion.3, loop_add_fusion.9 (+10) | optimizer |" in md
   assert "copy 2.17 TB/s" in md and "3.00 us each" in md

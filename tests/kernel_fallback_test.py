@@ -51,7 +51,7 @@ def test_a_failing_kernel_is_replaced_by_the_explicit_path_with_one_warning(tmp_
   assert len(warnings) == 1 and "\n" not in warnings[0]
   assert "dropout-attention kernels" in warnings[0] and "only enabled for Ampere GPUs (injected)" in warnings[0]
   assert fell_back.target.own_kernels is False and not fell_back.target.pallas
-  assert "pallas_call" not in str(jax.make_jaxpr(fell_back.jitted)(prog.abstract_state, prog.abstract_batch()))
+  assert "pallas_call" not in str(jax.make_jaxpr(fell_back.jitted)(*prog.abstract_inputs()))
 
   plain = program.compiled(_program(config, choice.Target())[0])  # never tried the kernels
   state = lambda p: p.initial_state([run])
@@ -101,7 +101,7 @@ TILE_ERROR = ("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.
 
 
 def _holds_kernel_calls(prog) -> bool:
-  return "pallas_call" in str(jax.make_jaxpr(prog.jitted)(prog.abstract_state, prog.abstract_batch()))
+  return "pallas_call" in str(jax.make_jaxpr(prog.jitted)(*prog.abstract_inputs()))
 
 
 def test_a_program_without_kernel_calls_keeps_its_compile_error_once(tmp_path, tiny_real_dir, monkeypatch, caplog):

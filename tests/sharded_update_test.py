@@ -3,7 +3,7 @@ update after 3 steps (to the order of the gradient sums), Adam's moments held 1/
 params, EMA and copies stay whole, and no whole-gradient all-reduce left."""
 from tests.helpers import run_device_worker
 
-ATOL = 1e-5  # float32 sums in another order, 3 steps
+ATOL = 1e-5  # float32 sums in another order, 3 steps (params whose gradient is noise aside: the worker)
 
 
 def test_the_sharded_update_equals_the_replicated_one_on_four_devices(tmp_path, minilm_dir):

@@ -119,15 +119,20 @@ class Program:
       return None
     return mesh_lib.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
 
-  def lower(self):
-    """The call lowered on the abstract state and batch (nothing placed: also for absent devices)."""
+  def abstract_inputs(self) -> tuple:
+    """The call's arguments as placed `ShapeDtypeStruct`s: (state, chunk, a solo run's watch or a
+    population's step inputs); nothing placed, also for absent devices."""
     if self.members:
       third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
           self.mesh)), self.hyper)
     else:
       third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=mesh_lib.replicated(self.mesh)),
                            jax.eval_shape(finite.Watch.fresh))
-    return self.jitted.lower(self.abstract_state, self.abstract_batch(), third)
+    return self.abstract_state, self.abstract_batch(), third
+
+  def lower(self):
+    """The call lowered on its abstract inputs (`abstract_inputs`)."""
+    return self.jitted.lower(*self.abstract_inputs())
 
   def place_batch(self, host_batches: list[dict]):
     """The members' host batches of one step (one for a solo run), packed and placed as a chunk of one
@@ -347,8 +352,12 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
                                           layout, mesh)
     per_member = population.member_sharding(mesh)
 
+    def pinned_step(state, packed, hyper):
+      state, metrics = one(_pinned(state, sharding), packed, hyper)
+      return _pinned(state, sharding), metrics
+
     def population_steps(state, packed, hyper):
-      state, metrics = dispatch.repeated(lambda s, p: one(s, p, hyper), state, packed)
+      state, metrics = dispatch.repeated(lambda s, p: pinned_step(s, p, hyper), state, packed)
       return state, metrics, state.stopped_at
     fn = population_steps
     shardings = (sharding, population.batch_sharding(mesh, chunked=True), per_member), (sharding, per_member, per_member)
@@ -357,7 +366,8 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
 
     def watched(carry, packed):
       state, watch = carry
-      state, metrics = step(state, layout.unpack(packed))
+      state, metrics = step(_pinned(state, sharding), layout.unpack(packed))
+      state = _pinned(state, sharding)
       return (state, finite.fold(watch, metrics, state.step)), metrics
 
     def train_steps(state, packed, watch):
@@ -366,3 +376,11 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
     fn, shardings = train_steps, ((sharding, mesh_lib.chunk_sharded(mesh), replicated),
                                   (sharding, replicated, replicated))
   return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
+
+
+def _pinned(state, sharding):
+  """The train state held on its sharding inside the loop. A loop's carry has no sharding of its own:
+  without this, the partitioner lets the update's layout (Adam's moments split over the hidden axis)
+  flow back into the params the next step's forward reads, which then splits the activations and
+  all-reduces them inside every layer."""
+  return jax.lax.with_sharding_constraint(state, sharding)
