@@ -78,7 +78,7 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
   kernels = top_kernels(trace_summary.trace_file(trace_dir), hlo_text, phases, steps, top)
   return {"platform": s["platform"], "profiled_steps": steps, "gpu_ms_per_step": s["op_ms_per_step"],
           "ms_per_step_by_kind": s["ms_per_step_by_kind"], "ms_per_step_by_phase": s.get("ms_per_step_by_phase", {}),
-          "top_kernels": kernels}
+          "attributed_share": s.get("attributed_share"), "top_kernels": kernels}
 
 
 def instructions_by_kernel(hlo_text: str) -> dict[str, list[str]]:
@@ -97,9 +97,11 @@ def instructions_by_kernel(hlo_text: str) -> dict[str, list[str]]:
 _CONTAINER = re.compile(r"^(while|call|conditional|ThunkExecutor|end: |\$)")  # XLA:CPU events holding others
 
 
-def _stream_durations(trace_path: str) -> tuple[collections.Counter, collections.Counter]:
+def _stream_durations(trace_path: str, launched_by: dict | None = None) -> tuple[collections.Counter, collections.Counter]:
   """(microseconds, events) per exact event name on the device's stream lines (the GPU's kernels
-  and copies), or on XLA:CPU's worker threads when the trace has no device."""
+  and copies), or on XLA:CPU's worker threads when the trace has no device; `launched_by`, when
+  given, collects {name: the `args.hlo_op` of its events} (a library kernel launched outside the
+  CUDA graphs names its custom call there)."""
   with gzip.open(trace_path, "rt", encoding="utf-8") as f:
     events = json.load(f)["traceEvents"]
   meta = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
@@ -113,16 +115,26 @@ def _stream_durations(trace_path: str) -> tuple[collections.Counter, collections
     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep and not _CONTAINER.match(e["name"]):
       total[e["name"]] += e.get("dur", 0)
       count[e["name"]] += 1
+      if launched_by is not None and e.get("args", {}).get("hlo_op"):
+        launched_by.setdefault(e["name"], set()).add(e["args"]["hlo_op"])
   return total, count
+
+
+def _natural(name: str) -> tuple:
+  """`custom-call.9` before `custom-call.10`."""
+  return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
 def top_kernels(trace_path: str, hlo_text: str, phases: dict[str, str], steps: int, top: int = 30) -> list[dict]:
   """The `top` kernels by time: ms per step, launches per step, their HLO instructions and phases."""
-  by_kernel = instructions_by_kernel(hlo_text)
-  durations, counts = _stream_durations(trace_path)
+  by_kernel, launched_by = instructions_by_kernel(hlo_text), {}
+  durations, counts = _stream_durations(trace_path, launched_by)
+  known = {i for group in by_kernel.values() for i in group}
   rows = []
   for name, us in durations.most_common(top):
     instructions = by_kernel.get(name.replace(".", "_"), [])  # XLA:CPU events carry the instruction's own name
+    if not instructions:  # a library kernel: the custom calls its events name
+      instructions = sorted(launched_by.get(name, set()) & known, key=_natural)
     rows.append({"kernel": name, "ms_per_step": us / 1e3 / steps, "launches_per_step": counts[name] / steps,
                  "instructions": instructions[:8], "instruction_count": len(instructions),
                  "phases": sorted({phases[i] for i in instructions if i in phases})})
