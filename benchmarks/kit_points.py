@@ -143,26 +143,40 @@ def top_kernels(trace_path: str, hlo_text: str, phases: dict[str, str], steps: i
 
 # ---------------------------------------------------------------- points
 
-def attention_facts(prog, text: str, attention: str) -> dict:
-  """What attention the point's program ran: the mode asked for, whether our kernels were allowed
-  (False after a failed compile: `program.compiled`'s fallback) and the kernel launches in its HLO."""
+def set_fields(config, overrides: dict) -> None:
+  """Sets the config's dotted fields (`{"mesh.cuda_graphs": "xla"}`); a field the config lacks is an error."""
+  for dotted, value in overrides.items():
+    *parents, field = dotted.split(".")
+    node = config
+    for parent in parents:
+      node = getattr(node, parent)
+    if field not in node:
+      raise KeyError(f"a kit point sets {dotted!r}, which the trainer's config does not have")
+    setattr(node, field, value)
+
+
+def attention_facts(prog, text: str, overrides: dict) -> dict:
+  """What the point's program ran: the config fields it set, the attention mode asked for, whether
+  our kernels were allowed (False after a failed compile: `program.compiled`'s fallback) and the
+  kernel launches in its HLO."""
   from micse_jax.kernels import dropout_attention as da
-  return {"attention": attention, "own_kernels": prog.target.pallas,
+  return {"overrides": dict(overrides), "attention": overrides.get("model.attention", "fused"),
+          "own_kernels": prog.target.pallas,
           "dropout_kernel_calls": len(re.findall(rf'"{da.KERNEL_NAME}(?:_backward)?_h\d+"', text))}
 
 
 def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype: str, raw: str,
-              timing_args: dict, attention: str = "fused", cuda_graphs: str = "auto") -> dict:
+              timing_args: dict, overrides: dict | None = None) -> dict:
   """A solo point: compile, HLO, blocked and pipelined times, profile (see the module docstring);
-  `attention` is `model.attention` ("explicit": without the dropout-attention kernels),
-  `cuda_graphs` `mesh.cuda_graphs`."""
+  `overrides`: the trainer's config fields the point sets (`kit_plan.Point.overrides`, e.g.
+  `model.attention=explicit`: without the dropout-attention kernels)."""
   import transformers
 
   from micse_jax.bench import hardware, jax_step, timing
+  overrides = dict(overrides or {})
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-  def overrides(config):
-    config.model.attention, config.mesh.cuda_graphs = attention, cuda_graphs
-  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype, overrides)
+  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype,
+                          lambda config: set_fields(config, overrides))
   compile_s, _ = step.compile()
   text = step.compiled.as_text()
   save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
@@ -172,7 +186,7 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
   trace_dir = profile(dispatch, wait, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   mfu = lambda ms: hardware.mfu(step.model_flops, ms / 1e3, dtype)
   return {"kind": "solo", "members": 1, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-          "cuda_graphs": step.program.cuda_graphs, **attention_facts(step.program, text, attention),
+          "cuda_graphs": step.program.cuda_graphs, **attention_facts(step.program, text, overrides),
           "timing": timing_args, "compile_s": compile_s, **t,
           "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
@@ -180,7 +194,7 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
 
 
 def population_point(name: str, model_dir: str, members: int, batch_size: int, max_length: int, dtype: str,
-                     raw: str, timing_args: dict, attention: str = "fused", cuda_graphs: str = "auto") -> dict:
+                     raw: str, timing_args: dict, overrides: dict | None = None) -> dict:
   """A population of `members` at `batch_size`, measured as `jax_point` measures a solo step; its
   set-up is the trainer's (`training/program.py`: states stacked, the step vmapped)."""
   from micse_jax.bench import hardware, timing
@@ -189,7 +203,8 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   from micse_jax.training import program, run_inputs
   corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
   config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)
-  config.model.attention, config.mesh.cuda_graphs = attention, cuda_graphs
+  overrides = dict(overrides or {})
+  set_fields(config, overrides)
   runs = [run_inputs.prepare(c) for c in population_fields.member_configs(config)]
   prog = program.of_runs(config, runs)
   state = prog.initial_state(runs)
@@ -209,7 +224,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   steps = timing_args["profile_steps"]
   trace_dir = profile(dispatch, jax.block_until_ready, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   return {"kind": "population", "members": members, "batch_size": batch_size, "max_length": max_length,
-          "dtype": dtype, "cuda_graphs": prog.cuda_graphs, **attention_facts(prog, text, attention),
+          "dtype": dtype, "cuda_graphs": prog.cuda_graphs, **attention_facts(prog, text, overrides),
           "timing": timing_args, "compile_s": compile_s, **t,
           "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
