@@ -126,8 +126,8 @@ def _finish(runs: list[_Run], deadline: float, grace_s: float = KILL_GRACE_S) ->
   for run in cut:
     with contextlib.suppress(subprocess.TimeoutExpired):
       run.proc.wait(timeout=max(0.0, deadline + grace_s - time.monotonic()))
-  for run in cut:
-    with contextlib.suppress(ProcessLookupError):  # the run, or children it left behind
+  for run in runs:  # a cut run, or children a finished one left behind: none may load the timed points
+    with contextlib.suppress(ProcessLookupError):
       os.killpg(run.proc.pid, signal.SIGKILL)
     run.proc.wait()
     wait_for_group_gone(run.proc.pid, grace_s)

@@ -6,8 +6,8 @@ A JAX point is a batch size, a population size and the trainer's config fields i
 (`Point.overrides`, dotted names as on the trainer's command line). Adding a point is one row
 of `PLAN`, placed where it should run, e.g. an A/B of the host's dispatch beside `b50`:
 
-    Step("b50_k1", 65, Point(50, {"steps_per_dispatch": 1})),
-    Step("b50_graphs_MODE", 65, Point(50, {"mesh.cuda_graphs": "MODE"})),
+    Step("b50_k1", 70, Point(50, {"steps_per_dispatch": 1})),
+    Step("b50_graphs_MODE", 70, Point(50, {"mesh.cuda_graphs": "MODE"})),
 
 Its CPU rehearsal (`--dry`) runs the same point at tiny shapes (`Point.dry`). The trainer run
 (`train`) takes `TRAIN_OVERRIDES` on top of its own (`benchmarks/kit_train.py`).
@@ -46,15 +46,15 @@ class Step:
 PLAN = (
     Step("gpu_tests", 110),      # the kernels' gate, their trial tests and the other GPU tests, at once (kit_gate)
     Step("caches", 15),
-    Step("b50", 80, Point(50)),
-    Step("b50_explicit", 65, Point(50, {"model.attention": "explicit"})),  # the kernels' A/B
-    Step("b50_xla_graphs", 65, Point(50, {"mesh.cuda_graphs": "xla"})),    # the CUDA graphs' A/B
+    Step("b50", 85, Point(50)),
+    Step("b50_explicit", 70, Point(50, {"model.attention": "explicit"})),  # the kernels' A/B
+    Step("b50_xla_graphs", 70, Point(50, {"mesh.cuda_graphs": "xla"})),    # the CUDA graphs' A/B
     Step("kernel_variants", 20),
     Step("b512", 80, Point(512)),
     Step("ceilings", 10),
     Step("b50_torch_eager", 15),
     Step("b512_torch_eager", 15),
-    Step("train", 170),          # the real trainer, about 1,500 steps (kit_train)
+    Step("train", 160),          # the real trainer, about 1,500 steps (kit_train)
     # beyond one lease's two commands: each runs when a command has its time left
     Step("k5", 140, Point(50, members=5)),
     Step("b50_torch_compiled", 75),
@@ -62,14 +62,15 @@ PLAN = (
 )
 STEPS = tuple((s.name, s.planned_s) for s in PLAN)
 POINTS = {s.name: s.point for s in PLAN if s.point}
-LEASE_STEPS = tuple(s.name for s in PLAN[:PLAN.index(next(s for s in PLAN if s.name == "train")) + 1])
+_NAMES = [s.name for s in PLAN]
+LEASE_STEPS = tuple(_NAMES[:_NAMES.index("train") + 1])  # the lease's plan; the rest when a command has their time
 DRY_STEP_S = 20  # on CPU every step is planned alike: the rehearsal runs them all
 # One lease (docs/GPU_ACCEPTANCE.md): its device seconds, what is not a step (the machine's start,
 # the wheels' install, each command's interpreter start and transfers, the idle gap between the
 # two commands), the margin kept, and the two commands' budgets (`--budget_s`).
 LEASE_S, START_S, INSTALL_S, PROCESS_S, TRANSFER_S, IDLE_S, MARGIN_S = 900, 90, 20, 10, 10, 30, 60
 COMMAND_LIMIT_S = 600  # the device tool's limit on one command
-COMMAND_BUDGETS_S = (475, 175)
+COMMAND_BUDGETS_S = (490, 165)
 # Config fields of the trainer run beside its own (kit_train.trainer_args), e.g. the dispatch's
 # steps once the trainer has them: {"steps_per_dispatch": "auto"}.
 TRAIN_OVERRIDES: dict = {}

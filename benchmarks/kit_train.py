@@ -183,7 +183,7 @@ def train_lines(s: dict | None) -> list[str]:
   schedule = s.get("schedule") or {}
   lines = ["", f"## The trainer: `python -m micse_jax.main --config configs/micse.py`, {schedule.get('num_train_steps')} "
                f"steps, evaluations every {schedule.get('eval_every')}, saves every {schedule.get('checkpoint_every')} "
-               f"({s.get('attention')} attention)", ""]
+               f"(model.attention {s.get('attention')})", ""]
   if not s["ok"]:
     why = s.get("error") or ("cut at its time-out" if s.get("timed_out") else f"exit {s.get('returncode')}")
     lines += [f"FAILED: {why}", ""]
