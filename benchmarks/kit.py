@@ -28,15 +28,16 @@ Steps, in this order (`kit_plan.PLAN`, with the seconds each is planned at on an
   b50_torch_eager ... both PyTorch peers (eager: the public code's way; compiled: torch.compile)
                       at batch 50 and 512, on the same weights and batch, timed alike
 
-The JAX points come first, so a command cut short keeps the calibration; the PyTorch peers
-(torch.compile: about a minute each) last. A step starts only if its planned seconds fit in what
-is left of `--budget_s`. Rows go to a state folder that outlives the process (`--state`, on the
-lent machine's /tmp), so a second command on the still-warm machine goes on with the steps not
-done yet; a step that killed the process (out of memory, say) is recorded as failed, not
-retried (`--retry` re-runs failed steps). After every step OUT is rewritten with everything
-measured so far (`kit_report.write`): kit.md, kit.jsonl, summary.md and summary.json (the
-calibration point to commit under docs/calibration/), raw.tar.gz (each point's HLO and trace,
-the device ceilings). `--dry` runs the same on CPU at tiny shapes (the rehearsal).
+The JAX points come first, so a command cut short keeps the calibration; the trainer, the
+population and the compiled PyTorch peers (torch.compile: about a minute each) last. A step starts
+only if its planned seconds fit in what is left of `--budget_s` (counted from the setup row on).
+Rows go to a state folder that outlives the process (`--state`, on the lent machine's /tmp), so
+a second command on the still-warm machine goes on with the steps not done yet; a step that
+killed the process (out of memory, say) is recorded as failed, not retried (`--retry` re-runs
+failed steps). After every step OUT is rewritten with everything measured so far
+(`kit_report.write`): kit.md, kit.jsonl, summary.md and summary.json (the calibration point to
+commit under docs/calibration/), raw.tar.gz (each point's HLO and trace, the device ceilings).
+`--dry` runs the same on CPU at tiny shapes (the rehearsal).
 """
 from __future__ import annotations
 

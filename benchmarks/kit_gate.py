@@ -100,7 +100,7 @@ def _start(markers: str, files: list[str], workers: int, env: dict, nice: int) -
   folder = tempfile.mkdtemp(prefix="micse_kit_pytest_")
   output, junit = os.path.join(folder, "output.txt"), os.path.join(folder, "junit.xml")
 
-  def child():
+  def _child():
     # A job started in the background inherits SIGINT ignored, and Python then never raises
     # KeyboardInterrupt: the child gets SIGINT's default back so that the time-out reaches pytest.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -108,7 +108,7 @@ def _start(markers: str, files: list[str], workers: int, env: dict, nice: int) -
       os.nice(nice)
   with open(output, "w") as out:
     proc = subprocess.Popen(_command(markers, files, workers, junit), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, **env}, start_new_session=True, preexec_fn=child)
+                            env={**os.environ, **env}, start_new_session=True, preexec_fn=_child)
   return _Run(proc, output, junit, files)
 
 
