@@ -1,15 +1,25 @@
-"""What the GPU kit reports of our own kernels: whether `gpu_tests` proved them, which points ran them,
-their measured gain (b50 against b50_explicit), and the GPU tests' outcomes (gating and trial)."""
+"""What the GPU kit reports of our own kernels: whether `gpu_tests`' gate proved them ("passed",
+"failed", "not proven (time-out)"), which points ran them, their measured gain (b50 against
+b50_explicit), and the GPU tests' outcomes and seconds (the gate, the trial tests, the others)."""
 from __future__ import annotations
+
+
+def gate_verdict(row: dict | None) -> str:
+  """The gate's verdict in `gpu_tests`' last row: its run's `verdict`, "failed" where the step
+  failed without one (it crashed), "did not run" without a row."""
+  if not row:
+    return "did not run"
+  verdict = (row.get("result") or {}).get("verdict")
+  return verdict or ("passed" if row["ok"] else "failed")
 
 
 def kernels_line(s: dict, last: dict) -> str:
   """What `gpu_tests` said of our dropout-attention kernels, which points ran them and which the
-  explicit path (a point takes them only once `gpu_tests` passed, or its compile fell back), and
+  explicit path (a point takes them only once the gate passed, or its compile fell back), and
   their measured gain at batch 50 (b50 against b50_explicit, the same machine)."""
-  tests = last.get("gpu_tests")
-  verdict = ("a CPU dry run" if s["dry"] else "`gpu_tests` passed" if tests and tests["ok"]
-             else f"**`gpu_tests` {'failed' if tests else 'did not run'}: the kit's points train on the explicit path**")
+  gate = gate_verdict(last.get("gpu_tests"))
+  verdict = ("a CPU dry run" if s["dry"] else "`gpu_tests` passed" if gate == "passed"
+             else f"**`gpu_tests` {gate}: the kit's points train on the explicit path**")
   ran = [p for p in s["points"] if p["ok"]]
   with_kernels = [p["name"] for p in ran if p.get("own_kernels") and p.get("dropout_kernel_calls")]
   without = [p["name"] for p in ran if p["name"] not in with_kernels]
@@ -26,18 +36,28 @@ def kernels_line(s: dict, last: dict) -> str:
   return line
 
 
+def _seconds(run: dict) -> str:
+  """A run's tests by their seconds, longest first."""
+  found = sorted((run.get("seconds") or {}).items(), key=lambda x: -x[1])
+  return ", ".join(f"{name} {s:.1f} s" for name, s in found)
+
+
 def gpu_tests_lines(tests: dict | None) -> list[str]:
-  """kit.md's lines on `pytest -m gpu`: the gate's counts, failures, where a time-out cut it; the trial
-  tests' and the other files' outcomes."""
+  """kit.md's lines on `pytest -m gpu`: the gate's counts, verdict, failures, where a time-out cut it,
+  each test's seconds; the trial tests' and the other files' outcomes."""
   if not tests:
     return []
-  lines = [f"- `pytest -m gpu` ({', '.join(tests['files'])}): {tests['tests']} run, {tests['failures']} failed, "
-               f"{tests['errors']} errors, {tests['skipped']} skipped, exit {tests['returncode']}"]
+  verdict = tests.get("verdict") or ("passed" if tests["passed"] else "failed")
+  lines = [f"- the gate, `pytest -m \"gpu and not trial\"` ({', '.join(tests['files'])}): **{verdict}**; "
+           f"{tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, {tests['skipped']} skipped, "
+           f"exit {tests['returncode']}"]
   failed = [name for name, outcome in tests.get("outcomes", {}).items() if outcome in ("failed", "error")]
   if failed:
     lines.append(f"- failed: {', '.join(failed)}")
   if tests.get("timed_out"):
     lines.append(f"- cut at its time-out after: {', '.join(tests.get('outcomes', {})) or 'no test'}")
+  if tests.get("seconds"):
+    lines.append(f"- seconds per test: {_seconds(tests)}")
   if not tests["passed"]:
     lines += ["", "```", tests["tail"][-1500:], "```"]
   for key, what in (("trial", "trial GPU tests (kernel uses not taken yet; they decide nothing)"),
@@ -45,7 +65,8 @@ def gpu_tests_lines(tests: dict | None) -> list[str]:
     run = tests.get(key)
     if run:
       outcomes = ", ".join(f"{name} {outcome}" for name, outcome in run.get("outcomes", {}).items())
-      lines.append(f"- {what}: {outcomes or 'none ran'}" + (" (cut at the time-out)" if run.get("timed_out") else ""))
+      lines.append(f"- {what}: {outcomes or 'none ran'}" + (" (cut at the time-out)" if run.get("timed_out") else "")
+                   + (f"; seconds: {_seconds(run)}" if run.get("seconds") else ""))
       if not run["passed"]:
         lines += ["", "```", run["tail"][-1500:], "```"]
   return lines

@@ -78,7 +78,7 @@ def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) ->
   kernels = top_kernels(trace_summary.trace_file(trace_dir), hlo_text, phases, steps, top)
   return {"platform": s["platform"], "profiled_steps": steps, "gpu_ms_per_step": s["op_ms_per_step"],
           "ms_per_step_by_kind": s["ms_per_step_by_kind"], "ms_per_step_by_phase": s.get("ms_per_step_by_phase", {}),
-          "top_kernels": kernels}
+          "attributed_share": s.get("attributed_share"), "top_kernels": kernels}
 
 
 def instructions_by_kernel(hlo_text: str) -> dict[str, list[str]]:
@@ -97,9 +97,11 @@ def instructions_by_kernel(hlo_text: str) -> dict[str, list[str]]:
 _CONTAINER = re.compile(r"^(while|call|conditional|ThunkExecutor|end: |\$)")  # XLA:CPU events holding others
 
 
-def _stream_durations(trace_path: str) -> tuple[collections.Counter, collections.Counter]:
+def _stream_durations(trace_path: str, launched_by: dict | None = None) -> tuple[collections.Counter, collections.Counter]:
   """(microseconds, events) per exact event name on the device's stream lines (the GPU's kernels
-  and copies), or on XLA:CPU's worker threads when the trace has no device."""
+  and copies), or on XLA:CPU's worker threads when the trace has no device; `launched_by`, when
+  given, collects {name: the `args.hlo_op` of its events} (a library kernel launched outside the
+  CUDA graphs names its custom call there)."""
   with gzip.open(trace_path, "rt", encoding="utf-8") as f:
     events = json.load(f)["traceEvents"]
   meta = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
@@ -113,16 +115,26 @@ def _stream_durations(trace_path: str) -> tuple[collections.Counter, collections
     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep and not _CONTAINER.match(e["name"]):
       total[e["name"]] += e.get("dur", 0)
       count[e["name"]] += 1
+      if launched_by is not None and e.get("args", {}).get("hlo_op"):
+        launched_by.setdefault(e["name"], set()).add(e["args"]["hlo_op"])
   return total, count
+
+
+def _natural(name: str) -> tuple:
+  """`custom-call.9` before `custom-call.10`."""
+  return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
 def top_kernels(trace_path: str, hlo_text: str, phases: dict[str, str], steps: int, top: int = 30) -> list[dict]:
   """The `top` kernels by time: ms per step, launches per step, their HLO instructions and phases."""
-  by_kernel = instructions_by_kernel(hlo_text)
-  durations, counts = _stream_durations(trace_path)
+  by_kernel, launched_by = instructions_by_kernel(hlo_text), {}
+  durations, counts = _stream_durations(trace_path, launched_by)
+  known = {i for group in by_kernel.values() for i in group}
   rows = []
   for name, us in durations.most_common(top):
     instructions = by_kernel.get(name.replace(".", "_"), [])  # XLA:CPU events carry the instruction's own name
+    if not instructions:  # a library kernel: the custom calls its events name
+      instructions = sorted(launched_by.get(name, set()) & known, key=_natural)
     rows.append({"kernel": name, "ms_per_step": us / 1e3 / steps, "launches_per_step": counts[name] / steps,
                  "instructions": instructions[:8], "instruction_count": len(instructions),
                  "phases": sorted({phases[i] for i in instructions if i in phases})})
@@ -131,26 +143,40 @@ def top_kernels(trace_path: str, hlo_text: str, phases: dict[str, str], steps: i
 
 # ---------------------------------------------------------------- points
 
-def attention_facts(prog, text: str, attention: str) -> dict:
-  """What attention the point's program ran: the mode asked for, whether our kernels were allowed
-  (False after a failed compile: `program.compiled`'s fallback) and the kernel launches in its HLO."""
+def set_fields(config, overrides: dict) -> None:
+  """Sets the config's dotted fields (`{"mesh.cuda_graphs": "xla"}`); a field the config lacks is an error."""
+  for dotted, value in overrides.items():
+    *parents, field = dotted.split(".")
+    node = config
+    for parent in parents:
+      node = getattr(node, parent)
+    if field not in node:
+      raise KeyError(f"a kit point sets {dotted!r}, which the trainer's config does not have")
+    setattr(node, field, value)
+
+
+def attention_facts(prog, text: str, overrides: dict) -> dict:
+  """What the point's program ran: the config fields it set, the attention mode asked for, whether
+  our kernels were allowed (False after a failed compile: `program.compiled`'s fallback) and the
+  kernel launches in its HLO."""
   from micse_jax.kernels import dropout_attention as da
-  return {"attention": attention, "own_kernels": prog.target.pallas,
+  return {"overrides": dict(overrides), "attention": overrides.get("model.attention", "fused"),
+          "own_kernels": prog.target.pallas,
           "dropout_kernel_calls": len(re.findall(rf'"{da.KERNEL_NAME}(?:_backward)?_h\d+"', text))}
 
 
 def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype: str, raw: str,
-              timing_args: dict, attention: str = "fused", cuda_graphs: str = "auto") -> dict:
+              timing_args: dict, overrides: dict | None = None) -> dict:
   """A solo point: compile, HLO, blocked and pipelined times, profile (see the module docstring);
-  `attention` is `model.attention` ("explicit": without the dropout-attention kernels),
-  `cuda_graphs` `mesh.cuda_graphs`."""
+  `overrides`: the trainer's config fields the point sets (`kit_plan.Point.overrides`, e.g.
+  `model.attention=explicit`: without the dropout-attention kernels)."""
   import transformers
 
   from micse_jax.bench import hardware, jax_step, timing
+  overrides = dict(overrides or {})
   vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-  def overrides(config):
-    config.model.attention, config.mesh.cuda_graphs = attention, cuda_graphs
-  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype, overrides)
+  step = jax_step.JaxStep(model_dir, jax_step.random_batch(batch_size, max_length, vocab), dtype,
+                          lambda config: set_fields(config, overrides))
   compile_s, _ = step.compile()
   text = step.compiled.as_text()
   save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
@@ -160,7 +186,7 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
   trace_dir = profile(dispatch, wait, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   mfu = lambda ms: hardware.mfu(step.model_flops, ms / 1e3, dtype)
   return {"kind": "solo", "members": 1, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-          "cuda_graphs": step.program.cuda_graphs, **attention_facts(step.program, text, attention),
+          "cuda_graphs": step.program.cuda_graphs, **attention_facts(step.program, text, overrides),
           "timing": timing_args, "compile_s": compile_s, **t,
           "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
@@ -168,7 +194,7 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
 
 
 def population_point(name: str, model_dir: str, members: int, batch_size: int, max_length: int, dtype: str,
-                     raw: str, timing_args: dict, attention: str = "fused", cuda_graphs: str = "auto") -> dict:
+                     raw: str, timing_args: dict, overrides: dict | None = None) -> dict:
   """A population of `members` at `batch_size`, measured as `jax_point` measures a solo step; its
   set-up is the trainer's (`training/program.py`: states stacked, the step vmapped)."""
   from micse_jax.bench import hardware, timing
@@ -177,7 +203,8 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   from micse_jax.training import program, run_inputs
   corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
   config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)
-  config.model.attention, config.mesh.cuda_graphs = attention, cuda_graphs
+  overrides = dict(overrides or {})
+  set_fields(config, overrides)
   runs = [run_inputs.prepare(c) for c in population_fields.member_configs(config)]
   prog = program.of_runs(config, runs)
   state = prog.initial_state(runs)
@@ -197,7 +224,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   steps = timing_args["profile_steps"]
   trace_dir = profile(dispatch, jax.block_until_ready, steps, os.path.join(raw, f"{name}.trace.json.gz"))
   return {"kind": "population", "members": members, "batch_size": batch_size, "max_length": max_length,
-          "dtype": dtype, "cuda_graphs": prog.cuda_graphs, **attention_facts(prog, text, attention),
+          "dtype": dtype, "cuda_graphs": prog.cuda_graphs, **attention_facts(prog, text, overrides),
           "timing": timing_args, "compile_s": compile_s, **t,
           "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],

@@ -31,12 +31,13 @@ import tarfile
 import tempfile
 import time
 
-from benchmarks import kit_kernels
+from benchmarks import kit_kernels, kit_plan, kit_train
 from micse_jax import jsonio
 from micse_jax.bench import timing
 
 ROWS_FILE = "kit.jsonl"
-POINT_NAMES = ("b50", "b50_explicit", "b50_xla_graphs", "b512", "k5")  # the kit's JAX points, in order
+POINT_NAMES = tuple(kit_plan.POINTS)  # the kit's JAX points, in order
+FIELD_LABELS = {("mesh.cuda_graphs", "xla"): "cuBLAS in the CUDA graphs"}
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
 PREDICTED_KEYS = ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
                   "predicted_ms_by_kind", "predicted_ms_per_member_step", "predicted_collective_ms",
@@ -91,7 +92,10 @@ def label(p: dict) -> str:
     return p["name"]
   dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(p["dtype"], p["dtype"])
   path = "" if p.get("own_kernels", True) and p.get("dropout_kernel_calls", 1) else ", explicit attention"
-  path += ", cuBLAS in the CUDA graphs" if p.get("cuda_graphs") == "xla" else ""
+  fields = p.get("overrides")
+  if fields is None:  # a row of a kit whose points did not name their fields
+    fields = {"mesh.cuda_graphs": "xla"} if p.get("cuda_graphs") == "xla" else {}
+  path += "".join(", " + FIELD_LABELS.get((k, v), f"{k}={v}") for k, v in fields.items() if k != "model.attention")
   return (f"{dtype} population K={p['members']}, batch {p['batch_size']}{path}" if p["kind"] == "population"
           else f"{dtype} batch {p['batch_size']}{path}")
 
@@ -136,6 +140,8 @@ def summary(rows: list[dict]) -> dict:
        "dry": any(r.get("dry") for r in rows), "software": setup, "timing": timing_text(points),
        "ceilings": ceilings["result"] if ceilings and ceilings["ok"] else None, "points": points,
        "kernel_variants": variants["result"] if variants and variants["ok"] else None}
+  s["gate"] = kit_kernels.gate_verdict(last.get("gpu_tests"))
+  s["train"] = kit_train.train_summary(last.get("train"), next((p for p in points if p["name"] == "b50"), None))
   return dict(s, kernels=kit_kernels.kernels_line(s, last))
 
 
@@ -189,8 +195,10 @@ def profile_lines(p: dict) -> list[str]:
   total = prof["gpu_ms_per_step"] or 1.0
   host = (f"; the host dispatched a pipelined step in {p['dispatch_step_ms']:.2f} ms"
           if p.get("dispatch_step_ms") is not None else "")
+  unattributed = ("" if prof.get("attributed_share") is None
+                  else f", {100 * (1 - prof['attributed_share']):.2f}% of it in no phase")
   lines = [f"### {label(p)}: {prof['gpu_ms_per_step']:.2f} ms of {prof['platform'].upper()} op time "
-           f"per step (profile of {prof['profiled_steps']} pipelined steps){host}", ""]
+           f"per step (profile of {prof['profiled_steps']} pipelined steps{unattributed}){host}", ""]
   for what, measured, predicted in (("phase", prof["ms_per_step_by_phase"], pred.get("predicted_ms_by_phase") or {}),
                                     ("kind", prof["ms_per_step_by_kind"], pred.get("predicted_ms_by_kind") or {})):
     lines += [f"| {what} | ms/step | % | predicted ms |", "|---|---|---|---|"]
@@ -241,6 +249,7 @@ def summary_markdown(s: dict) -> str:
                   f"{c['gemm_square']}^3 GEMM {c['gemm_tflops']:.0f} TFLOP/s, {c['chain_kernels']} dependent tiny "
                   f"kernels {c['launch_us']:.2f} us each, threefry {c['threefry_gwords_per_s']:.0f} G words/s."]
   lines += kernel_variant_lines(s.get("kernel_variants"))
+  lines += kit_train.train_lines(s.get("train"))
   lines += ["", "## GPU time by phase, by kind, and the largest kernels", ""]
   for p in (p for p in s["points"] if p["ok"]):
     lines += profile_lines(p)

@@ -7,13 +7,12 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks import kit, kit_kernels, kit_points, kit_report
+from benchmarks import kit, kit_plan, kit_points, kit_report, kit_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_VENV = os.environ.get("MICSE_IMAGE_VENV", os.path.expanduser("~/.cache/micse_jax/image-venv-py312"))
@@ -132,12 +131,13 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert "| backward | 4 | 30.1 | the step's, bit for bit |" in md
   assert "| backward | 2 | 21.0 | differ by up to 0.00781 |" in md
   text = (out / "kit.md").read_text()
-  assert "kit: 9 of 13 steps done, 7 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b50_xla_graphs, " \
-         "b512_torch_eager, b512_torch_compiled" in text
+  assert "kit: 9 of 14 steps done, 7 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b50_xla_graphs, " \
+         "b512_torch_eager, train, b512_torch_compiled" in text
   assert text.index("**`gpu_tests` failed: the kit's points train on the explicit path**") < text.index(
       "| step | state |")
   assert "| b512_torch_compiled | not run yet | — (planned 80) |" in text
-  assert "`pytest -m gpu` (tests/x_test.py): 3 run, 1 failed" in text and "FAILED tests/x_test.py::test_y" in text
+  assert "- the gate, `pytest -m \"gpu and not trial\"` (tests/x_test.py): **failed**; 3 run, 1 failed" in text
+  assert "FAILED tests/x_test.py::test_y" in text
   assert "/root/.cache/huggingface 3 MiB (hub)" in text and md in text
 
 
@@ -207,28 +207,31 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
   kit_report_rows = lambda: kit_report.read_rows([str(state / kit_report.ROWS_FILE)])
   kit.main([str(out), "--state", str(state), "--budget_s", "79"])  # 80 s and longer steps do not fit
   assert ran == ["caches", "b50_explicit", "b50_xla_graphs", "kernel_variants", "ceilings", "b50_torch_eager",
-                 "b50_torch_compiled", "b512_torch_eager"]
+                 "b512_torch_eager", "b50_torch_compiled"]
   with open(state / kit_report.ROWS_FILE, "a") as f:  # a process that died inside a step
     f.write(json.dumps({"step": "gpu_tests", "started": True}) + "\n")
   ran.clear()
   kit.main([str(out), "--state", str(state), "--budget_s", "600"])
-  assert ran == ["b50", "b512", "k5", "b512_torch_compiled"]  # gpu_tests: died, recorded, not retried
+  assert ran == ["b50", "b512", "train", "k5", "b512_torch_compiled"]  # gpu_tests: died, recorded, not retried
   failed = kit_report.latest(kit_report_rows())["b512"]
   assert not failed["ok"] and "simulated failure" in failed["error"] and "Traceback" in failed["tail"]
   assert "the process died during this step" in kit_report.latest(kit_report_rows())["gpu_tests"]["error"]
   ran.clear()
   kit.main([str(out), "--state", str(state), "--retry", "--steps", "b512,gpu_tests,b50"])
   assert ran == ["b512", "gpu_tests"]
-  assert "kit: 13 of 13 steps done, 12 ok, failed: b512\n" in (out / "kit.md").read_text()
+  assert "kit: 14 of 14 steps done, 13 ok, failed: b512\n" in (out / "kit.md").read_text()
 
 
 @pytest.mark.parametrize("tests_ok", [True, False, None])
 def test_the_points_train_with_the_kernels_only_once_gpu_tests_passed(tmp_path, monkeypatch, tests_ok):
-  """`gpu_tests` first: passed, b50 / b512 / k5 take the kernels the device can run and b50_explicit
-  is the A/B without them; failed or not run, every point trains on the explicit path."""
+  """`gpu_tests` first: passed, b50 / b512 / k5 and the trainer take the kernels the device can run
+  and b50_explicit is the A/B without them; failed or not run, every point and the trainer train on
+  the explicit path."""
   asked = {}
-  monkeypatch.setattr(kit_points, "jax_point", lambda name, *args: asked.setdefault(name, args[-2:]) and {})
-  monkeypatch.setattr(kit_points, "population_point", lambda name, *args: asked.setdefault(name, args[-2:]) and {})
+  monkeypatch.setattr(kit_points, "jax_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
+  monkeypatch.setattr(kit_points, "population_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
+  monkeypatch.setattr(kit_train, "train", lambda state, model, dry, explicit, timeout: asked.setdefault(
+      "train", {"model.attention": "explicit"} if explicit else {}) and {})
   monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "NVIDIA H100 80GB HBM3", "date": "d"})
   the_kit = kit.Kit(kit.parse_args([str(tmp_path / "out"), "--state", str(tmp_path / "state")]))
   monkeypatch.setattr(kit.Kit, "model_dir", lambda self: "model")
@@ -236,11 +239,37 @@ def test_the_points_train_with_the_kernels_only_once_gpu_tests_passed(tmp_path, 
     the_kit.add({"step": "gpu_tests", "ok": tests_ok, "result": {
         "returncode": 1 - tests_ok, "tests": 1, "failures": 1 - tests_ok, "errors": 0, "skipped": 0, "files": [],
         "passed": tests_ok, "tail": ""}})
-  for name in ("b50", "b50_explicit", "b50_xla_graphs", "b512", "k5"):
+  for name in ("b50", "b50_explicit", "b50_xla_graphs", "b512", "k5", "train"):
     kit.measure(the_kit, name)
-  fused = "fused" if tests_ok else "explicit"
-  assert asked == {"b50": (fused, "auto"), "b50_explicit": ("explicit", "auto"), "b50_xla_graphs": (fused, "xla"),
-                   "b512": (fused, "auto"), "k5": (fused, "auto")}
+  plain = {} if tests_ok else {"model.attention": "explicit"}
+  assert asked == {"b50": plain, "b50_explicit": {"model.attention": "explicit"},
+                   "b50_xla_graphs": {"mesh.cuda_graphs": "xla", **plain}, "b512": plain, "k5": plain, "train": plain}
+
+
+def test_a_new_point_is_one_row_of_the_plan_and_sets_its_config_fields(tmp_path, monkeypatch):
+  """A point added to the plan (`kit_plan.POINTS`: batch, fields) runs with its fields at its batch
+  (its rehearsal at the tiny batch); the fields land in the trainer's config, and one the config
+  lacks stops the point."""
+  import ml_collections
+  asked = {}
+  monkeypatch.setattr(kit_points, "jax_point", lambda name, model, batch, *args: asked.setdefault(
+      name, (batch, args[-1])) and {})
+  monkeypatch.setitem(kit_plan.POINTS, "b50_k1", kit_plan.Point(50, {"steps_per_dispatch": 1}))
+  monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "cpu", "date": "d"})
+  monkeypatch.setattr(kit.Kit, "model_dir", lambda self: "model")
+  for dry in (False, True):
+    the_kit = kit.Kit(kit.parse_args([str(tmp_path / f"out{dry}"), "--state", str(tmp_path / f"state{dry}")]
+                                     + ["--dry"] * dry))
+    the_kit.add({"step": "gpu_tests", "ok": True, "result": {
+        "returncode": 0, "tests": 1, "failures": 0, "errors": 0, "skipped": 0, "files": [], "passed": True, "tail": ""}})
+    asked.clear()
+    kit.measure(the_kit, "b50_k1")
+    assert asked == {"b50_k1": (4 if dry else 50, {"steps_per_dispatch": 1})}
+  config = ml_collections.ConfigDict({"steps_per_dispatch": 4, "mesh": {"cuda_graphs": "auto"}})
+  kit_points.set_fields(config, {"steps_per_dispatch": 1, "mesh.cuda_graphs": "xla"})
+  assert config.steps_per_dispatch == 1 and config.mesh.cuda_graphs == "xla"
+  with pytest.raises(KeyError, match="mesh.graph_mode"):
+    kit_points.set_fields(config, {"mesh.graph_mode": "xla"})
 
 
 def test_the_report_says_which_path_ran_and_the_kernels_gain(tmp_path):
@@ -283,23 +312,26 @@ def test_kernels_of_a_gpu_trace_are_summed_by_name_with_the_instructions_that_la
   assert kit_points.instructions_by_kernel(HLO)["loop_add_fusion_9"] == ["loop_add_fusion.3", "loop_add_fusion.9"]
   process = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
   thread = lambda pid, tid, name: {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
-  op = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur,
-                                    "args": {"hlo_op": "command_buffer_1"}}
+  op = lambda pid, tid, name, dur, hlo_op="command_buffer_1": {"ph": "X", "pid": pid, "tid": tid, "name": name,
+                                                              "ts": 0, "dur": dur, "args": {"hlo_op": hlo_op}}
   events = [process(1, "/device:GPU:0"), thread(1, 14, "Stream #14(Memset,Compute)"), thread(1, 20, "XLA Ops"),
             process(2, "/host:CPU"), thread(2, 5, "python3"),
             op(2, 5, "loop_add_fusion_3", 999), op(1, 20, "command_buffer_1", 5000)]  # neither a kernel
   for _ in range(2):  # two steps, one kernel launched for two instructions
     events += [op(1, 14, "loop_add_fusion_3", 100), op(1, 14, "loop_add_fusion_3", 60),
-               op(1, 14, "nvjet_sm90_tst_128x160_64x5_2x4_h_bz_NTT", 300), op(1, 14, "memset32_post", 2)]
+               op(1, 14, "nvjet_sm90_tst_128x160_64x5_2x4_h_bz_NTT", 300), op(1, 14, "memset32_post", 2),
+               op(1, 14, "nvjet_sm90_tss_64x8_NNT", 40, "custom-call.2")]  # cuBLAS between the graphs
   path = tmp_path / "trace.json.gz"
   path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
-  phases = {"loop_add_fusion.3": "optimizer", "loop_add_fusion.9": "ema"}
-  gemm, add, memset = kit_points.top_kernels(str(path), HLO, phases, steps=2)
+  phases = {"loop_add_fusion.3": "optimizer", "loop_add_fusion.9": "ema", "custom-call.2": "encoder"}
+  gemm, add, outside, memset = kit_points.top_kernels(str(path), HLO, phases, steps=2)
   assert gemm == {"kernel": "nvjet_sm90_tst_128x160_64x5_2x4_h_bz_NTT", "ms_per_step": 0.3, "launches_per_step": 1.0,
                   "instructions": [], "instruction_count": 0, "phases": []}  # a library kernel
   assert add == {"kernel": "loop_add_fusion_3", "ms_per_step": pytest.approx(0.16), "launches_per_step": 2.0,
                  "instructions": ["loop_add_fusion.3", "loop_add_fusion.9"], "instruction_count": 2,
                  "phases": ["ema", "optimizer"]}
+  assert outside == {"kernel": "nvjet_sm90_tss_64x8_NNT", "ms_per_step": 0.04, "launches_per_step": 1.0,
+                     "instructions": ["custom-call.2"], "instruction_count": 1, "phases": ["encoder"]}
   assert memset["kernel"] == "memset32_post" and memset["ms_per_step"] == pytest.approx(0.002)
 
 
@@ -326,6 +358,12 @@ def _check_dry_run(out):
     assert p["ratio_torch_eager"] == pytest.approx(p["torch_eager"]["pipelined_step_ms"] / p["pipelined_step_ms"])
     assert p["torch_compiled"]["pipelined_step_ms"] > 0
   assert s["ceilings"]["copy_tb_per_s"] > 0 and "CPU dry run" in (out / "summary.md").read_text()
+  assert s["gate"] == "passed" and tests["trial"]["tests"] >= 2 and tests["others"]["tests"] >= 2
+  train = s["train"]  # the real trainer, tiny: its steady step, timeline and ratios to b50
+  assert train["ok"] and train["steps_done"] == train["schedule"]["num_train_steps"]
+  assert train["steady_ms_per_step"] > 0 and train["timeline"]["train_s"] > 0 and train["timeline"]["save_s"] > 0
+  assert train["ratio_to_bench_step"] == pytest.approx(train["steady_ms_per_step"] / points["b50"]["pipelined_step_ms"])
+  assert "## The trainer: `python -m micse_jax.main --config configs/micse.py`, 40 steps" in (out / "summary.md").read_text()
   variants = s["kernel_variants"]["variants"]  # the interpreter: warp counts change nothing
   assert len(variants) == 8 and all(v["bitwise_equal"] and v["us_per_call"] > 0 for v in variants)
   names = subprocess.run(["tar", "tzf", str(out / "raw.tar.gz")], capture_output=True, text=True).stdout.split()
@@ -361,61 +399,3 @@ def test_kit_runs_in_an_image_like_venv_with_only_the_kits_wheels_added(tmp_path
                         capture_output=True, text=True, timeout=3600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   _check_dry_run(out)
-
-
-def test_a_killed_group_is_waited_for_until_no_member_runs():
-  """The kit's wait after `killpg` sees a live member of the group and returns once it has died."""
-  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-  try:
-    assert kit._live_members(sleeper.pid) == [sleeper.pid]
-    os.killpg(sleeper.pid, signal.SIGKILL)
-    kit._wait_for_group_gone(sleeper.pid, timeout_s=10)
-    assert kit._live_members(sleeper.pid) == []
-  finally:
-    sleeper.kill()
-    sleeper.wait()
-
-
-def test_only_our_kernels_own_gpu_tests_decide_and_the_rest_run_in_what_is_left(monkeypatch):
-  """The gate is the kernels' file alone; the trial tests and the other files follow in what is left,
-  and a time-out or failure there leaves the kernels proven."""
-  calls, clock = [], [0.0]
-
-  def fake_pytest(markers, files, timeout_s):
-    calls.append((markers, files, round(timeout_s)))
-    clock[0] += 150 if files == list(kit.FIRST_GPU_TESTS) and "not trial" in markers else 10
-    cut = files != list(kit.FIRST_GPU_TESTS)
-    return {"returncode": None if cut else 0, "tests": 1, "failures": 0, "errors": 0, "skipped": 0,
-            "outcomes": {}, "files": files, "passed": not cut, "timed_out": cut, "tail": ""}
-  monkeypatch.setattr(kit, "_pytest", fake_pytest)
-  monkeypatch.setattr(kit.time, "monotonic", lambda: clock[0])
-  result = kit.gpu_tests(200)
-  others = [f for f in kit.gpu_test_files() if f not in kit.FIRST_GPU_TESTS]
-  assert others and calls == [("gpu and not trial", list(kit.FIRST_GPU_TESTS), 200),
-                              ("gpu and trial", list(kit.FIRST_GPU_TESTS), 50), ("gpu and not trial", others, 40)]
-  assert result["passed"] and result["files"] == list(kit.FIRST_GPU_TESTS) and result["others"]["timed_out"]
-  lines = kit_kernels.gpu_tests_lines(result)
-  assert "- the other files' GPU tests (they decide nothing): none ran (cut at the time-out)" in lines
-  clock[0] = 0.0
-  calls.clear()
-  kit.gpu_tests(160)  # the gate leaves 10 s: nothing else starts
-  assert [c[0] for c in calls] == ["gpu and not trial"]
-
-
-def test_gpu_tests_cut_at_their_time_out_say_what_ran_and_leave_no_process_behind(tmp_path):
-  """At the time-out the child gets SIGINT (pytest then reports what ran so far), and its whole
-  process group, a grandchild that ignores SIGINT included, is killed before the timed points."""
-  pid_file = tmp_path / "grandchild.pid"
-  child = ("import signal, subprocess, sys, time\n"
-           "g = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-           "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)'])\n"
-           f"open({str(pid_file)!r}, 'w').write(str(g.pid))\n"
-           "print('tests/a_test.py::test_one PASSED', flush=True)\n"
-           "try:\n  time.sleep(60)\nexcept KeyboardInterrupt:\n  print('interrupted: 1 passed', flush=True)\n")
-  returncode, output = kit._interruptible([sys.executable, "-c", child], timeout_s=3, grace_s=5)
-  assert returncode is None and "interrupted: 1 passed" in output
-  assert kit._LIVE_OUTCOME.findall(output) == [("tests/a_test.py::test_one", "PASSED")]
-  grandchild = int(pid_file.read_text())
-  state = open(f"/proc/{grandchild}/stat").read().split()[2] if os.path.exists(f"/proc/{grandchild}") else "gone"
-  assert state in ("gone", "Z", "X")
-  assert kit._interruptible([sys.executable, "-c", "print('quick')"], timeout_s=30) == (0, "quick\n")

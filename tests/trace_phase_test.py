@@ -95,3 +95,43 @@ def test_real_h200_traces_put_90_percent_of_kernel_time_in_phases(point):
   by_phase = trace_summary.phase_durations(trace, phases)
   assert by_phase["(unattributed)"] < 0.1 * sum(by_phase.values()), by_phase
   assert by_phase["encode (backward)"] > 0 and by_phase["optimizer"] > 0
+
+
+# A step split into CUDA graphs by the library calls launched between them (`mesh.cuda_graphs=kernels`):
+# every fusion kernel has the same name stem (XLA names a shared kernel after one of its
+# instructions), so only the calls between the graphs say which layer's instructions a graph holds.
+SPLIT_PHASES = {"fusion.1": "encode (forward)", "custom-call.1": "encode (forward)", "fusion.2": "encode (forward)",
+                "fusion.3": "encode (backward)", "custom-call.2": "encode (backward)", "fusion.4": "encode (backward)",
+                "fusion.5": "optimizer"}
+
+
+def _split_step(step: int, t0: float) -> list[dict]:
+  """One step: graph 1 (fusion.1), cuBLAS (custom-call.1), graph 7 (fusion.2, fusion.3), cuBLAS
+  (custom-call.2), graph 9 (fusion.4, fusion.5); durations 1, 10, 2, 3, 20, 4, 5 us."""
+  launches = [("command_buffer_1", [("fusion_1", 1.0)]), ("custom-call.1", [("nvjet_sm90_tst_a_NNT", 10.0)]),
+              ("command_buffer_7", [("fusion_9", 2.0), ("fusion_3", 3.0)]),
+              ("custom-call.2", [("nvjet_sm90_tst_b_TNT", 20.0)]),
+              ("command_buffer_9", [("fusion_9", 4.0), ("fusion_5", 5.0)])]
+  found, ts = [], t0
+  for i, (hlo_op, kernels) in enumerate(launches):
+    for name, dur in kernels:
+      found.append(_kernel(name, ts, dur, 10 * step + i, hlo_op=hlo_op))
+      ts += dur + 0.2
+  return found
+
+
+def test_graphs_between_library_calls_take_the_instructions_between_those_calls(tmp_path):
+  run = tmp_path / "plugins" / "profile" / "2026_11_28"
+  run.mkdir(parents=True)
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(Compute,Memset)"}}]
+  with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": meta + _split_step(1, 1000) + _split_step(2, 2000)}, f)
+  durations, unattributed = trace_summary.kernel_durations(trace_summary.trace_file(str(tmp_path)), list(SPLIT_PHASES))
+  assert unattributed == 0
+  assert dict(durations) == {"fusion.1": 2.0, "custom-call.1": 20.0, "fusion.2": 4.0, "fusion.3": 6.0,
+                             "custom-call.2": 40.0, "fusion.4": 8.0, "fusion.5": 10.0}
+  s = trace_summary.summarize(str(tmp_path), steps=2, phases=SPLIT_PHASES)
+  assert s["ms_per_step_by_phase"] == pytest.approx({"encode (forward)": 0.013, "encode (backward)": 0.027,
+                                                     "optimizer": 0.005})
+  assert s["attributed_share"] == 1.0

@@ -20,15 +20,20 @@ Given `phases` ({HLO instruction name: phase} in program order, `aot/hlo.phase_b
 of the compiled step), it also adds up time per phase of the step (`phase_durations`). On XLA:CPU
 the op events are named by instruction. On a GPU each stream event names the HLO instruction that
 launched it in `args.hlo_op` (the kernel's own name is cuBLAS's, or a fusion's shared kernel:
-XLA launches one kernel for identical fusions, named after one of them, `_N` for `.N`). When
-`hlo_op` names a command buffer (a CUDA graph: the whole step is one, `command_buffer_1`) the
-graph's events of one launch (one `correlation_id`) are the program's kernel-launching
-instructions in program order, and `align` walks the two together: an event goes to the next
-instruction whose name stem it shares (`loop_add_fusion_4` ~ `loop_add_fusion.7`); a library
-kernel (`nvjet_...`, `cublasLt::splitKreduce...`: a stem no instruction has) to the next
-instruction that launches no kernel of its own name (a custom call, a copy), or to the one before
-it when that one is a custom call that already launched one; a memset goes with the instruction
-of the next event. What matches nothing is `(unattributed)`; `attributed_share` says how much.
+XLA launches one kernel for identical fusions, named after one of them, `_N` for `.N`), and such
+an event maps directly: so do the cuBLAS / cuDNN calls launched between CUDA graphs. When
+`hlo_op` names a command buffer (a CUDA graph: the whole step, `command_buffer_1`, or with
+`mesh.cuda_graphs=kernels` one graph between two library calls) the graph's events of one launch
+(one `correlation_id`) are a stretch of the program's kernel-launching instructions in program
+order: those after the nearest event before the launch that maps directly and before the nearest
+one after it (a graph that opens a step wraps around the program's end; the stretch of a command
+buffer is what all its launches share). `align` walks the events and that stretch together: an
+event goes to the next instruction whose name stem it shares (`loop_add_fusion_4` ~
+`loop_add_fusion.7`); a library kernel (`nvjet_...`, `cublasLt::splitKreduce...`: a stem no
+instruction has) to the next instruction that launches no kernel of its own name (a custom call,
+a copy), or to the one before it when that one is a custom call that already launched one; a
+memset goes with the instruction of the next event. What matches nothing is `(unattributed)`;
+`attributed_share` says how much.
 """
 from __future__ import annotations
 
@@ -176,33 +181,96 @@ def align(events: list[str], kernels: list[str]) -> list[int | None]:
   return found
 
 
-def kernel_durations(path: str, kernels: list[str]) -> tuple[collections.Counter, float]:
-  """({instruction: microseconds}, unattributed microseconds) of a GPU trace's stream events,
-  mapped through each event's `args.hlo_op`, or `align`ed when it names a command buffer (by
-  kernel name when a trace has no `hlo_op`)."""
+def _direct(event: dict, known: set, by_kernel_name: dict) -> str | None:
+  """The instruction a stream event names itself (`args.hlo_op`; by kernel name in a trace
+  without it), or None (a command buffer's kernel, or a stranger)."""
+  args = event.get("args", {})
+  if args.get("hlo_op") in known:
+    return args["hlo_op"]
+  if not args.get("hlo_op"):
+    return by_kernel_name.get(event["name"])
+  return None
+
+
+def _window(placed: list[int | None], first: int, last: int, count: int) -> list[int]:
+  """The program positions a launch spanning stream events `first`..`last` can hold: those after
+  the nearest event before it that names its instruction and before the nearest one after it.
+  Where that one lies earlier in the program (the launch opens the next step), the window wraps
+  around the program's end."""
+  before = next((placed[j] for j in range(first - 1, -1, -1) if placed[j] is not None), -1)
+  after = next((placed[j] for j in range(last + 1, len(placed)) if placed[j] is not None), count)
+  if after > before:
+    return list(range(before + 1, after))
+  return list(range(before + 1, count)) + list(range(after))
+
+
+def _stream_events(path: str) -> list[list[dict]]:
+  """The kernel and copy events of each of the device's stream lines, in time order."""
   events, processes, threads = _load(path)
   streams = _stream_lines(processes, threads)
+  lines = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+      lines[(e.get("pid"), e.get("tid"))].append(e)
+  return [sorted(line, key=lambda e: e.get("ts", 0)) for line in lines.values()]
+
+
+def _launch_windows(line: list[dict], placed: list[int | None], count: int) -> dict[tuple, tuple[list[int], list[int]]]:
+  """{launch (module, command buffer, correlation id): (its events' indices in `line`, the program
+  positions it can hold)}. A command buffer runs the same commands at every launch, so its window
+  is what the windows of all its launches share (a launch that opens a step wraps around the
+  program's end; another launch of it does not)."""
+  launches = collections.defaultdict(list)
+  for j, e in enumerate(line):
+    if placed[j] is None:
+      args = e.get("args", {})
+      launches[(args.get("hlo_module"), args.get("hlo_op"), args.get("correlation_id"))].append(j)
+  windows = {key: _window(placed, members[0], members[-1], count) for key, members in launches.items()}
+  by_buffer = collections.defaultdict(list)
+  for key in launches:
+    if key[1]:
+      by_buffer[key[:2]].append(key)
+  for keys in by_buffer.values():
+    shared = set.intersection(*(set(windows[k]) for k in keys))
+    if shared:
+      windows.update({k: [w for w in windows[k] if w in shared] for k in keys})
+  return {key: (members, windows[key]) for key, members in launches.items()}
+
+
+def kernel_durations(path: str, kernels: list[str]) -> tuple[collections.Counter, float]:
+  """({instruction: microseconds}, unattributed microseconds) of a GPU trace's stream events:
+  an event naming its instruction (`args.hlo_op`, or by kernel name in a trace without it) maps
+  directly; the events of one command-buffer launch are `align`ed with the instructions between
+  the nearest directly mapped events on the same stream before and after it (`_window`,
+  `_launch_windows`)."""
   known, total, unattributed = set(kernels), collections.Counter(), 0.0
   by_kernel_name = {k.replace(".", "_"): k for k in kernels}
-  launches = collections.defaultdict(list)
-  for e in events:
-    if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in streams:
-      continue
-    args = e.get("args", {})
-    if args.get("hlo_op") in known:
-      total[args["hlo_op"]] += e.get("dur", 0)
-    elif not args.get("hlo_op") and e["name"] in by_kernel_name:  # an older trace: no instruction argument
-      total[by_kernel_name[e["name"]]] += e.get("dur", 0)
-    else:
-      launches[(args.get("hlo_module"), args.get("hlo_op"), args.get("correlation_id"))].append(e)
-  for group in launches.values():
-    group.sort(key=lambda e: e.get("ts", 0))
-    for e, k in zip(group, align([e["name"] for e in group], kernels)):
-      if k is None:
-        unattributed += e.get("dur", 0)
-      else:
-        total[kernels[k]] += e.get("dur", 0)
+  position = {k: i for i, k in enumerate(kernels)}
+  for line in _stream_events(path):
+    placed = []
+    for e in line:
+      name = _direct(e, known, by_kernel_name)
+      placed.append(None if name is None else position[name])
+      if name is not None:
+        total[name] += e.get("dur", 0)
+    for members, window in _launch_windows(line, placed, len(kernels)).values():
+      for j, k in zip(members, _placed_launch([line[j]["name"] for j in members], window, kernels)):
+        if k is None:
+          unattributed += line[j].get("dur", 0)
+        else:
+          total[kernels[k]] += line[j].get("dur", 0)
   return total, unattributed
+
+
+def _placed_launch(names: list[str], window: list[int], kernels: list[str]) -> list[int | None]:
+  """Program positions of one launch's events: `align`ed within `window`, or with the whole program
+  where that places more of them (a window drawn from events of another step's pattern)."""
+  found = [None if k is None else window[k] for k in align(names, [kernels[w] for w in window])]
+  if None in found and len(window) < len(kernels):
+    whole = align(names, kernels)
+    if whole.count(None) < found.count(None):
+      return whole
+  return found
 
 
 def phase_durations(path: str, phases: dict[str, str]) -> collections.Counter:

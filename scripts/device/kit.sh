@@ -7,7 +7,8 @@
 # Installs the kit's wheels (scripts/device/wheels.sh) offline into a folder on PYTHONPATH
 # (--no-index --no-deps --target; once per machine), then runs `python -m benchmarks.kit OUT`
 # (benchmarks/kit.py: the steps, their order and budget, what OUT holds), its output also in
-# OUT/kit.log. The steps' rows and the random BERT-base weights live in --state (default
+# OUT/kit.log; MICSE_DATA_DIR points at the kit's data (wheels.sh) when it has some. The steps'
+# rows and the random BERT-base weights live in --state (default
 # .kit_state in the checkout, which a warm machine keeps between commands), so the second
 # command goes on where the first stopped. --commit records the commit measured (the lent
 # machine's copy of the checkout has no git history). --dry: the same on CPU at tiny shapes, in
@@ -49,6 +50,9 @@ main() {  # the whole script is read before it runs (safe to edit while a run go
     export PYTHONPATH="$repo:$site"
   elif [[ "$dry" != 1 ]]; then
     echo "error: no wheels in $kit/wheels: run scripts/device/wheels.sh here and carry .kit" >&2; exit 1
+  fi
+  if [[ -d "$kit/data" ]]; then
+    export MICSE_DATA_DIR="$kit/data"  # the trainer's data (wheels.sh); else shared/data above the checkout
   fi
   export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   if [[ "$dry" == 1 ]]; then
