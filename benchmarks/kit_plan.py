@@ -6,7 +6,7 @@ A JAX point is a batch size, a population size and the trainer's config fields i
 (`Point.overrides`, dotted names as on the trainer's command line). Adding a point is one row
 of `PLAN`, placed where it should run, e.g. an A/B of the host's dispatch beside `b50`:
 
-    Step("b50_k1", 70, Point(50, {"steps_per_dispatch": 1})),
+    Step("b50_k2", 70, Point(50, {"steps_per_dispatch": "2"})),
     Step("b50_graphs_MODE", 70, Point(50, {"mesh.cuda_graphs": "MODE"})),
 
 Its CPU rehearsal (`--dry`) runs the same point at tiny shapes (`Point.dry`). The trainer run
@@ -46,9 +46,9 @@ class Step:
 PLAN = (
     Step("gpu_tests", 110),      # the kernels' gate, their trial tests and the other GPU tests, at once (kit_gate)
     Step("caches", 15),
-    Step("b50", 85, Point(50)),
-    Step("b50_explicit", 70, Point(50, {"model.attention": "explicit"})),  # the kernels' A/B
-    Step("b50_xla_graphs", 70, Point(50, {"mesh.cuda_graphs": "xla"})),    # the CUDA graphs' A/B
+    Step("b50", 85, Point(50)),            # steps_per_dispatch and mesh.cuda_graphs as auto chooses them
+    Step("b50_k1", 70, Point(50, {"steps_per_dispatch": "1"})),             # the host's A/B: one step per call
+    Step("b50_fixed_graphs", 70, Point(50, {"mesh.cuda_graphs": "fixed"})),  # the CUDA graphs' A/B: never updated
     Step("kernel_variants", 20),
     Step("b512", 80, Point(512)),
     Step("ceilings", 10),
@@ -57,6 +57,8 @@ PLAN = (
     Step("train", 160),          # the real trainer, about 1,500 steps (kit_train)
     # beyond one lease's two commands: each runs when a command has its time left
     Step("k5", 140, Point(50, members=5)),
+    Step("b50_explicit", 70, Point(50, {"model.attention": "explicit"})),  # the kernels' A/B (measured at 056212b)
+    Step("b50_no_graphs", 70, Point(50, {"mesh.cuda_graphs": "none"})),
     Step("b50_torch_compiled", 75),
     Step("b512_torch_compiled", 80),
 )

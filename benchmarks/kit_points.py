@@ -181,16 +181,17 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
   text = step.compiled.as_text()
   save_text(os.path.join(raw, f"{name}.hlo.txt.gz"), text)
   dispatch, wait = timing.jax_peer(step)
-  t = timing.measure(dispatch, wait, timing_args["warmup"], timing_args["steps"], timing_args["rounds"])
-  steps = timing_args["profile_steps"]
-  trace_dir = profile(dispatch, wait, steps, os.path.join(raw, f"{name}.trace.json.gz"))
+  t = timing.measure(dispatch, wait, timing_args["warmup"], timing_args["steps"], timing_args["rounds"],
+                    steps_per_call=step.steps)
+  calls = timing_args["profile_steps"]
+  trace_dir = profile(dispatch, wait, calls, os.path.join(raw, f"{name}.trace.json.gz"))
   mfu = lambda ms: hardware.mfu(step.model_flops, ms / 1e3, dtype)
   return {"kind": "solo", "members": 1, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
-          "cuda_graphs": step.program.cuda_graphs, **attention_facts(step.program, text, overrides),
-          "timing": timing_args, "compile_s": compile_s, **t,
+          "cuda_graphs": step.program.cuda_graphs, "steps_per_dispatch": step.steps,
+          **attention_facts(step.program, text, overrides), "timing": timing_args, "compile_s": compile_s, **t,
           "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
-          "profile": profile_summary(trace_dir, text, steps)}
+          "profile": profile_summary(trace_dir, text, calls * step.steps)}
 
 
 def population_point(name: str, model_dir: str, members: int, batch_size: int, max_length: int, dtype: str,
@@ -208,7 +209,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   runs = [run_inputs.prepare(c) for c in population_fields.member_configs(config)]
   prog = program.of_runs(config, runs)
   state = prog.initial_state(runs)
-  batch = prog.place_batch([r.batches.batch(0) for r in runs])
+  batch = prog.place_chunk([[r.batches.batch(i) for r in runs] for i in range(prog.steps)])
   start = time.perf_counter()
   prog = program.compiled(prog)  # the trainer's compile: kernels, else the explicit path
   compiled, compile_s = prog.executable, time.perf_counter() - start
@@ -217,18 +218,20 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   box = {"state": state}
 
   def dispatch():
-    box["state"], metrics = compiled(*prog.inputs(box["state"], batch))
+    box["state"], metrics, _ = prog.run(box["state"], batch)
     return metrics
   import jax
-  t = timing.measure(dispatch, jax.block_until_ready, timing_args["warmup"], timing_args["steps"], timing_args["rounds"])
-  steps = timing_args["profile_steps"]
-  trace_dir = profile(dispatch, jax.block_until_ready, steps, os.path.join(raw, f"{name}.trace.json.gz"))
+  t = timing.measure(dispatch, jax.block_until_ready, timing_args["warmup"], timing_args["steps"], timing_args["rounds"],
+                     steps_per_call=prog.steps)
+  calls = timing_args["profile_steps"]
+  trace_dir = profile(dispatch, jax.block_until_ready, calls, os.path.join(raw, f"{name}.trace.json.gz"))
   return {"kind": "population", "members": members, "batch_size": batch_size, "max_length": max_length,
-          "dtype": dtype, "cuda_graphs": prog.cuda_graphs, **attention_facts(prog, text, overrides),
+          "dtype": dtype, "cuda_graphs": prog.cuda_graphs, "steps_per_dispatch": prog.steps,
+          **attention_facts(prog, text, overrides),
           "timing": timing_args, "compile_s": compile_s, **t,
           "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
           "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
-          "profile": profile_summary(trace_dir, text, steps)}
+          "profile": profile_summary(trace_dir, text, calls * prog.steps)}
 
 
 def torch_point(model_dir: str, batch_size: int, max_length: int, dtype: str, mode: str, timing_args: dict) -> dict:
