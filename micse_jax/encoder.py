@@ -104,6 +104,16 @@ class SentenceEncoder:
       out[pending[0]] = np.asarray(pending[1])[:len(pending[0])]
     return out
 
+  def compile_plan(self, plan: EncodePlan, pooler: str = "cls_before_pooler", *, params: dict | None = None,
+                   head_params: dict | None = None) -> None:
+    """Compiles what `encode_plan` of `plan` will run (one program per distinct batch shape) by
+    embedding one batch of each shape, waited for: a trainer does it before its first step."""
+    params = self.params if params is None else params
+    head_params = self.head_params if head_params is None else head_params
+    first_of_shape = {batch["input_ids"].shape: batch for _, batch in plan.batches}
+    for batch in first_of_shape.values():
+      jax.block_until_ready(self._embed(params, head_params, batch, pooler))
+
   def encode(self, sentences: Sequence[str], pooler: str = "cls_before_pooler",
              batch_size: int = 64, max_length: int = 128,
              buckets: Sequence[int] = DEFAULT_BUCKETS, *, params: dict | None = None,

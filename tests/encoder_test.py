@@ -52,3 +52,17 @@ def test_encode_rejects_bad_arguments(encoder):
     encoder.encode(["x"], pooler="max")
   with pytest.raises(TypeError):
     encoder.encode("a single string")
+
+
+def test_compile_plan_compiles_every_program_encode_plan_runs(minilm_dir):
+  """A trainer compiles its dev evaluation before its first step: after `compile_plan`, encoding the
+  plan compiles nothing more, and it compiled one program per distinct batch shape."""
+  encoder = SentenceEncoder.from_pretrained(minilm_dir)  # its own programs (the encoder is a static argument)
+  sentences = ["word " * n for n in (3, 4, 40, 45, 100)]  # three padded lengths at batch 2
+  plan = encoder.plan(sentences, batch_size=2, max_length=128)
+  shapes = {batch["input_ids"].shape for _, batch in plan.batches}
+  before = SentenceEncoder._embed._cache_size()
+  encoder.compile_plan(plan)
+  assert len(shapes) == 3 and SentenceEncoder._embed._cache_size() == before + len(shapes)
+  encoder.encode_plan(plan)
+  assert SentenceEncoder._embed._cache_size() == before + len(shapes)

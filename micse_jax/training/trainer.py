@@ -194,9 +194,10 @@ class _Evaluators:
     return self.selection.enabled or self.heldout is not None
 
   def warm(self, params_of_runs: list) -> None:
-    """Each evaluator called once on the runs' starting params, its scores dropped: its programs
-    compile now, beside the train step's, instead of stopping the run at its first evaluation (one
-    call per placement of the params: members spread over devices each have their own)."""
+    """The evaluators' programs compiled on the runs' starting params, beside the train step's,
+    instead of stopping the run at its first evaluation: the held-out metrics called once (one
+    batch), the dev selection's encoder run on one batch of each shape (one per placement of the
+    params: members spread over devices each have their own)."""
     placements = {}
     for params in params_of_runs:
       placements.setdefault(jax.tree.leaves(params)[0].sharding, params)
@@ -204,7 +205,7 @@ class _Evaluators:
       if self.heldout is not None:
         self.heldout(params["encoder"])
       if self.selection.enabled:
-        self.selection(params)
+        self.selection.compile(params)
 
   def __call__(self, view: RunView, params, done: int, bar, saver: checkpoint.Saver, host_params=None) -> None:
     """A run's held-out metrics, then its dev selection (a better score saves its `best/`, from

@@ -88,6 +88,12 @@ class DevSelection:
     """`{BEST_METRIC: STS-B dev Spearman x100}` (+ `sickr_dev` when `eval.sickr_dev`)."""
     return {name: split.spearman(params) for name, split in self.splits.items()}
 
+  def compile(self, params) -> None:
+    """Compiles the programs a call with params placed as `params` runs (`SentenceEncoder.compile_plan`),
+    without scoring."""
+    for split in self.splits.values():
+      self.encoder.compile_plan(split.plan, EVAL_POOLER, params=params["encoder"], head_params=params["head"])
+
   def tagged(self, scores: dict[str, float]) -> dict[str, float]:
     """`scores` keyed by their TensorBoard tags (`eval/<name>`)."""
     return {f"{self.PREFIX}/{name}": value for name, value in scores.items()}
