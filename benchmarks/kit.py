@@ -15,10 +15,15 @@ Steps, in this order (`kit_plan.PLAN`, with the seconds each is planned at on an
   caches              the model caches on the image (sizes, first entries) and an import of every
                       package the kit brings
   b50, b512, k5 ...   the JAX points (`kit_plan.POINTS`: batch, population, config fields), BERT-base
-                      bfloat16, 32 tokens: compile time, the optimized HLO the GPU ran, pipelined
-                      and blocked step times, a profile of pipelined steps by phase, kind and kernel
-                      (`kit_points`); b50_explicit is the kernels' A/B (`model.attention=explicit`),
-                      b50_xla_graphs the CUDA graphs' (`mesh.cuda_graphs=xla`), on the same machine
+                      bfloat16, 32 tokens, the trainer's program of K steps per call
+                      (`steps_per_dispatch`, auto unless set): compile time, the optimized HLO the
+                      GPU ran, pipelined and blocked times per training step, the K and CUDA graphs
+                      it ran, a profile of pipelined calls by phase, kind and kernel (`kit_points`);
+                      beside b50 on the same machine, the host's A/Bs: b50_k1 one step per call
+                      (`steps_per_dispatch=1`), b50_fixed_graphs CUDA graphs never updated
+                      (`mesh.cuda_graphs=fixed`); beyond the lease, b50_explicit the kernels' A/B
+                      (`model.attention=explicit`) and b50_no_graphs no CUDA graphs
+                      (`mesh.cuda_graphs=none`)
   kernel_variants     our two dropout-attention kernels alone at the b50 step's shapes under each
                       of Triton's warp counts: device time per call, values against the step's
   ceilings            the device's copy bandwidth, GEMM rate, launch cost, threefry rate
@@ -28,9 +33,10 @@ Steps, in this order (`kit_plan.PLAN`, with the seconds each is planned at on an
   b50_torch_eager ... both PyTorch peers (eager: the public code's way; compiled: torch.compile)
                       at batch 50 and 512, on the same weights and batch, timed alike
 
-The JAX points come first, so a command cut short keeps the calibration; the trainer, the
-population and the compiled PyTorch peers (torch.compile: about a minute each) last. A step starts
-only if its planned seconds fit in what is left of `--budget_s` (counted from the setup row on).
+The JAX points come first, so a command cut short keeps the calibration; the trainer, then the
+population, the kernels' and no-graphs A/Bs and the compiled PyTorch peers (torch.compile: about a
+minute each) last. A step starts only if its planned seconds fit in what is left of `--budget_s`
+(counted from the setup row on).
 Rows go to a state folder that outlives the process (`--state`, on the lent machine's /tmp), so
 a second command on the still-warm machine goes on with the steps not done yet; a step that
 killed the process (out of memory, say) is recorded as failed, not retried (`--retry` re-runs
@@ -225,6 +231,8 @@ def main(argv=None) -> int:
     run_step(kit, name)
   s = kit_report.summary(kit.rows())  # last in the output: what the device tool's reply shows
   print("\n".join(kit_report.points_table(s) + [""] + kit_report.peers_table(s)), flush=True)
+  if s.get("host"):
+    print(s["host"], flush=True)
   print(kit_report.status_line(kit.rows(), STEPS), flush=True)
   return 0
 

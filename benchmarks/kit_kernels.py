@@ -1,6 +1,7 @@
 """What the GPU kit reports of our own kernels: whether `gpu_tests`' gate proved them ("passed",
 "failed", "not proven (time-out)"), which points ran them, their measured gain (b50 against
-b50_explicit), and the GPU tests' outcomes and seconds (the gate, the trial tests, the others)."""
+b50_explicit, a row beyond the lease: only where it ran), and the GPU tests' outcomes and seconds
+(the gate, the trial tests, the others)."""
 from __future__ import annotations
 
 
@@ -16,7 +17,9 @@ def gate_verdict(row: dict | None) -> str:
 def kernels_line(s: dict, last: dict) -> str:
   """What `gpu_tests` said of our dropout-attention kernels, which points ran them and which the
   explicit path (a point takes them only once the gate passed, or its compile fell back), and
-  their measured gain at batch 50 (b50 against b50_explicit, the same machine)."""
+  their measured gain at batch 50 (b50 against b50_explicit, the same machine, both with auto's
+  steps per call), said only where b50 ran with the kernels and b50_explicit ran: it comes after the
+  lease's steps, when a command has its time."""
   gate = gate_verdict(last.get("gpu_tests"))
   verdict = ("a CPU dry run" if s["dry"] else "`gpu_tests` passed" if gate == "passed"
              else f"**`gpu_tests` {gate}: the kit's points train on the explicit path**")

@@ -73,8 +73,8 @@ DRY_STEP_S = 20  # on CPU every step is planned alike: the rehearsal runs them a
 LEASE_S, START_S, INSTALL_S, PROCESS_S, TRANSFER_S, IDLE_S, MARGIN_S = 900, 90, 20, 10, 10, 30, 60
 COMMAND_LIMIT_S = 600  # the device tool's limit on one command
 COMMAND_BUDGETS_S = (490, 165)
-# Config fields of the trainer run beside its own (kit_train.trainer_args), e.g. the dispatch's
-# steps once the trainer has them: {"steps_per_dispatch": "auto"}.
+# Config fields of the trainer run beside its own (kit_train.trainer_args), e.g. one step per call,
+# {"steps_per_dispatch": "1"}; none: the trainer's defaults (steps_per_dispatch auto among them).
 TRAIN_OVERRIDES: dict = {}
 
 

@@ -37,7 +37,11 @@ from micse_jax.bench import timing
 
 ROWS_FILE = "kit.jsonl"
 POINT_NAMES = tuple(kit_plan.POINTS)  # the kit's JAX points, in order
-FIELD_LABELS = {("mesh.cuda_graphs", "xla"): "cuBLAS in the CUDA graphs"}
+FIELD_LABELS = {("mesh.cuda_graphs", "xla"): "cuBLAS in the CUDA graphs",
+                ("mesh.cuda_graphs", "fixed"): "CUDA graphs never updated",
+                ("mesh.cuda_graphs", "none"): "no CUDA graphs", ("steps_per_dispatch", "1"): "one step per call"}
+# The host's A/B rows beside b50 (kit_plan.PLAN): what each changes of the host's work per step
+HOST_AB = (("b50_k1", "one step per call"), ("b50_fixed_graphs", "CUDA graphs never updated"))
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
 PREDICTED_KEYS = ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
                   "predicted_ms_by_kind", "predicted_ms_per_member_step", "predicted_collective_ms",
@@ -142,7 +146,29 @@ def summary(rows: list[dict]) -> dict:
        "kernel_variants": variants["result"] if variants and variants["ok"] else None}
   s["gate"] = kit_kernels.gate_verdict(last.get("gpu_tests"))
   s["train"] = kit_train.train_summary(last.get("train"), next((p for p in points if p["name"] == "b50"), None))
-  return dict(s, kernels=kit_kernels.kernels_line(s, last))
+  return dict(s, kernels=kit_kernels.kernels_line(s, last), host=host_line(s))
+
+
+def _dispatch(p: dict) -> str:
+  """A point's steps per call and CUDA graphs, as the host's line shows them."""
+  k = p.get("steps_per_dispatch")
+  return f"{_f(k, '')} step{'' if k == 1 else 's'} per call, CUDA graphs {p.get('cuda_graphs') or '—'}"
+
+
+def host_line(s: dict) -> str:
+  """The host's A/B at batch 50 (`HOST_AB`): b50's pipelined ms per training step beside each A/B
+  row's that ran ok, the host's dispatch time per step in brackets, and each row's ratio to b50
+  (above 1: b50's own choice is the faster); "" unless b50 and at least one of them ran."""
+  ran = {p["name"]: p for p in s["points"] if p["ok"]}
+  if "b50" not in ran or not any(name in ran for name, _ in HOST_AB):
+    return ""
+  b50 = ran["b50"]
+  ms = lambda p: f"{p['pipelined_step_ms']:.2f} ({_f(p.get('dispatch_step_ms'), '.2f')})"
+  parts = [f"b50 ({_dispatch(b50)}) {ms(b50)}"]
+  parts += [f"{what} ({name}: {_dispatch(ran[name])}) {ms(ran[name])}, "
+            f"{ran[name]['pipelined_step_ms'] / b50['pipelined_step_ms']:.3f}x" for name, what in HOST_AB if name in ran]
+  return ("the host's A/B at batch 50, the same machine, pipelined ms per training step (the host's dispatch "
+          "in brackets): " + "; ".join(parts))
 
 
 def _f(x, fmt: str) -> str:
@@ -159,16 +185,18 @@ def _gib(b) -> str:
 
 def points_table(s: dict) -> list[str]:
   """Measured beside predicted, one row per point."""
-  lines = ["| point | compile s | pipelined ms | blocked ms | MFU (pipelined) | peak GiB | kernels/step "
-           "| predicted ms | floor ms | measured / predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| point | steps per call | CUDA graphs | compile s | pipelined ms | blocked ms | MFU (pipelined) "
+           "| peak GiB | kernels/step | predicted ms | floor ms | measured / predicted |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for p in s["points"]:
     if not p["ok"]:
-      lines.append(f"| {label(p)} | FAILED: {p['error']} |||||||||")
+      lines.append(f"| {label(p)} | FAILED: {p['error']} |||||||||||")
       continue
     pred = p.get("predicted") or {}
     ratio = p["pipelined_step_ms"] / pred["predicted_step_ms"] if pred.get("predicted_step_ms") else None
     per_member = f" ({p['ms_per_member_step_pipelined']:.2f} per member)" if p["kind"] == "population" else ""
-    lines.append(f"| {label(p)} | {p['compile_s']:.1f} | {p['pipelined_step_ms']:.2f}{per_member} "
+    lines.append(f"| {label(p)} | {_f(p.get('steps_per_dispatch'), '')} | {p.get('cuda_graphs') or '—'} "
+                 f"| {p['compile_s']:.1f} | {p['pipelined_step_ms']:.2f}{per_member} "
                  f"| {p['blocked_step_ms']:.2f} | {_pct(p.get('mfu'))} "
                  f"| {_gib(p.get('peak_device_bytes'))} | {p.get('kernels_per_step')} "
                  f"| {_f(pred.get('predicted_step_ms'), '.2f')} | {_f(pred.get('floor_ms'), '.2f')} | {_f(ratio, '.2f')} |")
@@ -239,7 +267,7 @@ def summary_markdown(s: dict) -> str:
            f"Software: Python {sw.get('python')}, jax {sw.get('jax')}, flax {sw.get('flax')}, torch {sw.get('torch')}, "
            f"transformers {sw.get('transformers')}. Model: BERT-base shapes with random weights (tiny in a dry run), "
            "the bench's miCSE step (benchmarks/kit.py, `micse_jax/bench/jax_step.py`). Step times: "
-           f"{s['timing']}.", "", s.get("kernels", ""), ""]
+           f"{s['timing']}.", "", s.get("kernels", ""), ""] + ([s["host"], ""] if s.get("host") else [])
   if sw.get("nvidia_smi"):
     lines += ["    " + line for line in sw["nvidia_smi"].splitlines()] + [""]
   lines += points_table(s) + ["", "## The PyTorch peers (pipelined ms; blocked in brackets)", ""] + peers_table(s)

@@ -69,6 +69,7 @@ def _rows():
             "instructions": ["loop_add_fusion.3", "loop_add_fusion.9"], "instruction_count": 12, "phases": ["optimizer"]}
   solo = lambda b, pipelined, blocked: {"kind": "solo", "members": 1, "batch_size": b, "max_length": 32,
                                         "dtype": "bfloat16", "compile_s": 41.0, "pipelined_step_ms": pipelined,
+                                        "steps_per_dispatch": 4, "cuda_graphs": "kernels",
                                         "timing": {"warmup": 3, "steps": 20, "rounds": 3, "profile_steps": 5},
                                         "blocked_step_ms": blocked, "pipelined_rounds_ms": [pipelined] * 3,
                                         "mfu": 0.2, "mfu_blocked": 0.15, "peak_device_bytes": 3 * 2 ** 30,
@@ -120,8 +121,9 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert not b512["ok"] and "torch_eager" not in b512 and k5["members"] == 5
   md = (out / "summary.md").read_text()
   assert "# Calibration point: NVIDIA H200, 2026-11-27, commit abc1234" in md
-  assert "| bf16 batch 50 | 41.0 | 10.00 | 13.50 | 20.0% | 3.00 | 886 | — | — | — |" in md
-  assert "| bf16 population K=5, batch 50 | 41.0 | 50.00 (10.00 per member) | 55.00 |" in md
+  assert "| bf16 batch 50 | 4 | kernels | 41.0 | 10.00 | 13.50 | 20.0% | 3.00 | 886 | — | — | — |" in md
+  assert "| bf16 population K=5, batch 50 | 4 | kernels | 41.0 | 50.00 (10.00 per member) | 55.00 |" in md
+  assert s["host"] == "" and "the host's A/B" not in md  # neither b50_k1 nor b50_fixed_graphs ran
   assert "| bf16 batch 50 | 10.00 (13.50) | 70.00 (72.90) | 7.00x (5.40x) | 40.00 (45.00) | 4.00x (3.33x) |" in md
   assert "| b512 | FAILED: RESOURCE_EXHAUSTED: out of memory |" in md
   assert "runs of 20 (10 for the population) calls dispatched back to back" in md and "median of 3 runs" in md
@@ -131,8 +133,8 @@ def test_report_sets_peers_and_phases_beside_each_point_and_returns_five_plain_f
   assert "| backward | 4 | 30.1 | the step's, bit for bit |" in md
   assert "| backward | 2 | 21.0 | differ by up to 0.00781 |" in md
   text = (out / "kit.md").read_text()
-  assert "kit: 9 of 14 steps done, 7 ok, failed: gpu_tests, b512; not run yet: b50_explicit, b50_xla_graphs, " \
-         "b512_torch_eager, train, b512_torch_compiled" in text
+  assert "kit: 9 of 16 steps done, 7 ok, failed: gpu_tests, b512; not run yet: b50_k1, b50_fixed_graphs, " \
+         "b512_torch_eager, train, b50_explicit, b50_no_graphs, b512_torch_compiled" in text
   assert text.index("**`gpu_tests` failed: the kit's points train on the explicit path**") < text.index(
       "| step | state |")
   assert "| b512_torch_compiled | not run yet | — (planned 80) |" in text
@@ -199,15 +201,14 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
     ran.append(name)
     if name == "b512":
       raise RuntimeError("simulated failure")
-    return results.get(name) or results["b50"] if name in ("b50", "b50_explicit", "b50_xla_graphs", "k5") \
-        else results.get(name) or {}
+    return results.get(name) or results["b50"] if name in kit_plan.POINTS else results.get(name) or {}
   monkeypatch.setattr(kit, "measure", fake_measure)
   monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "NVIDIA H100 80GB HBM3", "date": "d"})
   state, out = tmp_path / "state", tmp_path / "out"
   kit_report_rows = lambda: kit_report.read_rows([str(state / kit_report.ROWS_FILE)])
   kit.main([str(out), "--state", str(state), "--budget_s", "79"])  # 80 s and longer steps do not fit
-  assert ran == ["caches", "b50_explicit", "b50_xla_graphs", "kernel_variants", "ceilings", "b50_torch_eager",
-                 "b512_torch_eager", "b50_torch_compiled"]
+  assert ran == ["caches", "b50_k1", "b50_fixed_graphs", "kernel_variants", "ceilings", "b50_torch_eager",
+                 "b512_torch_eager", "b50_explicit", "b50_no_graphs", "b50_torch_compiled"]
   with open(state / kit_report.ROWS_FILE, "a") as f:  # a process that died inside a step
     f.write(json.dumps({"step": "gpu_tests", "started": True}) + "\n")
   ran.clear()
@@ -219,14 +220,15 @@ def test_steps_that_do_not_fit_wait_for_the_next_command_and_a_crashed_one_is_no
   ran.clear()
   kit.main([str(out), "--state", str(state), "--retry", "--steps", "b512,gpu_tests,b50"])
   assert ran == ["b512", "gpu_tests"]
-  assert "kit: 14 of 14 steps done, 13 ok, failed: b512\n" in (out / "kit.md").read_text()
+  assert "kit: 16 of 16 steps done, 15 ok, failed: b512\n" in (out / "kit.md").read_text()
 
 
 @pytest.mark.parametrize("tests_ok", [True, False, None])
 def test_the_points_train_with_the_kernels_only_once_gpu_tests_passed(tmp_path, monkeypatch, tests_ok):
-  """`gpu_tests` first: passed, b50 / b512 / k5 and the trainer take the kernels the device can run
-  and b50_explicit is the A/B without them; failed or not run, every point and the trainer train on
-  the explicit path."""
+  """`gpu_tests` first: passed, b50 / b512 / k5, the host's A/B rows (b50_k1, b50_fixed_graphs),
+  b50_no_graphs and the trainer take the kernels the device can run and b50_explicit is the A/B
+  without them; failed or not run, every point and the trainer train on the explicit path, each A/B
+  row with its own field still set."""
   asked = {}
   monkeypatch.setattr(kit_points, "jax_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
   monkeypatch.setattr(kit_points, "population_point", lambda name, *args: asked.setdefault(name, args[-1]) and {})
@@ -239,11 +241,13 @@ def test_the_points_train_with_the_kernels_only_once_gpu_tests_passed(tmp_path, 
     the_kit.add({"step": "gpu_tests", "ok": tests_ok, "result": {
         "returncode": 1 - tests_ok, "tests": 1, "failures": 1 - tests_ok, "errors": 0, "skipped": 0, "files": [],
         "passed": tests_ok, "tail": ""}})
-  for name in ("b50", "b50_explicit", "b50_xla_graphs", "b512", "k5", "train"):
+  for name in ("b50", "b50_k1", "b50_fixed_graphs", "b512", "k5", "b50_explicit", "b50_no_graphs", "train"):
     kit.measure(the_kit, name)
   plain = {} if tests_ok else {"model.attention": "explicit"}
-  assert asked == {"b50": plain, "b50_explicit": {"model.attention": "explicit"},
-                   "b50_xla_graphs": {"mesh.cuda_graphs": "xla", **plain}, "b512": plain, "k5": plain, "train": plain}
+  assert asked == {"b50": plain, "b50_k1": {"steps_per_dispatch": "1", **plain},
+                   "b50_fixed_graphs": {"mesh.cuda_graphs": "fixed", **plain}, "b512": plain, "k5": plain,
+                   "b50_explicit": {"model.attention": "explicit"},
+                   "b50_no_graphs": {"mesh.cuda_graphs": "none", **plain}, "train": plain}
 
 
 def test_a_new_point_is_one_row_of_the_plan_and_sets_its_config_fields(tmp_path, monkeypatch):
@@ -254,7 +258,8 @@ def test_a_new_point_is_one_row_of_the_plan_and_sets_its_config_fields(tmp_path,
   asked = {}
   monkeypatch.setattr(kit_points, "jax_point", lambda name, model, batch, *args: asked.setdefault(
       name, (batch, args[-1])) and {})
-  monkeypatch.setitem(kit_plan.POINTS, "b50_k1", kit_plan.Point(50, {"steps_per_dispatch": 1}))
+  assert "b50_k2" not in kit_plan.POINTS
+  monkeypatch.setitem(kit_plan.POINTS, "b50_k2", kit_plan.Point(50, {"steps_per_dispatch": "2"}))
   monkeypatch.setattr(kit_report, "setup_facts", lambda: {"device_kind": "cpu", "date": "d"})
   monkeypatch.setattr(kit.Kit, "model_dir", lambda self: "model")
   for dry in (False, True):
@@ -263,13 +268,31 @@ def test_a_new_point_is_one_row_of_the_plan_and_sets_its_config_fields(tmp_path,
     the_kit.add({"step": "gpu_tests", "ok": True, "result": {
         "returncode": 0, "tests": 1, "failures": 0, "errors": 0, "skipped": 0, "files": [], "passed": True, "tail": ""}})
     asked.clear()
-    kit.measure(the_kit, "b50_k1")
-    assert asked == {"b50_k1": (4 if dry else 50, {"steps_per_dispatch": 1})}
-  config = ml_collections.ConfigDict({"steps_per_dispatch": 4, "mesh": {"cuda_graphs": "auto"}})
-  kit_points.set_fields(config, {"steps_per_dispatch": 1, "mesh.cuda_graphs": "xla"})
-  assert config.steps_per_dispatch == 1 and config.mesh.cuda_graphs == "xla"
+    kit.measure(the_kit, "b50_k2")
+    assert asked == {"b50_k2": (4 if dry else 50, {"steps_per_dispatch": "2"})}
+  config = ml_collections.ConfigDict({"steps_per_dispatch": "auto", "mesh": {"cuda_graphs": "auto"}})
+  kit_points.set_fields(config, {"steps_per_dispatch": "2", "mesh.cuda_graphs": "fixed"})
+  assert config.steps_per_dispatch == "2" and config.mesh.cuda_graphs == "fixed"
   with pytest.raises(KeyError, match="mesh.graph_mode"):
     kit_points.set_fields(config, {"mesh.graph_mode": "xla"})
+
+
+def test_every_point_of_the_plan_sets_fields_the_trainers_config_accepts():
+  """Each JAX point's fields exist in configs/micse.py and pass the trainer's own checks (a field
+  or choice renamed in the library would otherwise stop the point only on the lent GPU); the host's
+  A/B rows sit beside b50 within the lease, the kernels' and no-graphs rows after it."""
+  from configs import micse
+  from micse_jax import config_checks
+  for name, point in kit_plan.POINTS.items():
+    config = micse.get_config()
+    kit_points.set_fields(config, point.overrides)
+    config_checks.check_fields(config)
+  names = [s.name for s in kit_plan.PLAN]
+  assert names[names.index("b50"):names.index("b50") + 3] == ["b50", "b50_k1", "b50_fixed_graphs"]
+  assert {"b50_k1", "b50_fixed_graphs"} <= set(kit_plan.LEASE_STEPS)
+  assert not {"k5", "b50_explicit", "b50_no_graphs"} & set(kit_plan.LEASE_STEPS)
+  assert kit_plan.POINTS["b50_k1"].overrides == {"steps_per_dispatch": "1"}
+  assert kit_plan.POINTS["b50_fixed_graphs"].overrides == {"mesh.cuda_graphs": "fixed"}
 
 
 def test_the_report_says_which_path_ran_and_the_kernels_gain(tmp_path):
@@ -279,15 +302,49 @@ def test_the_report_says_which_path_ran_and_the_kernels_gain(tmp_path):
       "passed": True, "tail": "", "outcomes": {"test_mask": "passed"}}}
   b50 = rows[3]["result"]
   rows[3]["result"] = dict(b50, attention="fused", own_kernels=True, dropout_kernel_calls=40)
+  without_ab = kit_report.summary(rows)["kernels"]  # b50_explicit runs beyond the lease: no gain said
+  assert without_ab == ("dropout-attention kernels: `gpu_tests` passed; points with the kernels: b50; on the "
+                        "explicit path: k5")
   rows.append({"step": "b50_explicit", "ok": True, "seconds": 50.0, "result": dict(
-      b50, pipelined_step_ms=12.5, attention="explicit", own_kernels=True, dropout_kernel_calls=0)})
+      b50, pipelined_step_ms=12.5, attention="explicit", own_kernels=True, dropout_kernel_calls=0,
+      overrides={"model.attention": "explicit"})})
   s = kit_report.summary(rows)
   assert s["kernels"] == ("dropout-attention kernels: `gpu_tests` passed; points with the kernels: b50; on the "
-                          "explicit path: b50_explicit, k5. Batch 50, the same machine: 10.00 ms with the "
+                          "explicit path: k5, b50_explicit. Batch 50, the same machine: 10.00 ms with the "
                           "kernels, 12.50 ms without: 1.250x (10.00 against 10.00 ms of GPU op time per step)")
-  assert [kit_report.label(p) for p in s["points"]][:2] == ["bf16 batch 50", "bf16 batch 50, explicit attention"]
+  labels = {p["name"]: kit_report.label(p) for p in s["points"]}
+  assert labels["b50"] == "bf16 batch 50" and labels["b50_explicit"] == "bf16 batch 50, explicit attention"
   rows[3]["result"] = dict(rows[3]["result"], own_kernels=False, dropout_kernel_calls=0)  # its compile fell back
-  assert "points with the kernels: none; on the explicit path: b50, b50_explicit" in kit_report.summary(rows)["kernels"]
+  s = kit_report.summary(rows)
+  assert "points with the kernels: none; on the explicit path: b50, k5, b50_explicit" == s["kernels"].split("; ", 1)[1]
+
+
+def test_the_report_sets_the_hosts_ab_rows_beside_b50():
+  """b50 (auto's steps per call and CUDA graphs) against one step per call (b50_k1) and never-updated
+  graphs (b50_fixed_graphs): per training step, pipelined, with each point's K and graphs; a row
+  that did not run (or failed) is left out, and without b50 there is no line."""
+  rows = _rows()
+  b50 = rows[3]["result"] = dict(rows[3]["result"], dispatch_step_ms=0.8)
+  k1 = {"step": "b50_k1", "ok": True, "seconds": 60.0, "result": dict(
+      b50, steps_per_dispatch=1, pipelined_step_ms=12.0, dispatch_step_ms=3.1, overrides={"steps_per_dispatch": "1"})}
+  fixed = {"step": "b50_fixed_graphs", "ok": True, "seconds": 60.0, "result": dict(
+      b50, cuda_graphs="fixed", pipelined_step_ms=9.5, dispatch_step_ms=0.5,
+      overrides={"mesh.cuda_graphs": "fixed"})}
+  s = kit_report.summary(rows + [k1, fixed])
+  assert s["host"] == (
+      "the host's A/B at batch 50, the same machine, pipelined ms per training step (the host's dispatch in "
+      "brackets): b50 (4 steps per call, CUDA graphs kernels) 10.00 (0.80); one step per call (b50_k1: 1 step "
+      "per call, CUDA graphs kernels) 12.00 (3.10), 1.200x; CUDA graphs never updated (b50_fixed_graphs: 4 steps "
+      "per call, CUDA graphs fixed) 9.50 (0.50), 0.950x")
+  md = kit_report.summary_markdown(s)
+  assert s["host"] in md
+  assert "| bf16 batch 50, one step per call | 1 | kernels | 41.0 | 12.00 |" in md
+  assert "| bf16 batch 50, CUDA graphs never updated | 4 | fixed | 41.0 | 9.50 |" in md
+  failed = {"step": "b50_fixed_graphs", "ok": False, "seconds": 5.0, "error": "boom"}
+  assert "b50_fixed_graphs" not in kit_report.summary(rows + [k1, failed])["host"]
+  assert kit_report.summary(rows + [fixed])["host"].endswith(
+      "(0.80); CUDA graphs never updated (b50_fixed_graphs: 4 steps per call, CUDA graphs fixed) 9.50 (0.50), 0.950x")
+  assert kit_report.summary([r for r in rows if r["step"] != "b50"] + [k1, fixed])["host"] == ""
 
 
 def test_bad_step_names_are_a_usage_error(capsys):
@@ -349,11 +406,14 @@ def _check_dry_run(out):
   s = json.loads((out / "summary.json").read_text())
   points = {p["name"]: p for p in s["points"]}
   assert [(p["name"], p["batch_size"], p["members"]) for p in s["points"]] == [
-      ("b50", 4, 1), ("b50_explicit", 4, 1), ("b50_xla_graphs", 4, 1), ("b512", 8, 1), ("k5", 4, 2)]
+      ("b50", 4, 1), ("b50_k1", 4, 1), ("b50_fixed_graphs", 4, 1), ("b512", 8, 1), ("k5", 4, 2),
+      ("b50_explicit", 4, 1), ("b50_no_graphs", 4, 1)]
   for p in s["points"]:
     assert 0 < p["pipelined_step_ms"] and 0 < p["blocked_step_ms"] and p["compile_s"] > 0
     assert p["profile"]["ms_per_step_by_kind"] and p["profile"]["top_kernels"][0]["instructions"]
     assert p["cuda_graphs"] is None  # CPU: no CUDA graphs, whatever the point asked for
+    assert p["steps_per_dispatch"] == 1  # CPU: auto takes one step per call, and b50_k1 asks for it
+  assert "the host's A/B at batch 50" in s["host"] and s["host"] in (out / "summary.md").read_text()
   for p in (points["b50"], points["b512"]):  # the points with PyTorch peers
     assert p["ratio_torch_eager"] == pytest.approx(p["torch_eager"]["pipelined_step_ms"] / p["pipelined_step_ms"])
     assert p["torch_compiled"]["pipelined_step_ms"] > 0
@@ -370,7 +430,7 @@ def _check_dry_run(out):
   assert sorted(names) == sorted(f"{p}.{k}" for p in points for k in ("hlo.txt.gz", "trace.json.gz"))
 
 
-@pytest.mark.slow  # about 8 minutes on 2 CPU cores: three compiles, a population, torch.compile twice
+@pytest.mark.slow  # about 7 minutes on 2 CPU cores: six compiles, a population, torch.compile twice
 def test_kit_runs_to_the_end_in_cpu_dry_mode(tmp_path):
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
   out = tmp_path / "out"

@@ -1,7 +1,8 @@
 """The GPU kit's `train` step and its plan without a GPU (`benchmarks/kit_train.py`, `kit_plan.py`):
 the trainer's command line, the steady step read from TensorBoard log intervals, the timeline and
 each save's stall read from the workdir, the ratios to the b50 point in the report, a trainer cut
-at its time-out, and the plan's two commands within one lease."""
+at its time-out, the plan's two commands within one lease, and docs/GPU_ACCEPTANCE.md's statement
+of the plan."""
 import json
 import os
 import struct
@@ -153,3 +154,31 @@ def test_the_lease_steps_run_in_the_two_commands_within_one_lease(tmp_path, monk
   for budget in kit_plan.COMMAND_BUDGETS_S:
     assert kit_plan.INSTALL_S + kit_plan.PROCESS_S + budget <= kit_plan.COMMAND_LIMIT_S - kit_plan.MARGIN_S
   assert kit_plan.lease_seconds() + kit_plan.MARGIN_S <= kit_plan.LEASE_S
+
+
+def test_the_acceptance_doc_states_the_plan_and_the_first_commands_steps():
+  """docs/GPU_ACCEPTANCE.md's plan table names every step of `kit_plan.PLAN` in its order with its
+  planned seconds (the rows after `train` being those beyond the lease), and the lease's arithmetic
+  lists the first command's steps with their seconds, summing to its budget: the doc a lease is
+  run from says what the kit will do."""
+  import re
+  doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                          "GPU_ACCEPTANCE.md"), encoding="utf-8").read()
+  table = doc[doc.index("| step | planned s |"):doc.index("**The kernels are proven")]
+  rows = []
+  for line in table.splitlines()[2:]:
+    if line.startswith("| `"):
+      cells = line.split("|")[1:3]
+      names, seconds = re.findall(r"`([a-z0-9_]+)`", cells[0]), [int(x) for x in re.findall(r"\d+", cells[1])]
+      assert len(names) == len(seconds), line
+      rows += zip(names, seconds)
+  assert rows == [(s.name, s.planned_s) for s in kit_plan.PLAN]
+  first = re.search(r"first command: .* the steps (\d+) \((.*?)\), transfers", doc)
+  listed = re.findall(r"`([a-z0-9_]+)` (\d+)", first.group(2))
+  lease = [n for n in kit_plan.LEASE_STEPS if n != "train"]
+  assert [n for n, _ in listed] == [n for n in lease if "_torch_eager" not in n]
+  eager = sum(kit_plan.planned(False)[n] for n in lease if "_torch_eager" in n)
+  assert f"both eager peers {eager}" in first.group(2)
+  assert all(int(s) == kit_plan.planned(False)[n] for n, s in listed)
+  assert int(first.group(1)) == kit_plan.COMMAND_BUDGETS_S[0] == sum(kit_plan.planned(False)[n] for n in lease)
+  assert f"**the lease** | **{kit_plan.lease_seconds()} of {kit_plan.LEASE_S}**" in doc
