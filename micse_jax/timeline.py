@@ -73,6 +73,7 @@ class Timeline:
     self._files = files
     self.id = uuid.uuid4().hex[:16]  # the session's entry is replaced, not added, when written again
     self._lock = threading.Lock()
+    self.writing = threading.RLock()  # the loop's and the checkpoint writer's threads both write the entry
     self._stack: list[str] = ["other"]
     self._segments: list[tuple[str, float, float]] = []
     self._compiles: list[tuple[float, float]] = []
@@ -157,12 +158,13 @@ class Timeline:
     import jax
     if self._files is None or "steps" not in self.info or jax.process_index() != 0:
       return
-    entry = {"id": self.id, "ended_at": now_iso(), **self.snapshot()}
-    for path in self._files():
-      try:
-        add_session(path, entry)
-      except OSError as e:
-        logging.warning("could not write %s: %s", path, e)
+    with self.writing:
+      entry = {"id": self.id, "ended_at": now_iso(), **self.snapshot()}
+      for path in self._files():
+        try:
+          add_session(path, entry)
+        except OSError as e:
+          logging.warning("could not write %s: %s", path, e)
 
 
 def checkpoint_saved(committed: int | None) -> None:
@@ -172,18 +174,23 @@ def checkpoint_saved(committed: int | None) -> None:
   active = _active
   if active is None:
     return
-  steps = active.info.get("steps")
-  if isinstance(steps, dict) and committed is not None:
-    steps["to"] = max(int(committed), int(steps.get("from", committed)))
-  active.record()
+  with active.writing:
+    steps = active.info.get("steps")
+    if isinstance(steps, dict) and committed is not None:
+      steps["to"] = max(int(committed), int(steps.get("from", committed)))
+    active.record()
 
 
 def save_blocked(step: int, seconds: float, kind: str = "rolling") -> None:
   """The active session's save of `kind` ("rolling": the train state; "best": a run's best params)
-  at `step` held the loop for `seconds` (its copy to the host): listed under the entry's `saves`."""
+  at `step` held the loop for `seconds` (its copy to the host): listed under the entry's `saves`, and
+  the entry written (as at a committed checkpoint: a kill before this save commits finds the session
+  on record, up to the checkpoint before)."""
   active = _active
   if active is not None:
-    active.info.setdefault("saves", []).append({"step": int(step), "kind": kind, "blocking_s": round(seconds, 4)})
+    with active.writing:
+      active.info.setdefault("saves", []).append({"step": int(step), "kind": kind, "blocking_s": round(seconds, 4)})
+      active.record()
 
 
 @contextlib.contextmanager
