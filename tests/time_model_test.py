@@ -396,3 +396,20 @@ def test_an_hlo_compiled_for_another_platform_is_one_error_line(tmp_path, capsys
     assert err.count("\n") == 1 and err.startswith(f"error: --aot_hlo {path} was compiled for {compiled_for}, "
                                                    f"not for {target}'s platform")
   assert bench.main(["--aot_hlo", str(gpu), "--aot", "h100"])["kernels_per_step"] == 1
+
+
+def test_the_aot_report_prints_per_step_counts_of_a_loop(monkeypatch):
+  """A call of K steps whose kernels are not all in the loop has fractional counts per step (5 copies
+  per call over 2 steps: 2.5); the report prints them as they are."""
+  from micse_jax.bench import aot
+  monkeypatch.setattr(time_model, "report_lines", lambda r: [])
+  result = {"aot_target": "h100", "model": "tiny", "batch_size": 8, "max_length": 16, "dtype": "bfloat16",
+            "num_devices": 1, "device_kind": "H100", "jax_version": "0", "compile_s": 1.0, "steps_per_dispatch": 2,
+            "state_layout": "replicated", "kernels_per_step": 12.5, "update_kernels_per_step": 3,
+            "by_kind": {"loop fusion": 10, "copy": 2.5}, "by_phase": {"optimizer": 3, "(no phase)": 9.5},
+            "update_by_kind": {"loop fusion": 3},
+            "memory_per_device": dict.fromkeys(("peak", "arguments", "outputs", "aliased", "temporaries"), 2 ** 30),
+            "collectives": {}}
+  lines = aot.report_lines(result)
+  assert any(line.split() == ["copy", "2.5"] for line in lines)
+  assert any(line.split() == ["(no", "phase)", "9.5"] for line in lines)

@@ -95,9 +95,9 @@ def report_lines(r: dict) -> list[str]:
            + ("   (FSDP: mesh.shard_state)" if r["state_layout"] == "sharded" else ""),
            f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "
            f"{', '.join(hlo.UPDATE_PHASES)})", "  by kind:"]
-  lines += [f"    {kind:<36} {n:6d}" for kind, n in r["by_kind"].items()]
+  lines += [f"    {kind:<36} {n:>6}" for kind, n in r["by_kind"].items()]  # per step: a loop's may be fractional
   lines.append("  by phase (jvp = forward inside the gradient, transpose = backward):")
-  lines += [f"    {phase:<36} {n:6d}" for phase, n in r["by_phase"].items()]
+  lines += [f"    {phase:<36} {n:>6}" for phase, n in r["by_phase"].items()]
   lines.append("  update kernels by kind: " + ", ".join(f"{k} {n}" for k, n in r["update_by_kind"].items()))
   m = r["memory_per_device"]
   lines.append(f"  memory per device: peak {gib(m['peak'])} (arguments {gib(m['arguments'])}, outputs "
