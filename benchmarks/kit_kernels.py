@@ -73,3 +73,16 @@ def gpu_tests_lines(tests: dict | None) -> list[str]:
       if not run["passed"]:
         lines += ["", "```", run["tail"][-1500:], "```"]
   return lines
+
+
+def kernel_variant_lines(v: dict | None) -> list[str]:
+  """Our kernels alone under each warp count (`kit_points.kernel_variants`)."""
+  if not v:
+    return []
+  lines = ["", f"## The dropout-attention kernels alone ({v['rows']} rows x {v['length']} tokens, {v['heads']} heads "
+               f"of {v['head_dim']}, {v['dtype']}; the step launches them with {v['step_options']})", "",
+           "| kernel | num_warps | us per call | values |", "|---|---|---|---|"]
+  for r in v["variants"]:
+    values = "the step's, bit for bit" if r["bitwise_equal"] else f"differ by up to {r['max_abs_difference']:.3g}"
+    lines.append(f"| {r['kernel']} | {r['num_warps']} | {r['us_per_call']:.1f} | {values} |")
+  return lines

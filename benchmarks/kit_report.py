@@ -31,7 +31,7 @@ import tarfile
 import tempfile
 import time
 
-from benchmarks import kit_kernels, kit_plan, kit_train
+from benchmarks import kit_host, kit_kernels, kit_plan, kit_train
 from micse_jax import jsonio
 from micse_jax.bench import timing
 
@@ -41,7 +41,6 @@ FIELD_LABELS = {("mesh.cuda_graphs", "xla"): "cuBLAS in the CUDA graphs",
                 ("mesh.cuda_graphs", "fixed"): "CUDA graphs never updated",
                 ("mesh.cuda_graphs", "none"): "no CUDA graphs", ("steps_per_dispatch", "1"): "one step per call"}
 # The host's A/B rows beside b50 (kit_plan.PLAN): what each changes of the host's work per step
-HOST_AB = (("b50_k1", "one step per call"), ("b50_fixed_graphs", "CUDA graphs never updated"))
 TORCH_MODES = {"eager": "eager PyTorch (public code)", "compiled": "compiled PyTorch (torch.compile)"}
 PREDICTED_KEYS = ("predicted_step_ms", "predicted_blocked_step_ms", "floor_ms", "predicted_ms_by_phase",
                   "predicted_ms_by_kind", "predicted_ms_per_member_step", "predicted_collective_ms",
@@ -146,29 +145,7 @@ def summary(rows: list[dict]) -> dict:
        "kernel_variants": variants["result"] if variants and variants["ok"] else None}
   s["gate"] = kit_kernels.gate_verdict(last.get("gpu_tests"))
   s["train"] = kit_train.train_summary(last.get("train"), next((p for p in points if p["name"] == "b50"), None))
-  return dict(s, kernels=kit_kernels.kernels_line(s, last), host=host_line(s))
-
-
-def _dispatch(p: dict) -> str:
-  """A point's steps per call and CUDA graphs, as the host's line shows them."""
-  k = p.get("steps_per_dispatch")
-  return f"{_f(k, '')} step{'' if k == 1 else 's'} per call, CUDA graphs {p.get('cuda_graphs') or '—'}"
-
-
-def host_line(s: dict) -> str:
-  """The host's A/B at batch 50 (`HOST_AB`): b50's pipelined ms per training step beside each A/B
-  row's that ran ok, the host's dispatch time per step in brackets, and each row's ratio to b50
-  (above 1: b50's own choice is the faster); "" unless b50 and at least one of them ran."""
-  ran = {p["name"]: p for p in s["points"] if p["ok"]}
-  if "b50" not in ran or not any(name in ran for name, _ in HOST_AB):
-    return ""
-  b50 = ran["b50"]
-  ms = lambda p: f"{p['pipelined_step_ms']:.2f} ({_f(p.get('dispatch_step_ms'), '.2f')})"
-  parts = [f"b50 ({_dispatch(b50)}) {ms(b50)}"]
-  parts += [f"{what} ({name}: {_dispatch(ran[name])}) {ms(ran[name])}, "
-            f"{ran[name]['pipelined_step_ms'] / b50['pipelined_step_ms']:.3f}x" for name, what in HOST_AB if name in ran]
-  return ("the host's A/B at batch 50, the same machine, pipelined ms per training step (the host's dispatch "
-          "in brackets): " + "; ".join(parts))
+  return dict(s, kernels=kit_kernels.kernels_line(s, last), host=kit_host.host_line(s))
 
 
 def _f(x, fmt: str) -> str:
@@ -246,19 +223,6 @@ def profile_lines(p: dict) -> list[str]:
   return lines + [""]
 
 
-def kernel_variant_lines(v: dict | None) -> list[str]:
-  """Our kernels alone under each warp count (`kit_points.kernel_variants`)."""
-  if not v:
-    return []
-  lines = ["", f"## The dropout-attention kernels alone ({v['rows']} rows x {v['length']} tokens, {v['heads']} heads "
-               f"of {v['head_dim']}, {v['dtype']}; the step launches them with {v['step_options']})", "",
-           "| kernel | num_warps | us per call | values |", "|---|---|---|---|"]
-  for r in v["variants"]:
-    values = "the step's, bit for bit" if r["bitwise_equal"] else f"differ by up to {r['max_abs_difference']:.3g}"
-    lines.append(f"| {r['kernel']} | {r['num_warps']} | {r['us_per_call']:.1f} | {values} |")
-  return lines
-
-
 def summary_markdown(s: dict) -> str:
   """summary.md: the calibration point as it is committed under docs/calibration/."""
   sw = s["software"]
@@ -276,7 +240,7 @@ def summary_markdown(s: dict) -> str:
     lines += ["", f"Device ceilings: copy {c['copy_tb_per_s']:.2f} TB/s (bytes read + written), bf16 "
                   f"{c['gemm_square']}^3 GEMM {c['gemm_tflops']:.0f} TFLOP/s, {c['chain_kernels']} dependent tiny "
                   f"kernels {c['launch_us']:.2f} us each, threefry {c['threefry_gwords_per_s']:.0f} G words/s."]
-  lines += kernel_variant_lines(s.get("kernel_variants"))
+  lines += kit_kernels.kernel_variant_lines(s.get("kernel_variants"))
   lines += kit_train.train_lines(s.get("train"))
   lines += ["", "## GPU time by phase, by kind, and the largest kernels", ""]
   for p in (p for p in s["points"] if p["ok"]):

@@ -281,8 +281,8 @@ def test_every_point_of_the_plan_sets_fields_the_trainers_config_accepts():
   """Each JAX point's fields exist in configs/micse.py and pass the trainer's own checks (a field
   or choice renamed in the library would otherwise stop the point only on the lent GPU); the host's
   A/B rows sit beside b50 within the lease, the kernels' and no-graphs rows after it."""
-  from configs import micse
   from micse_jax import config_checks
+  from micse_jax.configs import micse
   for name, point in kit_plan.POINTS.items():
     config = micse.get_config()
     kit_points.set_fields(config, point.overrides)
