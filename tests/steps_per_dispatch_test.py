@@ -99,6 +99,7 @@ def test_four_steps_per_call_train_the_run_of_one(tmp_path, minilm_dir, senteval
   assert [s["step"] for s in timeline["sessions"][0]["saves"] if s["kind"] == "rolling"] == [6, 10]
 
 
+@pytest.mark.slow
 def test_a_population_trains_alike_with_four_steps_per_call(tmp_path, minilm_dir, senteval_dir):
   config = _config(tmp_path, minilm_dir, senteval_dir, seeds=(3, 4), learning_rates=(1e-3, 2e-3))
   runs = {}
