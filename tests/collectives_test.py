@@ -7,6 +7,7 @@ import textwrap
 
 from micse_jax.aot import collectives
 from micse_jax.aot.collectives import COLLECTIVE_KINDS, collective_table, shape_bytes
+from tests.helpers import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +69,7 @@ _COMPILED = textwrap.dedent("""
 
 
 def test_compiled_function_on_four_fake_devices_gathers_the_known_size():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = fake_devices_env(4)
   out = subprocess.run([sys.executable, "-c", _COMPILED], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]

@@ -15,10 +15,11 @@ from micse_jax.losses import ami
 from micse_jax.losses.infonce import info_nce_loss
 from micse_jax.training.mesh import padded_batch_size
 from micse_jax.training.momentum import Queue
+from tests.helpers import fake_devices_env
 from tests.infonce_test import _np_infonce
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOUR_DEVICES = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+FOUR_DEVICES = fake_devices_env(4)
 
 
 def _worker(module, *args):

@@ -68,12 +68,18 @@ def torch_forward(model_dir, batch, mlm=False):
     return model(**inputs, output_attentions=True, output_hidden_states=True)
 
 
+def fake_devices_env(devices: int, **extra: str) -> dict:
+  """This process's environment for a subprocess with `devices` fake CPU devices: the suite's own XLA
+  flags (`conftest.TEST_XLA_FLAGS`) kept, the device count added."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+  return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
+
+
 def run_device_worker(module: str, *args: str, devices: int = 4, timeout: int = 900) -> dict:
   """Runs `python -m module args...` with `devices` fake CPU devices (a fresh process: the device
   count is fixed at JAX's start) from the checkout; returns the JSON of its last output line."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-             PYTHONPATH=repo)
+  env = fake_devices_env(devices, PYTHONPATH=repo)
   out = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=repo, env=env, capture_output=True,
                        text=True, timeout=timeout)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -15,6 +15,7 @@ from micse_jax.data import subset_indices
 from micse_jax.models import weights
 from micse_jax.models.loading import load_hf_state_dict
 from micse_jax.training import checkpoint, trainer
+from tests.helpers import fake_devices_env
 from tests.portable_checkpoint_test import EXPORT_ATOL, RESUME_ATOL, drop_steps_after
 from tests.train_utils import step0_shapes, tiny_training_config
 
@@ -40,7 +41,7 @@ def _train_in_two_processes(config, workdir: str) -> None:
             "ami.layers": "(" + ",".join(str(i) for i in config.ami.layers) + ")",
             "ami.num_samples": config.ami.num_samples, "optim.warmup_steps": config.optim.warmup_steps,
             "optim.learning_rate": config.optim.learning_rate, "data.num_sentences": config.data.num_sentences}
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = fake_devices_env(2)
   out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "--config", "configs/micse.py",
                         "--workdir", workdir, *(f"--config.{k}={v}" for k, v in fields.items())],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -12,6 +12,7 @@ from micse_jax import config_checks
 from micse_jax.configs import population as population_fields
 from micse_jax.errors import ConfigError
 from micse_jax.training import finite, population
+from tests.helpers import fake_devices_env
 from tests.population_utils import compared_parts, max_difference, run_population, run_solo
 from tests.train_utils import tiny_training_config
 
@@ -123,7 +124,7 @@ def test_bad_population_fields_are_one_line(tmp_path, minilm_dir, fields, messag
 
 @pytest.mark.slow  # ~100 s on the shared 2-core CPU: three 4-device compiles
 def test_four_devices_spread_members_or_split_their_rows_and_resume_a_one_device_checkpoint(tmp_path, minilm_dir):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = fake_devices_env(4)
   out = subprocess.run([sys.executable, "-m", "tests.population_worker", str(tmp_path), minilm_dir],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
