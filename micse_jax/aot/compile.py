@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from micse_jax.aot import hlo, hlo_module
+from micse_jax.aot import hlo
 from micse_jax.aot.collectives import collective_table
+from micse_jax.aot.hlo_module import Module
 from micse_jax.models.bert import BertConfig
 
 
@@ -82,10 +83,10 @@ def memory(compiled) -> dict:
   return dict(sizes, peak=sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporaries"])
 
 
-def report(compiled, num_devices: int, members: int = 0) -> dict:
-  """What a compiled step says: kernels by kind and phase (`aot/hlo.summary`), memory per device,
-  collectives; for a population of `members`, kernels and peak memory per member-step too."""
-  module = hlo_module.parse(compiled.as_text())
+def report(compiled, module: Module, num_devices: int, members: int = 0) -> dict:
+  """What a compiled step says (`module`: its text parsed, `hlo_module.parse`): kernels by kind and
+  phase (`aot/hlo.summary`), memory per device, collectives; for a population of `members`, kernels
+  and peak memory per member-step too."""
   kernels, mem = hlo.summary(module), memory(compiled)
   result = {**kernels, "memory_per_device": mem, "peak_bytes_per_device": mem["peak"],
             "collectives": collective_table(module)}

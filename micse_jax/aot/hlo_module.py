@@ -115,14 +115,6 @@ class Module:
     wrapped = [i for i in self.called_instructions(ins) if i.opcode not in NO_WORK]
     return wrapped[-1] if wrapped else None
 
-  def users(self, computation: str) -> dict[str, list[tuple[Instruction, int]]]:
-    """{name: [(user, operand position)]} within one computation."""
-    found = {}
-    for ins in self.computations.get(computation, ()):
-      for position, name in enumerate(ins.operands):
-        found.setdefault(name, []).append((ins, position))
-    return found
-
 
 def _num_devices(text: str) -> int:
   """Devices a module runs on: its header's `num_partitions` x `replica_count` (1 if absent)."""

@@ -66,12 +66,13 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
     prog, compile_s = aot_compile.compiled_program(config, bert_config, devices)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
+  module = hlo_module.parse(prog.executable.as_text())  # read once by the report and the time model
   result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
             "jax_version": jax.__version__, "compile_s": compile_s, "steps_per_dispatch": prog.steps,
             "state_layout": "sharded" if prog.config.mesh.shard_state else "replicated",
-            **aot_compile.report(prog.executable, len(devices), population)}
-  result.update(time_model.predict(hlo_module.parse(prog.executable.as_text()), target, members=population or 1,
+            **aot_compile.report(prog.executable, module, len(devices), population)}
+  result.update(time_model.predict(module, target, members=population or 1,
                                    cuda_graphs=prog.cuda_graphs))  # aot/time_model.py
   if encode:
     enc, enc_s = aot_compile.compile_encode(devices[0], bert_config, batch_size, max_length, dtype)
