@@ -40,9 +40,15 @@ def save_text(path: str, text: str) -> None:
 
 
 def _hlo():
-  """The HLO reader (`micse_jax/aot/hlo.py`)."""
-  from micse_jax.aot import hlo
-  return hlo
+  """The HLO reader (`micse_jax/aot/hlo.py`) and parser (`micse_jax/aot/hlo_module.py`)."""
+  from micse_jax.aot import hlo, hlo_module
+  return hlo, hlo_module
+
+
+def _kernels_per_step(hlo_text: str) -> float:
+  """Kernels per training step of a compiled program (`hlo.summary`)."""
+  hlo, hlo_module = _hlo()
+  return hlo.summary(hlo_module.parse(hlo_text))["kernels_per_step"]
 
 
 def profile(dispatch, wait, steps: int, trace_out: str) -> str:
@@ -72,8 +78,8 @@ def profile(dispatch, wait, steps: int, trace_out: str) -> str:
 def profile_summary(trace_dir: str, hlo_text: str, steps: int, top: int = 30) -> dict:
   """{"gpu_ms_per_step", "ms_per_step_by_kind", "ms_per_step_by_phase", "top_kernels": [...]}."""
   from micse_jax.bench import trace_summary
-  hlo = _hlo()
-  phases = hlo.phase_by_instruction(hlo_text)
+  hlo, hlo_module = _hlo()
+  phases = hlo.phase_by_instruction(hlo_module.parse(hlo_text))
   s = trace_summary.summarize(trace_dir, steps, phases=phases)
   kernels = top_kernels(trace_summary.trace_file(trace_dir), hlo_text, phases, steps, top)
   return {"platform": s["platform"], "profiled_steps": steps, "gpu_ms_per_step": s["op_ms_per_step"],
@@ -190,7 +196,7 @@ def jax_point(name: str, model_dir: str, batch_size: int, max_length: int, dtype
           "cuda_graphs": step.program.cuda_graphs, "steps_per_dispatch": step.steps,
           **attention_facts(step.program, text, overrides), "timing": timing_args, "compile_s": compile_s, **t,
           "mfu": mfu(t["pipelined_step_ms"]), "mfu_blocked": mfu(t["blocked_step_ms"]),
-          "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
+          "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _kernels_per_step(text),
           "profile": profile_summary(trace_dir, text, calls * step.steps)}
 
 
@@ -230,7 +236,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
           **attention_facts(prog, text, overrides),
           "timing": timing_args, "compile_s": compile_s, **t,
           "ms_per_member_step_pipelined": t["pipelined_step_ms"] / members,
-          "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _hlo().summary(text)["kernels_per_step"],
+          "peak_device_bytes": hardware.peak_device_bytes(), "kernels_per_step": _kernels_per_step(text),
           "profile": profile_summary(trace_dir, text, calls * prog.steps)}
 
 

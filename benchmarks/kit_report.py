@@ -311,14 +311,14 @@ def predict(hlo_text: str, device_kind: str, point: dict, trace_path: str | None
   """The time model's prediction of the program a point ran, on the device's target (None for a
   device the model has no target for), with the per-class comparison against the point's profile
   (`bench/model_check.compare`) when its trace came back."""
-  from micse_jax.aot import time_model
+  from micse_jax.aot import hlo_module, time_model
   from micse_jax.bench import model_check
   target = next((t for t in ("h100", "h200", "a100", "v100") if t in (device_kind or "").lower()), None)
   if target is None:
     return None
   members = point.get("members") or 1
   graphs = point.get("cuda_graphs", "xla")  # points measured before mesh.cuda_graphs ran XLA's default
-  result = {k: v for k, v in time_model.predict(hlo_text, target, top=0, members=members, cuda_graphs=graphs).items()
+  result = {k: v for k, v in time_model.predict(hlo_module.parse(hlo_text), target, top=0, members=members, cuda_graphs=graphs).items()
             if k in PREDICTED_KEYS}
   if trace_path and os.path.isfile(trace_path):
     check = model_check.compare(hlo_text, trace_path, point["profile"]["profiled_steps"], target,

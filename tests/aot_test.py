@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from micse_jax.aot import compile as aot_compile
-from micse_jax.aot import hlo, targets
+from micse_jax.aot import hlo, hlo_module, topology
 from micse_jax.bench import aot
 from micse_jax.bench.jax_step import SHAPES
 
@@ -88,9 +88,9 @@ def test_one_run_over_several_h100s_shards_its_state_by_default(h100):
 def test_h100_float32_encode_never_uses_cudnn_attention():
   pytest.importorskip("jax_cuda13_plugin", reason="needs the extra 'aot'")
   jax.config.update("jax_platforms", "cpu")
-  compiled, _ = aot_compile.compile_encode(targets.target_devices("h100")[0], aot.bert_config_for("tiny"), 8, 16,
+  compiled, _ = aot_compile.compile_encode(topology.target_devices("h100")[0], aot.bert_config_for("tiny"), 8, 16,
                                           "float32")
-  assert hlo.summary(compiled.as_text())["by_kind"].get("attention (cuDNN)", 0) == 0
+  assert hlo.summary(hlo_module.parse(compiled.as_text()))["by_kind"].get("attention (cuDNN)", 0) == 0
 
 
 def test_h100_population_step_is_one_program_holding_every_member(h100):
@@ -117,4 +117,4 @@ def test_tpu_v5e_four_chips_step_has_gradient_collectives(v5e):
 def test_unknown_target_is_a_config_error():
   from micse_jax.errors import ConfigError
   with pytest.raises(ConfigError):
-    targets.target_devices("tpu-v9")
+    topology.target_devices("tpu-v9")

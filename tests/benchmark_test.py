@@ -6,7 +6,7 @@ import os
 import jax
 import pytest
 
-from micse_jax.aot import hlo
+from micse_jax.aot import hlo, hlo_module
 from micse_jax.bench import __main__ as bench
 from micse_jax.bench import jax_step
 
@@ -60,11 +60,12 @@ def test_phases_of_the_step_cover_its_compiled_kernels():
   step = jax_step.JaxStep(model_dir, jax_step.random_batch(4, 16, 30522, seed=1), "float32")
   step.compile()
   text = step.compiled.as_text()
-  phases = hlo.phase_by_instruction(text)
-  found_kernels = hlo.kernels(text)
+  module = hlo_module.parse(text)
+  phases = hlo.phase_by_instruction(module)
+  found_kernels = hlo.kernels(module)
   assert len(phases) == len(found_kernels) == len({k.name for k in found_kernels})
   # a kernel inside a loop of the step (the CPU's rolled RNG rounds) launches once per trip
-  assert hlo.summary(text)["kernels_per_step"] == sum(k.runs for k in found_kernels) > len(phases)
+  assert hlo.summary(module)["kernels_per_step"] == sum(k.runs for k in found_kernels) > len(phases)
   found = set(phases.values())
   for phase in ("encode (forward)", "encode (backward)", "loss/contrastive (forward)", "loss/contrastive (backward)",
                 "loss/ami (forward)", "loss/ami (backward)", "momentum_forward", "enqueue", "optimizer"):

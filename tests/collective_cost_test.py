@@ -4,7 +4,8 @@ the code), across nodes hierarchically, on a TPU slice's ICI, and hidden by the 
 between an async pair's start and done."""
 import pytest
 
-from micse_jax.aot import collectives, interconnect, targets, time_model
+from micse_jax.aot import collectives, interconnect, time_model, topology
+from micse_jax.aot.hlo_module import parse
 from micse_jax.errors import ConfigError
 
 MIB = 2 ** 20
@@ -36,9 +37,10 @@ def _all_reduce(elements: int, devices: int, groups: str = "", between: int = 0,
 
 
 def _priced(text: str, target: str):
-  found = collectives.program_collectives(text)
+  module = parse(text)
+  found = collectives.program_collectives(module)
   (name, collective), = found.items()
-  return interconnect.seconds(collective, target, collectives.num_devices(text))
+  return interconnect.seconds(collective, target, module.num_devices)
 
 
 def test_a100_ring_all_reduce_is_latency_plus_bus_bytes_over_nccl_tests_bandwidth():
@@ -95,16 +97,16 @@ def test_an_async_pair_costs_only_what_the_compute_between_does_not_hide():
   gemm = (time_model.LAUNCH_S + time_model.GEMM_OVERHEAD_S + time_model.GRAPH_BREAK_S  # a cuBLAS call between graphs
           + 2 * 4096 ** 3 / (989.4e12 * time_model.GEMM_EFFICIENCY))
   assert 10 * gemm > price  # ten GEMMs (about 2 ms) are more than enough to hide it
-  hidden = time_model.predict(_all_reduce(size // 4, 8, between=10), "h100")
+  hidden = time_model.predict(parse(_all_reduce(size // 4, 8, between=10)), "h100")
   negate = hidden["predicted_device_ms"] - 10 * 1e3 * gemm
   assert hidden["predicted_collective_ms"] == pytest.approx(1e3 * price)
   assert hidden["predicted_exposed_collective_ms"] == pytest.approx(0.0, abs=1e-9)
-  bare = time_model.predict(_all_reduce(size // 4, 8), "h100")
+  bare = time_model.predict(parse(_all_reduce(size // 4, 8)), "h100")
   assert bare["predicted_exposed_collective_ms"] == pytest.approx(1e3 * price)
   assert bare["predicted_device_ms"] == pytest.approx(negate + 1e3 * price)
-  one = time_model.predict(_all_reduce(size // 4, 8, between=1), "h100")
+  one = time_model.predict(parse(_all_reduce(size // 4, 8, between=1)), "h100")
   assert one["predicted_exposed_collective_ms"] == pytest.approx(1e3 * (price - gemm))
-  sync = time_model.predict(_all_reduce(size // 4, 8, between=10, sync=True), "h100")
+  sync = time_model.predict(parse(_all_reduce(size // 4, 8, between=10, sync=True)), "h100")
   assert sync["predicted_exposed_collective_ms"] == pytest.approx(1e3 * price)  # a sync one is all exposed
 
 
@@ -115,8 +117,8 @@ def test_collectives_share_one_link_one_after_another():
                     "  %ar2-start = f32[16777216]{0} all-reduce-start(%g), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, "
                     "to_apply=%add\n  %ar = f32[16777216]{0} all-reduce-done(%ar-start)\n"
                     "  %ar2 = f32[16777216]{0} all-reduce-done(%ar2-start)")
-  price = time_model.predict(one, "h100")["predicted_collective_ms"]
-  both = time_model.predict(two, "h100")
+  price = time_model.predict(parse(one), "h100")["predicted_collective_ms"]
+  both = time_model.predict(parse(two), "h100")
   assert both["predicted_collective_ms"] == pytest.approx(2 * price)
   assert both["predicted_exposed_collective_ms"] == pytest.approx(2 * price)
 
@@ -125,7 +127,7 @@ def test_tpu_all_reduce_runs_on_the_slices_ici():
   """v5e-8 is a 2x4 slice without wraparound (a v5e pod wraps only at 16): its corner chips have
   2 links of 50 GB/s a direction; a v5p 4x4x4 cube wraps, 6 links of 100 GB/s."""
   size = 64 * MIB
-  assert targets.tpu_slice("tpu-v5e", 8) == (2, 4) and targets.tpu_slice("tpu-v5p", 64) == (4, 4, 4)
+  assert topology.tpu_slice("tpu-v5e", 8) == (2, 4) and topology.tpu_slice("tpu-v5p", 64) == (4, 4, 4)
   seconds, algorithm = _priced(_all_reduce(size // 4, 8), "tpu-v5e")
   assert algorithm == "ICI" and seconds == pytest.approx(10e-6 + 2 * 7 / 8 * size / (2 * 50e9))
   seconds, _ = _priced(_all_reduce(size // 4, 64), "tpu-v5p")
@@ -135,10 +137,10 @@ def test_tpu_all_reduce_runs_on_the_slices_ici():
 
 
 def test_gpu_topology_makes_nodes_of_eight():
-  assert targets.gpu_topology(8) == "1x1x8" and targets.gpu_topology(2) == "1x1x2"
-  assert targets.gpu_topology(16) == "2x1x8"
+  assert topology.gpu_topology(8) == "1x1x8" and topology.gpu_topology(2) == "1x1x2"
+  assert topology.gpu_topology(16) == "2x1x8"
   with pytest.raises(ConfigError, match="multiple of 8"):
-    targets.gpu_topology(12)
+    topology.gpu_topology(12)
 
 
 def _tpu_fused_gather(between: int) -> str:
@@ -161,9 +163,9 @@ def _tpu_fused_gather(between: int) -> str:
 
 def test_a_tpu_collective_carried_through_fusions_is_hidden_by_the_matmuls_between():
   price = 10e-6 + 7 / 8 * (8 * 4096 * 2 * 8) / (2 * 50e9)  # v5e 2x4: 2 links of 50 GB/s
-  hidden = time_model.predict(_tpu_fused_gather(between=2), "tpu-v5e")
+  hidden = time_model.predict(parse(_tpu_fused_gather(between=2)), "tpu-v5e")
   assert hidden["predicted_collective_ms"] == pytest.approx(1e3 * price)
   assert [c["name"] for c in hidden["collectives_priced"]] == ["async-collective-start"]  # one channel, once
   assert hidden["predicted_exposed_collective_ms"] == pytest.approx(0.0, abs=1e-9)
-  bare = time_model.predict(_tpu_fused_gather(between=0), "tpu-v5e")
+  bare = time_model.predict(parse(_tpu_fused_gather(between=0)), "tpu-v5e")
   assert bare["predicted_exposed_collective_ms"] == pytest.approx(1e3 * price)

@@ -6,7 +6,9 @@ import sys
 import textwrap
 
 from micse_jax.aot import collectives
-from micse_jax.aot.collectives import COLLECTIVE_KINDS, collective_table, shape_bytes
+from micse_jax.aot.collectives import collective_table
+from micse_jax.aot.hlo import COLLECTIVE_KINDS
+from micse_jax.aot.hlo_module import nbytes, parse
 from tests.helpers import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,15 +38,16 @@ ENTRY %main.0_spmd (param: f32[2,16], p1: bf16[4,3]) -> f32[16] {
 """
 
 
-def test_shape_bytes_of_arrays_tuples_and_scalars():
-  assert shape_bytes("f32[8,16]{1,0}") == 8 * 16 * 4
-  assert shape_bytes("(f32[16]{0}, bf16[4,3]{1,0})") == 16 * 4 + 12 * 2
-  assert shape_bytes("pred[3]") == 3 and shape_bytes("s32[]") == 4
-  assert shape_bytes("f8e4m3fn[10]{0}") == 10
+def test_nbytes_of_arrays_tuples_and_scalars():
+  assert nbytes("f32[8,16]{1,0}") == 8 * 16 * 4
+  assert nbytes("(f32[16]{0}, bf16[4,3]{1,0})") == 16 * 4 + 12 * 2
+  assert nbytes("pred[3]") == 3 and nbytes("s32[]") == 4
+  assert nbytes("f8e4m3fn[10]{0}") == 10 and nbytes("c64[2]") == 16
+  assert nbytes("(s32[], token[])") == 4 and nbytes("s4[3]{0}") == 1.5  # half a byte an element
 
 
 def test_hand_written_hlo_counts_async_pairs_once():
-  table = collective_table(_HLO)
+  table = collective_table(parse(_HLO))
   assert set(table) == set(COLLECTIVE_KINDS)
   assert table["all-gather"] == {"count": 2, "bytes": 2 * 512, "max_bytes": 512}
   assert table["all-reduce"] == {"count": 1, "bytes": 64 + 24, "max_bytes": 88}
@@ -58,13 +61,14 @@ _COMPILED = textwrap.dedent("""
   import jax, jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from micse_jax.aot.collectives import collective_table
+  from micse_jax.aot.hlo_module import parse
   mesh = Mesh(jax.devices(), ("data",))
   def gather_then_sum(x):  # x [8, 24] sharded by rows: one all-gather of the whole f32[8, 24]
     full = jax.lax.with_sharding_constraint(x * 2.0, NamedSharding(mesh, P()))
     return full @ full.T
   x = jax.device_put(jnp.ones((8, 24)), NamedSharding(mesh, P("data")))
   hlo = jax.jit(gather_then_sum).lower(x).compile().as_text()
-  print(json.dumps(collective_table(hlo)))
+  print(json.dumps(collective_table(parse(hlo))))
 """)
 
 
@@ -96,8 +100,9 @@ def test_replica_groups_in_every_form_xla_prints():
 
 
 def test_program_collectives_reads_sizes_groups_and_sync():
-  found = collectives.program_collectives(_HLO)
-  assert collectives.num_devices(_HLO) == 4
+  module = parse(_HLO)
+  found = collectives.program_collectives(module)
+  assert module.num_devices == 4
   assert found["all-gather"].size == 2 * 16 * 4 * 4 and found["all-gather"].sync  # operand x 4 devices
   assert found["all-gather-start"].size == 2 * 16 * 4 * 4 and not found["all-gather-start"].sync
   assert found["all-reduce"].size == 2 * 16 * 4 + 4 * 3 * 2 and found["all-reduce"].groups == ((0, 1, 2, 3),)

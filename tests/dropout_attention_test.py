@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from micse_jax.aot import kernel_cost
+from micse_jax.aot import hlo_module, kernel_cost
 from micse_jax.kernels import choice
 from micse_jax.kernels import dropout_attention as da
 from micse_jax.models.bert import BertModel, collect_attentions
@@ -321,12 +321,12 @@ def test_the_target_is_read_from_the_devices(platform, capability, target):
 def test_deviceless_v100_and_h100_devices_carry_their_compute_capability():
   """The deviceless targets place the program on devices that say their compute capability, so
   `--aot v100` chooses as a real V100 would (needs a CUDA plugin: the extra `aot` or `aot-v100`)."""
-  from micse_jax.aot import targets
+  from micse_jax.aot import topology
   pytest.importorskip("jax_plugins", reason="needs a CUDA plugin (extra 'aot' or 'aot-v100')")
   import importlib.util
   name = "v100" if importlib.util.find_spec("jax_cuda12_plugin") else "h100"
   want = {"v100": V100, "h100": H100}[name]
-  assert choice.target_of(targets.target_devices(name)) == want
+  assert choice.target_of(topology.target_devices(name)) == want
 
 
 
@@ -480,7 +480,7 @@ def test_time_model_reads_the_projection_once_and_counts_the_kernels_work():
                       "%k, %m, %p, %p, %p, %bq, %bk, %bv",
                       f"k: u32[4], m: s32[{b},{t}], p: bf16[{b},{t},{3 * heads * d}], bq: f32[{heads * d}], "
                       f"bk: f32[{heads * d}], bv: f32[{heads * d}]")
-  cost, = kernel_cost.costs(text)
+  cost, = kernel_cost.costs(hlo_module.parse(text))
   probabilities = b * heads * t * t
   assert cost.read == 16 + 4 * b * t + 2 * b * t * 3 * heads * d + 3 * 4 * heads * d  # the projection once
   assert cost.written == 2 * b * t * heads * d
@@ -496,18 +496,18 @@ def test_time_model_counts_a_sown_layers_probabilities_written_and_their_gradien
   width, probabilities = 3 * heads * d, b * heads * t * t
   params = (f"k: u32[4], m: s32[{b},{t}], p: bf16[{b},{t},{width}], bq: f32[{heads * d}], "
             f"bk: f32[{heads * d}], bv: f32[{heads * d}]")
-  forward, = kernel_cost.costs(_triton_call(
+  forward, = kernel_cost.costs(hlo_module.parse(_triton_call(
       f"{da.KERNEL_NAME}_h{heads}",
       f"(bf16[{b},{t},{heads * d}]{{2,1,0}}, s8[{b},{heads},{t},{t}]{{3,2,1,0}}, f32[{b},{heads},{t},{t}]{{3,2,1,0}})",
-      "%k, %m, %p, %p, %p, %bq, %bk, %bv", params))
+      "%k, %m, %p, %p, %p, %bq, %bk, %bv", params)))
   assert forward.written == 2 * b * t * heads * d + probabilities * (1 + 4)  # context, keep mask, probabilities
   assert forward.flops == 4 * probabilities * d and forward.rounds == probabilities * kernel_cost.ROUNDS_PER_HASH
   assert forward.measured_factor == kernel_cost.MEASURED_FACTOR["forward_keep"]
-  backward, = kernel_cost.costs(_triton_call(
+  backward, = kernel_cost.costs(hlo_module.parse(_triton_call(
       f"{da.BACKWARD_KERNEL_NAME}_h{heads}", f"(bf16[{b},{t},{width}]{{2,1,0}}, f32[{b},{width}]{{1,0}})",
       "%keep, %m, %p, %p, %p, %bq, %bk, %bv, %g, %gp",
       f"keep: s8[{b},{heads},{t},{t}], m: s32[{b},{t}], p: bf16[{b},{t},{width}], bq: f32[{heads * d}], "
-      f"bk: f32[{heads * d}], bv: f32[{heads * d}], g: bf16[{b},{t},{heads * d}], gp: f32[{b},{heads},{t},{t}]"))
+      f"bk: f32[{heads * d}], bv: f32[{heads * d}], g: bf16[{b},{t},{heads * d}], gp: f32[{b},{heads},{t},{t}]")))
   assert backward.read == (probabilities + 4 * b * t + 2 * b * t * width + 3 * 4 * heads * d + 2 * b * t * heads * d
                            + 4 * probabilities)  # ... and the probabilities' float32 gradient
   assert backward.flops == 10 * probabilities * d
@@ -521,7 +521,7 @@ def test_time_model_counts_the_backward_kernels_work_and_both_outputs():
                       "%keep, %m, %p, %p, %p, %bq, %bk, %bv, %g",
                       f"keep: s8[{b},{heads},{t},{t}], m: s32[{b},{t}], p: bf16[{b},{t},{width}], "
                       f"bq: f32[{heads * d}], bk: f32[{heads * d}], bv: f32[{heads * d}], g: bf16[{b},{t},{heads * d}]")
-  cost, = kernel_cost.costs(text)
+  cost, = kernel_cost.costs(hlo_module.parse(text))
   assert cost.flops == 10 * b * heads * t * t * d and cost.rounds == 0
   assert cost.written == 2 * b * t * width + 4 * b * width
   assert cost.measured_factor == kernel_cost.MEASURED_FACTOR["backward"]

@@ -1,6 +1,6 @@
 """aot/hlo.py on hand-written HLO: kernels walked through command buffers and loops,
 classified by kind, and given the phase of the step's named scopes (forward / backward)."""
-from micse_jax.aot import hlo
+from micse_jax.aot import hlo, hlo_module
 
 HLO = """HloModule jit_train_step
 
@@ -49,7 +49,7 @@ ENTRY %main (x: bf16[8,8], y: f32[8]) -> f32[8] {
 
 
 def test_kernels_by_kind_and_phase():
-  found = {k.name: (k.kind, k.phase) for k in hlo.kernels(HLO)}
+  found = {k.name: (k.kind, k.phase) for k in hlo.kernels(hlo_module.parse(HLO))}
   assert found == {
       "gemm_fusion_dot.1": ("GEMM (Triton fusion)", "encode (backward)"),   # phase from the fused dot
       "loop_add_fusion": ("loop fusion", "optimizer"),
@@ -59,7 +59,7 @@ def test_kernels_by_kind_and_phase():
       "copy.1": ("copy", hlo.NO_PHASE),
       "fusion.9": ("sort", "loss/ami (forward)"),                          # inside the while body
   }
-  s = hlo.summary(HLO)
+  s = hlo.summary(hlo_module.parse(HLO))
   assert s["kernels_per_step"] == 7 and s["update_kernels_per_step"] == 2  # optimizer + ema
   assert s["by_kind"]["GEMM (cuBLAS)"] == 1 and s["by_phase"][hlo.NO_PHASE] == 2
 

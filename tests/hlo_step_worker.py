@@ -21,6 +21,7 @@ def compiled_step_text(config, mesh):
 
 def main():
   from micse_jax.aot.collectives import collective_table
+  from micse_jax.aot.hlo_module import parse
   from micse_jax.training import mesh as mesh_lib
   from tests.train_utils import tiny_training_config
   parser = argparse.ArgumentParser()
@@ -42,7 +43,7 @@ def main():
   if args.dump:
     pathlib.Path(args.dump).write_text(text, encoding="utf-8")
   print(json.dumps({"num_devices": jax.device_count(), "z_bytes": rows * dim * 4,
-                    "table": collective_table(text)}))
+                    "table": collective_table(parse(text))}))
 
 
 if __name__ == "__main__":

@@ -64,12 +64,12 @@ def test_parse_size_accepts_auto_or_a_positive_integer():
 
 
 def test_h100_target_memory_is_the_datasheet_80_gib_and_tpu_needs_a_capacity():
-  from micse_jax.aot import targets
-  assert targets.device_memory_bytes("h100") == 80 * GIB and targets.device_memory_bytes("v100") == 32 * GIB
-  assert targets.device_memory_bytes("tpu-v5e") is None
+  from micse_jax.aot import topology
+  assert topology.device_memory_bytes("h100") == 80 * GIB and topology.device_memory_bytes("v100") == 32 * GIB
+  assert topology.device_memory_bytes("tpu-v5e") is None
   with pytest.raises(spec.SweepError, match="TPU topology does not give the chip's memory; pass --population_device_gib"):
     sizing.target_device("tpu-v5e", 1)
-  assert targets.device_memory_bytes("h200") == 141 * GIB  # the H100's compiler target with the H200's memory
+  assert topology.device_memory_bytes("h200") == 141 * GIB  # the H100's compiler target with the H200's memory
   with pytest.raises(spec.SweepError, match="unknown --population_target 'b200'"):
     sizing.target_device("b200", 1)
 

@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 
-from micse_jax.aot import collectives
+from micse_jax.aot import collectives, hlo_module
 
 
 def run(config, run_inputs):
@@ -48,7 +48,7 @@ def main(tmp, tokenizer_dir):
     config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{
         "mesh.shard_update": shard_update, "mesh.shard_min_elements": 1024})
     host, text, local = run(config, run_inputs.prepare(config))
-    out[str(shard_update)] = {"host": host, "collectives": collectives.collective_table(text), "local": local}
+    out[str(shard_update)] = {"host": host, "collectives": collectives.collective_table(hlo_module.parse(text)), "local": local}
   plain, split = out["False"], out["True"]
   worst = max(_difference(plain["host"], split["host"], k) for k in plain["host"]
               if np.issubdtype(plain["host"][k].dtype, np.floating))

@@ -90,8 +90,8 @@ def test_real_h200_traces_put_90_percent_of_kernel_time_in_phases(point):
   if not (os.path.exists(hlo) and os.path.exists(trace)):
     pytest.skip(f"no GPU calibration point {point} under {CALIBRATION}")
   from micse_jax.aot import hlo as hlo_kernels
-  from micse_jax.aot import time_model
-  phases = hlo_kernels.phase_by_instruction(time_model.read_hlo(hlo))
+  from micse_jax.aot import hlo_module, time_model
+  phases = hlo_kernels.phase_by_instruction(hlo_module.parse(time_model.read_hlo(hlo)))
   by_phase = trace_summary.phase_durations(trace, phases)
   assert by_phase["(unattributed)"] < 0.1 * sum(by_phase.values()), by_phase
   assert by_phase["encode (backward)"] > 0 and by_phase["optimizer"] > 0

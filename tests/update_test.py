@@ -254,9 +254,9 @@ def test_h100_update_is_few_kernels_not_one_per_leaf():
   leaves of a shape into a few fusions and the norm into one variadic reduction per shape, where the
   per-leaf optax chain launches one update and one or two reductions per leaf."""
   pytest.importorskip("jax_cuda13_plugin", reason="needs the extra 'aot' (pip install 'micse-jax[aot]')")
-  from micse_jax.aot import hlo, targets
+  from micse_jax.aot import hlo, hlo_module, topology
   jax.config.update("jax_platforms", "cpu")
-  sharding = jax.sharding.SingleDeviceSharding(targets.target_devices("h100", 1)[0])
+  sharding = jax.sharding.SingleDeviceSharding(topology.target_devices("h100", 1)[0])
   shapes = {f"layer_{i}": {"dense": {"kernel": (256, 256), "bias": (256,)}, "LayerNorm": {"scale": (256,)},
                            "ffn": {"kernel": (256, 1024), "bias": (1024,)}} for i in range(24)}
   params = {"encoder": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding), shapes,
@@ -273,8 +273,8 @@ def test_h100_update_is_few_kernels_not_one_per_leaf():
     updates, opt_state = chain.update(grads, opt_state, params)
     return opt_state, optax.apply_updates(params, updates), optax.tree.norm(grads)
 
-  count = lambda fn: len(hlo.kernels(jax.jit(fn, donate_argnums=(1, 2)).lower(params, opt_state, params)
-                                             .compile().as_text()))
+  compiled = lambda fn: jax.jit(fn, donate_argnums=(1, 2)).lower(params, opt_state, params).compile()
+  count = lambda fn: len(hlo.kernels(hlo_module.parse(compiled(fn).as_text())))
   leaves, ours_kernels = len(jax.tree.leaves(params)), count(ours)
   assert ours_kernels <= 30 < leaves <= count(per_leaf), ours_kernels
   assert ours_kernels < leaves / 4

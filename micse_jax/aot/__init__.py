@@ -1,4 +1,5 @@
 """The deviceless compile: THE trainer's program compiled for a GPU or TPU that is not here
-(`targets`, `compile`), and reading compiled XLA programs without running them: their kernels by
-kind and phase (`hlo`), collectives (`collectives`), what each kernel moves and computes
-(`kernel_cost`) and the step time they add up to on a target device (`time_model`). See docs/AOT.md."""
+(`topology`, `compile`), and reading compiled XLA programs without running them: the HLO text parsed
+once (`hlo_module`), its kernels by kind and phase (`hlo`), collectives (`collectives`), what each
+kernel moves and computes (`kernel_cost`), the host's work per call (`host`) and the step time they add
+up to on a target device (`time_model`, `interconnect`). See docs/AOT.md."""

@@ -1,6 +1,6 @@
 """Cross-device collectives of a compiled step, read from its optimised HLO text.
 
-`collective_table(jitted.lower(...).compile().as_text())` counts every collective
+`collective_table(hlo_module.parse(jitted.lower(...).compile().as_text()))` counts every collective
 instruction by kind and adds up the bytes of its result (per device). An asynchronous pair
 (`all-gather-start` / `all-gather-done`) is one collective: the `-done` half is counted, with
 its result shape (the gathered / reduced array); the `-start` half is skipped. A collective
@@ -15,36 +15,8 @@ import re
 
 import numpy as np
 
-COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                    "collective-permute")
-
-# `%name = <result shape> <opcode>(` ; the shape may be a tuple `(f32[2]{0}, f32[8]{0})`.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s+"
-                          r"(?P<opcode>[a-z][a-z0-9\-]*)\(")
-_ARRAY_SHAPE = re.compile(r"\b(?P<dtype>pred|token|[a-z]+\d+[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
-
-
-def _element_bits(dtype: str) -> int:
-  """Bits per element of an HLO primitive type (`f32` 32, `bf16` 16, `pred` 8, `f8e4m3fn` 8)."""
-  if dtype == "pred":
-    return 8
-  match = re.match(r"[a-z]+(\d+)", dtype)
-  if match is None:
-    raise ValueError(f"unknown HLO element type {dtype!r}")
-  return int(match.group(1))
-
-
-def shape_bytes(shape_text: str) -> int:
-  """Bytes of an HLO result shape: one array `f32[8,16]{1,0}` or a tuple of arrays."""
-  total_bits = 0
-  for match in _ARRAY_SHAPE.finditer(shape_text):
-    if match.group("dtype") == "token":
-      continue
-    elements = 1
-    for dim in filter(None, match.group("dims").split(",")):
-      elements *= int(dim)
-    total_bits += elements * _element_bits(match.group("dtype"))
-  return (total_bits + 7) // 8
+from micse_jax.aot import hlo
+from micse_jax.aot.hlo_module import Instruction, Module, nbytes
 
 
 def _collective_kind(opcode: str) -> str | None:
@@ -52,28 +24,27 @@ def _collective_kind(opcode: str) -> str | None:
   if opcode.endswith("-start"):
     return None
   base = opcode[:-len("-done")] if opcode.endswith("-done") else opcode
-  return base if base in COLLECTIVE_KINDS else None
+  return base if base in hlo.COLLECTIVE_KINDS else None
 
 
-def collective_table(hlo_text: str) -> dict[str, dict[str, int]]:
+def collective_table(module: Module) -> dict[str, dict[str, int]]:
   """Collectives of an optimised HLO module: {kind: {"count", "bytes", "max_bytes"}}.
 
-  Every kind in `COLLECTIVE_KINDS` is present (zeros when absent). `bytes` sums, and
-  `max_bytes` is the largest of, the per-device result sizes of that kind's instructions.
+  Every kind in `hlo.COLLECTIVE_KINDS` is present (zeros when absent). `bytes` sums, and
+  `max_bytes` is the largest of, the per-device result sizes of that kind's instructions
+  (in whole bytes).
   """
-  table = {kind: {"count": 0, "bytes": 0, "max_bytes": 0} for kind in COLLECTIVE_KINDS}
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match is None:
-      continue
-    kind = _collective_kind(match.group("opcode"))
-    if kind is None:
-      continue
-    size = shape_bytes(match.group("shape"))
-    row = table[kind]
-    row["count"] += 1
-    row["bytes"] += size
-    row["max_bytes"] = max(row["max_bytes"], size)
+  table = {kind: {"count": 0, "bytes": 0, "max_bytes": 0} for kind in hlo.COLLECTIVE_KINDS}
+  for body in module.computations.values():
+    for ins in body:
+      kind = _collective_kind(ins.opcode)
+      if kind is None:
+        continue
+      size = math.ceil(nbytes(ins.shape))
+      row = table[kind]
+      row["count"] += 1
+      row["bytes"] += size
+      row["max_bytes"] = max(row["max_bytes"], size)
   return table
 
 
@@ -166,26 +137,14 @@ def device_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(g) for g in groups)
 
 
-def num_devices(hlo_text: str) -> int:
-  """Devices a compiled module runs on: its header's `num_partitions` x `replica_count` (1 if absent)."""
-  found = re.search(r"^HloModule[^\n]*", hlo_text, re.MULTILINE)
-  header = found.group(0) if found else ""
-  count = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}=(\d+)", header)) else 1
-  return count("num_partitions") * count("replica_count")
-
-
-def _collective_of(program, ins, devices: int) -> Collective | None:
+def _collective_of(module: Module, ins: Instruction) -> Collective | None:
   """The `Collective` an instruction starts (None if it is no collective)."""
-  from micse_jax.aot import kernel_cost
-  work = ins
-  if ins.opcode == "async-start":
-    wrapped = [i for c in ins.called() for i in program.computations.get(c, ()) if i.opcode != "parameter"]
-    work = wrapped[-1] if wrapped else ins
+  work = module.unwrap(ins) or ins
   kind = re.sub(r"-start$", "", work.opcode)
-  if kind not in COLLECTIVE_KINDS:
+  if kind not in hlo.COLLECTIVE_KINDS:
     return None
-  groups = device_groups(work.text, devices)
-  operands = sum(kernel_cost.nbytes(program.shapes.get(o, "")) for o in kernel_cost.operands(work))
+  groups = device_groups(work.text, module.num_devices)
+  operands = sum(nbytes(module.shapes.get(o, "")) for o in work.operands)
   size = operands * max(len(g) for g in groups) if kind == "all-gather" else operands
   listed = _PAIRS.search(work.text)
   pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", listed.group(1))) if listed else ()
@@ -193,33 +152,30 @@ def _collective_of(program, ins, devices: int) -> Collective | None:
   return Collective(ins.name, kind, float(size), groups, sync, pairs)
 
 
-def _fused_collectives(program, ins) -> list:
+def _fused_collectives(module: Module, ins: Instruction) -> list[Instruction]:
   """The collective instructions inside a fusion's computations (XLA:TPU fuses them)."""
   if ins.opcode != "fusion":
     return []
-  return [i for c in ins.called() for i in program.computations.get(c, ())
-          if re.sub(r"-start$", "", i.opcode) in COLLECTIVE_KINDS]
+  return [i for i in module.called_instructions(ins) if re.sub(r"-start$", "", i.opcode) in hlo.COLLECTIVE_KINDS]
 
 
-def program_collectives(hlo_text: str) -> dict[str, Collective]:
+def program_collectives(module: Module) -> dict[str, Collective]:
   """{kernel name: `Collective`} of every collective kernel of an optimised HLO module (the ones
   `aot/hlo.kernels` lists: synchronous collectives, the `-start` halves, wrapped `async-start`s,
   and fusions holding one: a channel met again in a later fusion is the same collective, waited
   for at the last fusion that carries it)."""
-  from micse_jax.aot import hlo, kernel_cost
-  program, devices = kernel_cost.Program(hlo_text), num_devices(hlo_text)
   found, channels = {}, {}
-  for kernel in hlo.kernels(hlo_text):
-    ins = program.by_name[kernel.name]
-    collective = _collective_of(program, ins, devices)
+  for kernel in hlo.kernels(module):
+    ins = module.by_name[kernel.name]
+    collective = _collective_of(module, ins)
     if collective is not None:
       found[kernel.name] = collective
-    for inner in _fused_collectives(program, ins):
+    for inner in _fused_collectives(module, ins):
       channel = re.search(r"channel_id=(\d+)", inner.text)
       key = channel.group(1) if channel else inner.name
       if key in channels and channels[key] != kernel.name:
         found[channels[key]] = dataclasses.replace(found[channels[key]], sync=False, done=kernel.name)
       elif key not in channels and kernel.name not in found:
         channels[key] = kernel.name
-        found[kernel.name] = dataclasses.replace(_collective_of(program, inner, devices), name=kernel.name, sync=True)
+        found[kernel.name] = dataclasses.replace(_collective_of(module, inner), name=kernel.name, sync=True)
   return found

@@ -5,7 +5,7 @@ compiled program says.
 (`training/program.build`: networks, optimizer, abstract state, shardings, packed batch layout,
 a population's vmapped step and step inputs) from the model's shapes alone (`program.abstract_encoder`:
 no weights, no data) and runs the devices' compiler on this CPU; the devices are this machine's
-or a target's (`aot/targets.py`). `report` reads the compiled program: its kernels by kind and by
+or a target's (`aot/topology.py`). `report` reads the compiled program: its kernels by kind and by
 phase of the step (`aot/hlo.py`), the update's kernels, the compiler's memory per device and the
 collectives (`aot/collectives.py`). `studies/population_size` sizes populations with it; `python -m
 micse_jax.bench --aot TARGET` prints it.
@@ -20,6 +20,7 @@ import ml_collections
 
 from micse_jax.aot import hlo
 from micse_jax.aot.collectives import collective_table
+from micse_jax.aot.hlo_module import Module
 from micse_jax.models.bert import BertConfig
 
 
@@ -82,13 +83,13 @@ def memory(compiled) -> dict:
   return dict(sizes, peak=sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporaries"])
 
 
-def report(compiled, num_devices: int, members: int = 0) -> dict:
-  """What a compiled step says: kernels by kind and phase (`aot/hlo.summary`), memory per device,
-  collectives; for a population of `members`, kernels and peak memory per member-step too."""
-  text = compiled.as_text()
-  kernels, mem = hlo.summary(text), memory(compiled)
+def report(compiled, module: Module, num_devices: int, members: int = 0) -> dict:
+  """What a compiled step says (`module`: its text parsed, `hlo_module.parse`): kernels by kind and
+  phase (`aot/hlo.summary`), memory per device, collectives; for a population of `members`, kernels
+  and peak memory per member-step too."""
+  kernels, mem = hlo.summary(module), memory(compiled)
   result = {**kernels, "memory_per_device": mem, "peak_bytes_per_device": mem["peak"],
-            "collectives": collective_table(text)}
+            "collectives": collective_table(module)}
   if members:
     result.update(population=members, kernels_per_member_step=kernels["kernels_per_step"] / members,
                   peak_bytes_per_member=mem["peak"] * num_devices / members)

@@ -1,9 +1,9 @@
 """The kernels of a compiled XLA program, by kind and by phase of the train step, read from its HLO text.
 
-`kernels(compiled.as_text())` lists every instruction that runs as its own kernel (or launch):
-the instructions of the entry computation and of the computations it executes (`while` bodies
-and conditions, `conditional` branches, `call`s such as a GPU command buffer / CUDA graph),
-leaving out what is no work (parameters, constants, tuples, bitcasts, the `-done` halves of
+`kernels(hlo_module.parse(compiled.as_text()))` lists every instruction that runs as its own
+kernel (or launch): the instructions of the entry computation and of the computations it executes
+(`while` bodies and conditions, `conditional` branches, `call`s such as a GPU command buffer / CUDA
+graph), leaving out what is no work (parameters, constants, tuples, bitcasts, the `-done` halves of
 asynchronous pairs) and the containers themselves. Fused computations are not walked: a fusion
 is one kernel.
 
@@ -28,50 +28,19 @@ import collections
 import dataclasses
 import re
 
+from micse_jax.aot.hlo_module import NO_WORK, Instruction, Module
+
 PHASES = ("views", "encode", "loss/contrastive", "loss/ami", "loss/reconstruction", "loss/mlm", "loss/infocse",
           "optimizer", "momentum_forward", "enqueue", "finite")
 # the update (clipping, AdamW, the EMA and the weight copies in one pass: training/update.py) and the
 # non-finite selection after it (training/finite.py)
 UPDATE_PHASES = ("optimizer", "finite")
 NO_PHASE = "(no phase)"
-_NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-            "replica-id", "add-dependency", "opt-barrier", "domain"}
+COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _CONTAINERS = {"while", "call", "conditional"}
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
-                          r"(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PHASE = re.compile(r"(?:^|[/(])(transpose\()?(?:jvp\()?(" + "|".join(re.escape(p) for p in PHASES) +
                     r")(?=[)/]|$)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-  """One HLO instruction of an optimised module's text: its name, opcode and whole line."""
-  name: str
-  opcode: str
-  text: str  # the whole instruction line
-
-  def called(self) -> list[str]:
-    """Names of the computations this instruction calls (fused, body, branches, ...)."""
-    names = _CALLED.findall(self.text)
-    for group, single in _BRANCHES.findall(self.text):
-      names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()] if group else [single]
-    return names
-
-  @property
-  def shape(self) -> str:
-    """The instruction's result shape, as written (a tuple's in parentheses)."""
-    match = _INSTRUCTION.match(self.text)
-    return match.group("shape") if match else ""
-
-  def op_name(self) -> str | None:
-    """The `op_name` of the instruction's metadata (its jax name stack), or None."""
-    match = _OP_NAME.search(self.text)
-    return match.group(1) if match else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,22 +53,6 @@ class Kernel:
   phase: str
   runs: int = 1
   loop: str | None = None
-
-
-def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
-  """({computation name: its instructions}, the entry computation's name)."""
-  computations, entry, current = {}, None, None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = computations.setdefault(header.group("name"), [])
-      if line.startswith("ENTRY"):
-        entry = header.group("name")
-      continue
-    match = _INSTRUCTION.match(line)
-    if match and current is not None:
-      current.append(Instruction(match.group("name"), match.group("opcode"), line))
-  return computations, entry
 
 
 def phase_of(op_name: str | None) -> str | None:
@@ -125,7 +78,7 @@ def _custom_call_kind(text: str) -> str:
   return f"custom call ({target or '?'})"
 
 
-def kind_of(ins: Instruction, computations: dict[str, list[Instruction]]) -> str:
+def kind_of(ins: Instruction, module: Module) -> str:
   """The kernel kind of one instruction (see the module docstring)."""
   op, text = ins.opcode, ins.text
   if op == "custom-call":
@@ -141,7 +94,7 @@ def kind_of(ins: Instruction, computations: dict[str, list[Instruction]]) -> str
       return "cuDNN fusion"
     if backend:
       return f"custom fusion ({backend})"
-    fused = {i.opcode for c in ins.called() for i in computations.get(c, ())}
+    fused = {i.opcode for i in module.called_instructions(ins)}
     if fused & {"dot", "convolution"}:
       return "matmul fusion"
     if "sort" in fused:
@@ -155,17 +108,17 @@ def kind_of(ins: Instruction, computations: dict[str, list[Instruction]]) -> str
   if op in ("dot", "convolution"):
     return "matmul (unfused)"
   base = re.sub(r"-start$", "", op)
-  if base in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+  if base in COLLECTIVE_KINDS:
     return f"collective ({base})"
   return f"unfused {op}"
 
 
-def _fused_phase(ins: Instruction, computations: dict[str, list[Instruction]]) -> str:
+def _fused_phase(ins: Instruction, module: Module) -> str:
   """The instruction's own phase, else the most common phase of what it fuses."""
   own = phase_of(ins.op_name())
   if own:
     return own
-  votes = collections.Counter(phase_of(i.op_name()) for c in ins.called() for i in computations.get(c, ()))
+  votes = collections.Counter(phase_of(i.op_name()) for i in module.called_instructions(ins))
   votes.pop(None, None)
   return votes.most_common(1)[0][0] if votes else NO_PHASE
 
@@ -176,7 +129,7 @@ def trip_count(ins: Instruction) -> int:
   return int(match.group(1)) if match else 1
 
 
-def scheduled_runs(computations: dict[str, list[Instruction]], entry: str | None):
+def scheduled_runs(module: Module):
   """(instruction, runs, loop) for each instruction the entry computation executes, in program order
   (a scheduled module's order): the computations it runs (`while` bodies and conditions, branches,
   `call`s such as a command buffer) walked in place, each once, `runs` the product of the trip counts
@@ -188,7 +141,7 @@ def scheduled_runs(computations: dict[str, list[Instruction]], entry: str | None
     if name in seen:
       return
     seen.add(name)
-    for ins in computations.get(name, ()):
+    for ins in module.computations.get(name, ()):
       if ins.opcode in _CONTAINERS:
         inner, level = (runs * trip_count(ins), ins.name) if ins.opcode == "while" else (runs, loop)
         for called in ins.called():
@@ -196,43 +149,41 @@ def scheduled_runs(computations: dict[str, list[Instruction]], entry: str | None
       else:
         yield ins, runs, loop
 
-  return walk(entry, 1, None) if entry is not None else iter(())
+  return walk(module.entry, 1, None) if module.entry is not None else iter(())
 
 
-def scheduled(computations: dict[str, list[Instruction]], entry: str | None):
+def scheduled(module: Module):
   """The instructions of `scheduled_runs`, without their runs and loops."""
-  return (ins for ins, _, _ in scheduled_runs(computations, entry))
+  return (ins for ins, _, _ in scheduled_runs(module))
 
 
-def steps_per_call(computations: dict[str, list[Instruction]], entry: str | None) -> int:
+def steps_per_call(module: Module) -> int:
   """The training steps one call of a program runs: the trip count of the entry computation's loop
   whose body holds the most instructions (the step, `training/dispatch.repeated`), 1 without one."""
-  loops = [ins for ins in computations.get(entry, ()) if ins.opcode == "while"]
-  size = lambda ins: sum(len(computations.get(c, ())) for c in ins.called())
+  loops = [ins for ins in module.computations.get(module.entry, ()) if ins.opcode == "while"]
+  size = lambda ins: len(module.called_instructions(ins))
   return trip_count(max(loops, key=size)) if loops else 1
 
 
-def kernels(hlo_text: str) -> list[Kernel]:
-  """The kernels of an optimised HLO module (see the module docstring), in program order."""
-  computations, entry = parse(hlo_text)
+def kernels(module: Module) -> list[Kernel]:
+  """The kernels of an optimised HLO module (see the module docstring), in program order; an
+  `async-start` is the kernel of the instruction it wraps (`Module.unwrap`)."""
   found = []
-  for ins, runs, loop in scheduled_runs(computations, entry):
-    if ins.opcode == "async-start":
-      wrapped = [i for c in ins.called() for i in computations.get(c, ()) if i.opcode not in _NO_WORK]
-      if wrapped:
-        found.append(Kernel(ins.name, kind_of(wrapped[-1], computations), _fused_phase(wrapped[-1], computations),
-                            runs, loop))
-    elif ins.opcode not in _NO_WORK and not ins.opcode.endswith(("-done", "-update")):
-      found.append(Kernel(ins.name, kind_of(ins, computations), _fused_phase(ins, computations), runs, loop))
+  for ins, runs, loop in scheduled_runs(module):
+    if ins.opcode in NO_WORK or ins.opcode.endswith(("-done", "-update")):
+      continue
+    work = module.unwrap(ins)
+    if work is not None:
+      found.append(Kernel(ins.name, kind_of(work, module), _fused_phase(work, module), runs, loop))
   return found
 
 
-def summary(hlo_text: str) -> dict:
+def summary(module: Module) -> dict:
   """{'kernels_per_step', 'by_kind', 'by_phase', 'update_kernels_per_step', 'update_by_kind',
   'by_phase_and_kind', 'steps_per_call'} of an optimised HLO module: launches per training step (a
   call of K steps launches the loop's kernels K times: `Kernel.runs`, divided by K)."""
-  found = kernels(hlo_text)
-  steps = steps_per_call(*parse(hlo_text))
+  found = kernels(module)
+  steps = steps_per_call(module)
   per_step = lambda n: int(n) if n == int(n) else round(n, 1)
   update = [k for k in found if k.phase in UPDATE_PHASES]
   by_phase_kind = collections.defaultdict(collections.Counter)
@@ -265,6 +216,6 @@ def compiled_for(hlo_text: str) -> str | None:
   return next((platform for platform, mark in _PLATFORM_MARKS if mark.search(hlo_text)), None)
 
 
-def phase_by_instruction(hlo_text: str) -> dict[str, str]:
+def phase_by_instruction(module: Module) -> dict[str, str]:
   """{kernel (instruction) name: phase}: the key that maps a profile's op or kernel events to phases."""
-  return {k.name: k.phase for k in kernels(hlo_text)}
+  return {k.name: k.phase for k in kernels(module)}

@@ -11,7 +11,7 @@ autotuner would pick are estimated (`library_calls`). Constants and their source
 """
 from __future__ import annotations
 
-from micse_jax.aot import hlo, kernel_cost
+from micse_jax.aot.hlo_module import Module, arrays
 from micse_jax.training import dispatch
 
 MIN_GRAPH_KERNELS = 5             # XLA's `xla_gpu_graph_min_graph_size`: a shorter run of kernels is launched one by one
@@ -80,11 +80,10 @@ def seconds(work: dict) -> float:
                                work["recaptures"])
 
 
-def entry_arrays(hlo_text: str) -> int:
+def entry_arrays(module: Module) -> int:
   """The arrays a call passes in and out: the entry computation's parameters and results."""
-  computations, entry = hlo.parse(hlo_text)
-  body = computations.get(entry, ())
+  body = module.computations.get(module.entry, ())
   params = sum(1 for ins in body if ins.opcode == "parameter")
-  root = next((ins for ins in reversed(body) if ins.text.lstrip().startswith("ROOT")), None)
-  results = len(kernel_cost.arrays(root.shape)) if root is not None else 0
+  root = next((ins for ins in reversed(body) if ins.root), None)
+  results = len(arrays(root.shape)) if root is not None else 0
   return params + results

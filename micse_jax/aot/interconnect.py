@@ -40,7 +40,7 @@ import dataclasses
 import math
 
 from micse_jax.aot.collectives import Collective
-from micse_jax.aot.targets import GPUS_PER_NODE, TPU_CORES_PER_CHIP, tpu_slice
+from micse_jax.aot.topology import GPUS_PER_NODE, TPU_CORES_PER_CHIP, tpu_slice
 
 # NCCL's tuner constants (NVIDIA/nccl src/graph/tuning.cc, ncclTunerConstantsDefaults), seconds.
 LL_BASE, LL_HOP, LL_NET_HOP = 6.6e-6, 0.6e-6, 2.7e-6               # ring / LL: base, per NVLink step, per network step

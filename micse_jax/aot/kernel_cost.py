@@ -1,7 +1,7 @@
 """What each kernel of a compiled XLA program moves and computes, read from its optimised HLO text.
 
-`costs(hlo_text)` gives, for every kernel of `hlo.kernels` (the program's kernel-launching
-instructions, in program order), a `Cost`:
+`costs(hlo_module.parse(hlo_text))` gives, for every kernel of `hlo.kernels` (the program's
+kernel-launching instructions, in program order), a `Cost`:
 
 * `read` / `written` bytes: only what the kernel really touches. A fusion is walked back from its
   outputs, each instruction asking its operands for the elements it needs (`_demands`: a slice,
@@ -33,12 +33,9 @@ import math
 import re
 
 from micse_jax.aot import hlo
+from micse_jax.aot.hlo_module import Instruction, Module, array_bytes, arrays, nbytes
 
 ROUNDS_PER_HASH = 20  # threefry-2x32 (Salmon et al. 2011): 20 rounds of add, rotate, xor
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "token": 0}
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _SLICES = {"slice", "dynamic-slice", "gather"}
 _FREE = {"bitcast", "reshape", "get-tuple-element"}  # views: their users are the parameter's users
 _PLAIN_GEMM = {"dot", "parameter", "bitcast"}  # a fusion of these alone is a plain GEMM
@@ -73,140 +70,98 @@ class Cost:
     return self.read + self.written
 
 
-def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  """[(element type, dims)] of a shape's arrays (a tuple shape gives each element)."""
-  return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)]
-
-
-def nbytes(shape: str) -> float:
-  """Bytes of a (possibly tuple) shape."""
-  return sum(_BYTES.get(t, 4) * math.prod(dims) for t, dims in arrays(shape))
-
-
-def operands(ins: hlo.Instruction) -> list[str]:
-  """Names of the instruction's operands (the text inside its opcode's parentheses)."""
-  rest, depth = hlo._INSTRUCTION.match(ins.text).group("rest"), 1
-  for i, ch in enumerate(rest):
-    depth += {"(": 1, ")": -1}.get(ch, 0)
-    if depth == 0:
-      return _OPERAND.findall(rest[:i])
-  return _OPERAND.findall(rest)
-
-
-class Program:
-  """An optimised HLO module: its computations, instructions by name and their users."""
-
-  def __init__(self, hlo_text: str):
-    self.computations, self.entry = hlo.parse(hlo_text)
-    self.by_name = {i.name: i for body in self.computations.values() for i in body}
-    self.shapes = {name: i.shape for name, i in self.by_name.items()}
-
-  def users(self, computation: str) -> dict[str, list[tuple[hlo.Instruction, int]]]:
-    """{name: [(user, operand position)]} within one computation."""
-    found = {}
-    for ins in self.computations.get(computation, ()):
-      for position, name in enumerate(operands(ins)):
-        found.setdefault(name, []).append((ins, position))
-    return found
-
-  def fused(self, ins: hlo.Instruction) -> str | None:
-    """The computation a fusion calls."""
-    called = ins.called()
-    return called[0] if called else None
-
-
 _FULL = {"dot", "convolution", "sort", "fusion", "custom-call", "fft", "triangular-solve", "cholesky", "while",
          "call", "conditional", "rng-bit-generator", "all-reduce", "all-gather", "reduce-scatter"}
 
 
-def _elements(program: Program, name: str) -> float:
-  return float(sum(math.prod(d) for _, d in arrays(program.shapes.get(name, ""))))
+def _elements(module: Module, name: str) -> float:
+  return float(sum(math.prod(d) for _, d in arrays(module.shapes.get(name, ""))))
 
 
-def _in_place_target(program: Program, name: str, params: set[str]) -> bool:
+def _in_place_target(module: Module, name: str, params: set[str]) -> bool:
   """Whether `name` is (a view of) a parameter: an in-place update's target then needs no read."""
-  while name not in params and name in program.by_name and program.by_name[name].opcode in _FREE:
-    name = operands(program.by_name[name])[0]
+  while name not in params and name in module.by_name and module.by_name[name].opcode in _FREE:
+    name = module.by_name[name].operands[0]
   return name in params
 
 
-def _operand_demand(program: Program, user: hlo.Instruction, position: int, demand: float,
+def _operand_demand(module: Module, user: Instruction, position: int, demand: float,
                     params: set[str]) -> float:
   """Elements of operand `position` that `user` reads when `demand` of its own elements are used."""
-  name = operands(user)[position]
-  n_operand, n_user, op = _elements(program, name), max(_elements(program, user.name), 1.0), user.opcode
+  name = user.operands[position]
+  n_operand, n_user, op = _elements(module, name), max(_elements(module, user.name), 1.0), user.opcode
   if demand <= 0 or op in ("iota", "constant", "parameter"):
     return 0.0
   if op in _FULL:
     return n_operand
   if op in ("reduce", "reduce-window"):
-    return n_operand * demand / n_user if position < len(operands(user)) // 2 else n_operand
+    return n_operand * demand / n_user if position < len(user.operands) // 2 else n_operand
   if op == "concatenate":
     return min(n_operand, demand * n_operand / n_user)
   if op in ("dynamic-update-slice", "scatter") and position == 0:
-    return 0.0 if _in_place_target(program, name, params) else n_operand
+    return 0.0 if _in_place_target(module, name, params) else n_operand
   if op == "broadcast":
     return max(1.0, n_operand * demand / n_user)
   return min(n_operand, demand)  # elementwise, views, slices, gathers: what is used
 
 
-def _demands(program: Program, body: list[hlo.Instruction], params: set[str]) -> dict[str, float]:
+def _demands(module: Module, body: list[Instruction], params: set[str]) -> dict[str, float]:
   """{instruction: elements of it that the fusion's outputs need}, walked from the root back
   (the text lists every instruction after its operands)."""
   aligned, regions = collections.defaultdict(float), collections.defaultdict(float)
-  root = next((i for i in body if i.text.lstrip().startswith("ROOT")), body[-1] if body else None)
+  root = next((i for i in body if i.root), body[-1] if body else None)
   if root is None:
     return aligned
-  for name in operands(root) if root.opcode == "tuple" else [root.name]:
-    aligned[name] = _elements(program, name)
+  for name in root.operands if root.opcode == "tuple" else [root.name]:
+    aligned[name] = _elements(module, name)
   demand = {}
   for ins in reversed(body):
     if ins.opcode == "tuple" or (ins.name not in aligned and ins.name not in regions):
       continue
-    demand[ins.name] = min(_elements(program, ins.name), max(aligned[ins.name], regions[ins.name]))
-    for position, name in enumerate(operands(ins)):
-      need = _operand_demand(program, ins, position, demand[ins.name], params)
+    demand[ins.name] = min(_elements(module, ins.name), max(aligned[ins.name], regions[ins.name]))
+    for position, name in enumerate(ins.operands):
+      need = _operand_demand(module, ins, position, demand[ins.name], params)
       if ins.opcode in _SLICES:  # slices cover different parts: they add up
         regions[name] += need
       else:  # elementwise users read the same elements
         aligned[name] = max(aligned[name], need)
   for name in set(aligned) | set(regions):
-    demand.setdefault(name, min(_elements(program, name), max(aligned[name], regions[name])))
+    demand.setdefault(name, min(_elements(module, name), max(aligned[name], regions[name])))
   return demand
 
 
-def _written(program: Program, body: list[hlo.Instruction], params: set[str]) -> float:
+def _written(module: Module, body: list[Instruction], params: set[str]) -> float:
   """Bytes the fusion writes: its outputs, an in-place update's target only where updated."""
-  root = next((i for i in body if i.text.lstrip().startswith("ROOT")), None)
+  root = next((i for i in body if i.root), None)
   if root is None:
     return 0.0
   written = 0.0
-  for out in ([program.by_name[o] for o in operands(root)] if root.opcode == "tuple" else [root]):
-    ops = operands(out)
-    if out.opcode in ("dynamic-update-slice", "scatter") and _in_place_target(program, ops[0], params):
-      written += nbytes(program.shapes[ops[1 if out.opcode == "dynamic-update-slice" else 2]])
+  for out in ([module.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]):
+    ops = out.operands
+    if out.opcode in ("dynamic-update-slice", "scatter") and _in_place_target(module, ops[0], params):
+      written += nbytes(module.shapes[ops[1 if out.opcode == "dynamic-update-slice" else 2]])
     else:
-      written += nbytes(program.shapes[out.name])
+      written += nbytes(module.shapes[out.name])
   return written
 
 
-def _dot_flops(program: Program, ins: hlo.Instruction) -> tuple[float, str]:
+def _dot_flops(module: Module, ins: Instruction) -> tuple[float, str]:
   """(2 × output elements × contracted size, operand type) of a `dot`, or of a `convolution`
   (a TPU's matmuls: the kernel's input-feature and spatial sizes, from `dim_labels`)."""
-  lhs, rhs = (operands(ins) + ["", ""])[:2]
-  (dtype, dims), = arrays(program.shapes.get(lhs, ""))[:1] or [("f32", ())]
+  lhs, rhs = (list(ins.operands) + ["", ""])[:2]
+  (dtype, dims), = arrays(module.shapes.get(lhs, ""))[:1] or [("f32", ())]
   if ins.opcode == "convolution":
-    k = _convolution_taps(ins, arrays(program.shapes.get(rhs, ""))[:1])
+    k = _convolution_taps(ins, arrays(module.shapes.get(rhs, ""))[:1])
   else:
     contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.text)
     k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
-  out = sum(math.prod(d) for _, d in arrays(program.shapes[ins.name]))
+  out = sum(math.prod(d) for _, d in arrays(module.shapes[ins.name]))
   if dtype == "f32":
     dtype = "f32" if "HIGHEST" in ins.text else "tf32"
   return 2.0 * out * k, dtype
 
 
-def _convolution_taps(ins: hlo.Instruction, kernel) -> int:
+def _convolution_taps(ins: Instruction, kernel) -> int:
   """Multiply-adds per output element of a convolution: the kernel's input features times its
   spatial taps that land on real input elements. XLA:TPU writes a batched matmul's batch dimensions
   as a window as large as the batch with the input dilated by as much (`lhs_dilate`): one tap each."""
@@ -224,90 +179,90 @@ def _convolution_taps(ins: hlo.Instruction, kernel) -> int:
   return taps
 
 
-def _is_rotation(program: Program, ins: hlo.Instruction) -> bool:
+def _is_rotation(module: Module, ins: Instruction) -> bool:
   """A 32-bit rotation: an `or` of a `shift-left` and a `shift-right-logical` (one per threefry round)."""
-  if ins.opcode != "or" or not program.shapes[ins.name].startswith("u32"):
+  if ins.opcode != "or" or not module.shapes[ins.name].startswith("u32"):
     return False
-  return {program.by_name[o].opcode for o in operands(ins) if o in program.by_name} == {
+  return {module.by_name[o].opcode for o in ins.operands if o in module.by_name} == {
       "shift-left", "shift-right-logical"}
 
 
-def _work(program: Program, computation: str, demand: dict[str, float], seen: set[str]) -> tuple[float, float, str]:
+def _work(module: Module, computation: str, demand: dict[str, float], seen: set[str]) -> tuple[float, float, str]:
   """(flops, threefry rounds, GEMM dtype) of a fused computation and the fusions nested in it;
   rounds counted on the elements that the outputs need."""
   flops, rounds, dtype = 0.0, 0.0, ""
   if computation in seen:
     return flops, rounds, dtype
   seen.add(computation)
-  for ins in program.computations.get(computation, ()):
+  for ins in module.computations.get(computation, ()):
     if ins.opcode in ("dot", "convolution"):
-      f, dtype = _dot_flops(program, ins)
+      f, dtype = _dot_flops(module, ins)
       flops += f
     elif ins.opcode == "fusion":
-      f, r, d = _work(program, program.fused(ins) or "", collections.defaultdict(lambda: float("inf")), seen)
+      f, r, d = _work(module, module.fused(ins) or "", collections.defaultdict(lambda: float("inf")), seen)
       flops, rounds, dtype = flops + f, rounds + r, dtype or d
-    elif _is_rotation(program, ins):
-      rounds += min(_elements(program, ins.name), demand.get(ins.name, 0.0))
+    elif _is_rotation(module, ins):
+      rounds += min(_elements(module, ins.name), demand.get(ins.name, 0.0))
   return flops, rounds, dtype
 
 
-def _sort_traffic(program: Program, ins: hlo.Instruction) -> float:
+def _sort_traffic(module: Module, ins: Instruction) -> float:
   """Bytes a `sort` moves through shared memory: a bitonic sort of n (rounded up to a power of two)
   runs log2(n)·(log2(n)+1)/2 compare-exchange stages, each reading and writing every element's
   keys and values."""
   dims = re.search(r"dimensions=\{(\d+)\}", ins.text)
-  shapes = [arrays(program.shapes[o])[0] for o in operands(ins) if arrays(program.shapes.get(o, ""))]
+  shapes = [arrays(module.shapes[o])[0] for o in ins.operands if arrays(module.shapes.get(o, ""))]
   if not shapes:
     return 0.0
   n = shapes[0][1][int(dims.group(1))] if dims and shapes[0][1] else 1
   log_n = max(1, math.ceil(math.log2(max(n, 2))))
   elements = math.prod(shapes[0][1])
-  return 2.0 * elements * log_n * (log_n + 1) / 2 * sum(_BYTES.get(t, 4) for t, _ in shapes)
+  return 2.0 * elements * log_n * (log_n + 1) / 2 * array_bytes([(t, ()) for t, _ in shapes])
 
 
 NARROW = 16384  # outputs of a column reduction below which XLA gives it too few blocks to fill the memory system
 
 
-def _narrow_columns(program: Program, ins: hlo.Instruction) -> bool:
+def _narrow_columns(module: Module, ins: Instruction) -> bool:
   """A `reduce` that keeps its input's minor (fastest-varying) dimension and has <= NARROW outputs."""
-  shape = program.shapes.get(operands(ins)[0], "")
+  shape = module.shapes.get(ins.operands[0], "")
   layout = re.search(r"\[([\d,]*)\]\{([\d,]*)", shape)
   rank = len(arrays(shape)[0][1]) if arrays(shape) else 0
   minor = int(layout.group(2).split(",")[0]) if layout and layout.group(2) else rank - 1
   reduced = re.search(r"dimensions=\{([\d,]*)\}", ins.text)
   dims = {int(d) for d in reduced.group(1).split(",") if d} if reduced else set()
-  return minor not in dims and _elements(program, ins.name) <= NARROW
+  return minor not in dims and _elements(module, ins.name) <= NARROW
 
 
-def _traits(program: Program, body: list[hlo.Instruction]) -> dict:
+def _traits(module: Module, body: list[Instruction]) -> dict:
   """The fused computation's reductions, widest concatenate, sort traffic and scatter atomics."""
-  root = next((i for i in body if i.text.lstrip().startswith("ROOT")), None)
-  outputs = [program.by_name[o] for o in operands(root)] if root is not None and root.opcode == "tuple" else [root]
+  root = next((i for i in body if i.root), None)
+  outputs = [module.by_name[o] for o in root.operands] if root is not None and root.opcode == "tuple" else [root]
   traits = {"reduces": any(i.opcode in ("reduce", "reduce-window") for i in body),
             "plain_gemm": any(i.opcode == "dot" for i in body) and all(i.opcode in _PLAIN_GEMM for i in body),
-            "narrow_columns": any(_narrow_columns(program, i) for i in body if i.opcode == "reduce"),
-            "concat_operands": max((len(operands(i)) for i in outputs if i is not None and i.opcode == "concatenate"),
+            "narrow_columns": any(_narrow_columns(module, i) for i in body if i.opcode == "reduce"),
+            "concat_operands": max((len(i.operands) for i in outputs if i is not None and i.opcode == "concatenate"),
                                    default=0),
-            "sort_traffic": sum(_sort_traffic(program, i) for i in body if i.opcode == "sort")}
+            "sort_traffic": sum(_sort_traffic(module, i) for i in body if i.opcode == "sort")}
   for i in body:
     if i.opcode == "scatter":
-      ops = operands(i)
-      updates, target = _elements(program, ops[2]), max(_elements(program, ops[0]), 1.0)
+      ops = i.operands
+      updates, target = _elements(module, ops[2]), max(_elements(module, ops[0]), 1.0)
       traits["atomic_updates"] = traits.get("atomic_updates", 0.0) + updates
       traits["atomic_chain"] = max(traits.get("atomic_chain", 0.0), updates / target)
   return traits
 
 
-def fusion_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
+def fusion_cost(module: Module, ins: Instruction, kernel: hlo.Kernel) -> Cost:
   """The cost of one fusion kernel (see the module docstring)."""
-  computation = program.fused(ins) or ""
-  body = program.computations.get(computation, [])
+  computation = module.fused(ins) or ""
+  body = module.computations.get(computation, [])
   params = {p.name for p in body if p.opcode == "parameter"}
-  demand = _demands(program, body, params)
-  read = sum(demand.get(p, 0.0) * nbytes(program.shapes[p]) / max(_elements(program, p), 1.0) for p in params)
-  flops, rounds, dtype = _work(program, computation, demand, set())
-  return Cost(kernel.name, kernel.kind, kernel.phase, read, _written(program, body, params), flops, rounds, dtype,
-              **_traits(program, body))
+  demand = _demands(module, body, params)
+  read = sum(demand.get(p, 0.0) * nbytes(module.shapes[p]) / max(_elements(module, p), 1.0) for p in params)
+  flops, rounds, dtype = _work(module, computation, demand, set())
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, _written(module, body, params), flops, rounds, dtype,
+              **_traits(module, body))
 
 
 # Measured time over this model's price of each dropout-attention kernel, from the H200 calibration
@@ -335,7 +290,7 @@ _PALLAS_WORK = {re.compile(r"micse_dropout_attention_h(\d+)"): _dropout_attentio
                     lambda heads, outputs: _dropout_attention_work(heads, outputs, backward=True)}
 
 
-def _pallas_work(ins: hlo.Instruction, outputs) -> tuple[float, float, str, float]:
+def _pallas_work(ins: Instruction, outputs) -> tuple[float, float, str, float]:
   """(FLOPs, rounds, dtype, measured factor) of one of our named Pallas kernels; no work for any other call."""
   for pattern, work in _PALLAS_WORK.items():
     found = pattern.search(ins.text)
@@ -344,21 +299,21 @@ def _pallas_work(ins: hlo.Instruction, outputs) -> tuple[float, float, str, floa
   return 0.0, 0.0, "", 1.0
 
 
-def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
+def custom_call_cost(module: Module, ins: Instruction, kernel: hlo.Kernel) -> Cost:
   """A library call: operands read whole, the first result written; a GEMM's FLOPs from its
   `dot_dimension_numbers` (cuBLAS) and operand shapes; a Pallas (Triton) call's distinct operands
   read once, its work from its name (`_pallas_work`)."""
-  ops = operands(ins)
+  ops = ins.operands
   pallas = "__gpu$xla.gpu.triton" in ins.text
-  read = sum(nbytes(program.shapes.get(o, "")) for o in (dict.fromkeys(ops) if pallas else ops))
-  results = arrays(program.shapes[ins.name])
+  read = sum(nbytes(module.shapes.get(o, "")) for o in (dict.fromkeys(ops) if pallas else ops))
+  results = arrays(module.shapes[ins.name])
   result = results if pallas else [a for a in results if a[0] != "s8"][:1] or results[:1]
-  written = sum(_BYTES.get(t, 4) * math.prod(d) for t, d in result)
+  written = array_bytes(result)
   flops, dtype = 0.0, ""
   config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', ins.text)
   if config and ops:
     numbers = json.loads(config.group(1))
-    (dtype, dims), = arrays(program.shapes[ops[0]])[:1]
+    (dtype, dims), = arrays(module.shapes[ops[0]])[:1]
     k = math.prod(dims[int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
     flops = 2.0 * sum(math.prod(d) for _, d in result) * k
     if dtype == "f32":
@@ -370,28 +325,24 @@ def custom_call_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel)
               library=bool(re.search(r'custom_call_target="__(cublas|cudnn)', ins.text)))
 
 
-def plain_cost(program: Program, ins: hlo.Instruction, kernel: hlo.Kernel) -> Cost:
+def plain_cost(module: Module, ins: Instruction, kernel: hlo.Kernel) -> Cost:
   """Any other kernel (copy, sort, collective, an unfused op): operands read, result written."""
-  read = sum(nbytes(program.shapes.get(o, "")) for o in operands(ins))
-  return Cost(kernel.name, kernel.kind, kernel.phase, read, nbytes(program.shapes[ins.name]),
-              **_traits(program, [ins]))
+  read = sum(nbytes(module.shapes.get(o, "")) for o in ins.operands)
+  return Cost(kernel.name, kernel.kind, kernel.phase, read, nbytes(module.shapes[ins.name]),
+              **_traits(module, [ins]))
 
 
-def costs(hlo_text: str) -> list[Cost]:
+def costs(module: Module) -> list[Cost]:
   """The `Cost` of every kernel of an optimised HLO module, in program order (each launch's; a kernel
   in a loop runs `Cost.runs` times per call)."""
-  program = Program(hlo_text)
   found = []
-  for kernel in hlo.kernels(hlo_text):
-    ins = program.by_name[kernel.name]
-    if ins.opcode == "async-start":  # the wrapped instruction does the work
-      wrapped = [i for c in ins.called() for i in program.computations.get(c, ()) if i.opcode != "parameter"]
-      ins = wrapped[-1] if wrapped else ins
+  for kernel in hlo.kernels(module):
+    ins = module.unwrap(module.by_name[kernel.name])  # an async-start: the wrapped instruction does the work
     if ins.opcode == "fusion":
-      cost = fusion_cost(program, ins, kernel)
+      cost = fusion_cost(module, ins, kernel)
     elif ins.opcode == "custom-call":
-      cost = custom_call_cost(program, ins, kernel)
+      cost = custom_call_cost(module, ins, kernel)
     else:
-      cost = plain_cost(program, ins, kernel)
+      cost = plain_cost(module, ins, kernel)
     found.append(dataclasses.replace(cost, runs=kernel.runs, loop=kernel.loop))
   return found

@@ -51,6 +51,7 @@ import sys
 
 from micse_jax import jsonio
 from micse_jax.aot import collectives, hlo, host, interconnect, kernel_cost
+from micse_jax.aot.hlo_module import Module, parse
 from micse_jax.errors import ConfigError
 
 # One set of constants for every GPU target and point. The efficiencies and per-kernel costs are
@@ -176,17 +177,17 @@ def _ms_by(timed, attr: str) -> dict:
   return dict(total.most_common())
 
 
-def _schedule(hlo_text: str, kernel_names: set, waits_at: dict) -> list[tuple[str, str]]:
+def _schedule(module: Module, kernel_names: set, waits_at: dict) -> list[tuple[str, str]]:
   """[("kernel", name) | ("done", its start's name)] in the scheduled order of the entry
   computation (`aot/hlo.scheduled`); `waits_at`: {kernel: collective it waits for first} (a
   collective without a `-done`)."""
   order = []
-  for ins in hlo.scheduled(*hlo.parse(hlo_text)):
+  for ins in hlo.scheduled(module):
     if ins.name in kernel_names:
       order.extend([("done", waits_at[ins.name])] if ins.name in waits_at else [])
       order.append(("kernel", ins.name))
-    elif ins.opcode.endswith("-done") and kernel_cost.operands(ins):
-      order.append(("done", kernel_cost.operands(ins)[0]))
+    elif ins.opcode.endswith("-done") and ins.operands:
+      order.append(("done", ins.operands[0]))
   return order
 
 
@@ -217,16 +218,15 @@ def _timeline(order, compute: dict, priced: dict, sync: set) -> dict:
   return waited
 
 
-def _priced_collectives(hlo_text: str, target: str) -> tuple[dict, dict]:
+def _priced_collectives(module: Module, target: str) -> tuple[dict, dict]:
   """({kernel name: `collectives.Collective`}, {kernel name: (seconds, algorithm)}) on `target`'s links."""
-  found = collectives.program_collectives(hlo_text)
-  devices = collectives.num_devices(hlo_text)
-  return found, {name: interconnect.seconds(c, target, devices) for name, c in found.items()}
+  found = collectives.program_collectives(module)
+  return found, {name: interconnect.seconds(c, target, module.num_devices) for name, c in found.items()}
 
 
-def predict(hlo_text: str, target: str, top: int = 20, members: int = 1, cuda_graphs: str | None = "kernels") -> dict:
-  """The predicted step of an optimised HLO module on `target` (a key of `DEVICES`), JSON-able, per
-  training step (a call of K steps, `steps_per_call`, divided by K): `predicted_step_ms` (pipelined,
+def predict(module: Module, target: str, top: int = 20, members: int = 1, cuda_graphs: str | None = "kernels") -> dict:
+  """The predicted step of an optimised HLO module (`hlo_module.parse`) on `target` (a key of `DEVICES`),
+  JSON-able, per training step (a call of K steps, `steps_per_call`, divided by K): `predicted_step_ms` (pipelined,
   as the trainer runs: the slower of the device's time and the host's), `predicted_blocked_step_ms`
   (each call waited for: both), `predicted_device_ms`, `predicted_host_ms` (`aot/host.py`), `floor_ms`,
   by phase and kind, bytes, FLOPs and threefry hashes per step, the `top` largest kernels,
@@ -235,20 +235,20 @@ def predict(hlo_text: str, target: str, top: int = 20, members: int = 1, cuda_gr
   program's CUDA graphs hold (`mesh.cuda_graphs`): "kernels", each library call costs the GPU a
   graph boundary (`GRAPH_BREAK_S`) and the host a launch; "xla", the host may capture them again."""
   device = DEVICES[target]
-  costs = kernel_cost.costs(hlo_text)
-  steps = hlo.steps_per_call(*hlo.parse(hlo_text))
-  found, priced = _priced_collectives(hlo_text, target)
+  costs = kernel_cost.costs(module)
+  steps = hlo.steps_per_call(module)
+  found, priced = _priced_collectives(module, target)
   gpu = device.platform == "gpu"
   runs = {c.name: c.runs for c in costs}
   boundary = GRAPH_BREAK_S if cuda_graphs == "kernels" else 0.0
   compute = {c.name: c.runs * (kernel_seconds(c, device) + (boundary if c.library and gpu else 0.0))
              for c in costs if c.name not in priced}
-  order = _schedule(hlo_text, {c.name for c in costs}, {c.done: k for k, c in found.items() if c.done})
+  order = _schedule(module, {c.name for c in costs}, {c.done: k for k, c in found.items() if c.done})
   waited = _timeline(order, compute, {k: s * runs.get(k, 1) for k, (s, _) in priced.items()},
                      {k for k, c in found.items() if c.sync})
   timed = [(c, (waited[c.name] if c.name in priced else compute[c.name]) / steps) for c in costs]
   device_s = sum(s for _, s in timed)
-  work = host.work(costs, host.entry_arrays(hlo_text), cuda_graphs if gpu else None, host_ahead=False)
+  work = host.work(costs, host.entry_arrays(module), cuda_graphs if gpu else None, host_ahead=False)
   if cuda_graphs == "xla" and host_call_seconds(work, device) / steps < device_s:  # the host runs ahead
     work = host.work(costs, work["arrays"], cuda_graphs, host_ahead=True)
   host_s = host_call_seconds(work, device) / steps
@@ -312,16 +312,16 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
   time model of a saved program (K members: a population's; compiled with `mesh.cuda_graphs` M),
   with its kernel counts (no compile); prints the report and the JSON line, returns the result."""
   from micse_jax import cli
-  from micse_jax.aot import hlo
   with cli.input_errors_as_one_line():
     if target not in DEVICES:
       raise ConfigError(f"--aot_hlo goes with --aot TARGET, the device whose time is predicted: {', '.join(DEVICES)}")
     text = read_hlo(path)
     check_platform(text, path, target)
-  counts = hlo.summary(text)
+  module = parse(text)
+  counts = hlo.summary(module)
   from micse_jax.training import mesh
   cuda_graphs = mesh.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
-  result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members, cuda_graphs=cuda_graphs),
+  result = {"aot_hlo": path, "aot_target": target, **predict(module, target, members=members, cuda_graphs=cuda_graphs),
             "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
             "update_kernels_per_step": counts["update_kernels_per_step"]}
   print(f"micse_jax.bench --aot_hlo {path} --aot {target}: {result['kernels_per_step']} kernels")

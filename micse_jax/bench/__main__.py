@@ -28,8 +28,8 @@ import tempfile
 import jax
 
 from micse_jax import cli, jsonio
-from micse_jax.aot import hlo
-from micse_jax.aot.targets import TARGETS
+from micse_jax.aot import hlo, hlo_module
+from micse_jax.aot.topology import TARGETS
 from micse_jax.bench import aot, hardware, host, jax_step, scaling, timing, trace_summary
 from micse_jax.bench.rows import Rows
 from micse_jax.bench.torch_step import TORCH_MODES
@@ -141,7 +141,7 @@ def run(args, rows: Rows | None = None) -> dict:
     config.mesh.cuda_graphs = args.cuda_graphs
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides, steps=args.steps_per_dispatch)
   compile_s, flops = step.compile()
-  kernels = hlo.summary(step.compiled.as_text())  # the program this machine runs (autotuned on GPU)
+  kernels = hlo.summary(hlo_module.parse(step.compiled.as_text()))  # the program this machine runs (autotuned on GPU)
   rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops,
            kernels_per_step=kernels["kernels_per_step"], update_kernels_per_step=kernels["update_kernels_per_step"])
   t = timing.measure(*timing.jax_peer(step), args.warmup, args.steps, args.rounds, step.steps)

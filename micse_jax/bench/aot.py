@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax
 
 from micse_jax.aot import compile as aot_compile
-from micse_jax.aot import hlo, time_model
-from micse_jax.aot.targets import target_devices
+from micse_jax.aot import hlo, hlo_module, time_model
+from micse_jax.aot.topology import target_devices
 from micse_jax.errors import ConfigError
 
 
@@ -32,7 +32,7 @@ def bert_config_for(model: str):
   return load_config(model_dir_for(model))
 
 
-def step_config(model: str, bert_config, batch_size: int, max_length: int, dtype: str, population: int = 0):
+def compile_config(model: str, bert_config, batch_size: int, max_length: int, dtype: str, population: int = 0):
   """The bench's miCSE config at this shape; `population` K > 0: K members (seeds 1..K)."""
   from micse_jax.bench.jax_step import bench_config
   config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
@@ -47,7 +47,7 @@ def check_shape(model: str, batch_size: int, max_length: int) -> None:
   from micse_jax.training.run_inputs import check_against_model
   bert_config = bert_config_for(model)
   try:
-    check_against_model(step_config(model, bert_config, batch_size, max_length, "float32"), bert_config)
+    check_against_model(compile_config(model, bert_config, batch_size, max_length, "float32"), bert_config)
   except ConfigError as e:
     raise ConfigError(f"--model {model} --max_length {max_length}: {e}") from e
 
@@ -60,22 +60,23 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
   `steps_per_dispatch` (auto: as the trainer chooses for the target)."""
   devices = target_devices(target, num_devices)
   bert_config = bert_config_for(model)
-  config = step_config(model, bert_config, batch_size, max_length, dtype, population)
+  config = compile_config(model, bert_config, batch_size, max_length, dtype, population)
   config.mesh.cuda_graphs, config.steps_per_dispatch = cuda_graphs, str(steps)
   try:
     prog, compile_s = aot_compile.compiled_program(config, bert_config, devices)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
     raise ConfigError(f"--aot {target}: the installed compiler refuses this target: {str(e).splitlines()[0]}") from e
+  module = hlo_module.parse(prog.executable.as_text())  # read once by the report and the time model
   result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
             "jax_version": jax.__version__, "compile_s": compile_s, "steps_per_dispatch": prog.steps,
             "state_layout": "sharded" if prog.config.mesh.shard_state else "replicated",
-            **aot_compile.report(prog.executable, len(devices), population)}
-  result.update(time_model.predict(prog.executable.as_text(), target, members=population or 1,
+            **aot_compile.report(prog.executable, module, len(devices), population)}
+  result.update(time_model.predict(module, target, members=population or 1,
                                    cuda_graphs=prog.cuda_graphs))  # aot/time_model.py
   if encode:
     enc, enc_s = aot_compile.compile_encode(devices[0], bert_config, batch_size, max_length, dtype)
-    enc_kernels = hlo.summary(enc.as_text())
+    enc_kernels = hlo.summary(hlo_module.parse(enc.as_text()))
     result.update(encode_compile_s=enc_s, encode_kernels=enc_kernels["kernels_per_step"],
                   encode_by_kind=enc_kernels["by_kind"],
                   encode_cudnn_attention_calls=enc_kernels["by_kind"].get("attention (cuDNN)", 0),

@@ -140,11 +140,11 @@ class JaxStep:
   def phase_ms(self, directory: str, calls: int) -> dict:
     """Profiles `calls` calls into `directory`; returns the trace summary (`trace_summary`)
     with `ms_per_step_by_phase`: op or kernel time per training step under each phase of the step."""
-    from micse_jax.aot import hlo
+    from micse_jax.aot import hlo, hlo_module
     from micse_jax.bench import trace_summary
     with jax.profiler.trace(directory, create_perfetto_trace=True):
       for i in range(calls):
         with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
           self.run_step()
-    phases = hlo.phase_by_instruction(self.compiled.as_text())
+    phases = hlo.phase_by_instruction(hlo_module.parse(self.compiled.as_text()))
     return trace_summary.summarize(directory, calls * self.steps, phases=phases)

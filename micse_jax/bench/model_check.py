@@ -16,7 +16,7 @@ import argparse
 import collections
 import json
 
-from micse_jax.aot import kernel_cost, time_model
+from micse_jax.aot import hlo_module, kernel_cost, time_model
 from micse_jax.bench import trace_summary
 
 
@@ -26,7 +26,8 @@ def compare(hlo_text: str, trace_path: str, steps: int, target: str, pipelined_m
   'measured_kernel_ms', 'attributed_share', 'predicted_step_ms', 'predicted_blocked_step_ms', and
   the measured step times with their errors when given}; milliseconds per step."""
   device = time_model.DEVICES[target]
-  costs = kernel_cost.costs(hlo_text)
+  module = hlo_module.parse(hlo_text)
+  costs = kernel_cost.costs(module)
   durations, unattributed = trace_summary.kernel_durations(trace_path, [c.name for c in costs])
   by_class = collections.defaultdict(lambda: [0.0, 0.0])
   for cost in costs:
@@ -34,7 +35,7 @@ def compare(hlo_text: str, trace_path: str, steps: int, target: str, pipelined_m
     row[0] += 1e3 * time_model.kernel_seconds(cost, device)
     row[1] += durations.get(cost.name, 0.0) / 1e3 / steps
   measured = (sum(durations.values()) + unattributed) / 1e3 / steps
-  predicted = time_model.predict(hlo_text, target, top=0, cuda_graphs=cuda_graphs)
+  predicted = time_model.predict(module, target, top=0, cuda_graphs=cuda_graphs)
   error = lambda p, m: p / m - 1 if m else None
   result = {"target": target, "steps": steps, "measured_kernel_ms": measured,
             "attributed_share": 1 - unattributed / 1e3 / steps / measured if measured else 0.0,

@@ -23,6 +23,7 @@ import dataclasses
 import jax
 
 from micse_jax.aot.collectives import collective_table
+from micse_jax.aot.hlo_module import parse
 
 LAYOUTS = ("replicated/none", "replicated/layer", "replicated/full",
            "sharded/none", "sharded/layer", "sharded/full")
@@ -71,7 +72,7 @@ def measure(layouts=LAYOUTS, batch_size: int = 512, max_length: int = 32, dtype:
     if layout not in LAYOUTS:
       raise ValueError(f"unknown layout {layout!r}; expected some of {', '.join(LAYOUTS)}")
     compiled = compile_step(layout, batch_size, max_length, dtype)
-    reports.append(LayoutReport(layout, collective_table(compiled.as_text()), memory_per_device(compiled)))
+    reports.append(LayoutReport(layout, collective_table(parse(compiled.as_text())), memory_per_device(compiled)))
     print(f"  compiled {layout}", flush=True)
   return reports
 

@@ -161,21 +161,21 @@ def local_device(capacity_gib: float | None = None) -> Device | None:
 
 
 def target_device(target: str, num_devices: int, capacity_gib: float | None = None) -> Device:
-  """`num_devices` devices of a named target (`aot/targets.py`), compiled for deviceless on this CPU
+  """`num_devices` devices of a named target (`aot/topology.py`), compiled for deviceless on this CPU
   (`start_backend(target)` first);
   the capacity: `capacity_gib`, else a GPU's `device_memory_size` × the memory fraction JAX gives a
   run (`gpu_memory_fraction`). A TPU target needs `capacity_gib`."""
 
-  from micse_jax.aot import targets
+  from micse_jax.aot import topology
   from micse_jax.errors import ConfigError
-  if target not in targets.TARGETS:
-    raise SweepError(f"unknown --population_target {target!r}; expected one of {', '.join(targets.TARGETS)}")
-  total = targets.device_memory_bytes(target)
+  if target not in topology.TARGETS:
+    raise SweepError(f"unknown --population_target {target!r}; expected one of {', '.join(topology.TARGETS)}")
+  total = topology.device_memory_bytes(target)
   if capacity_gib is None and total is None:
     raise SweepError(f"--population_target {target}: the TPU topology does not give the chip's memory; pass "
                      "--population_device_gib (the HBM a run may use per chip, e.g. 16 for a v5e)")
   try:
-    devices = tuple(targets.target_devices(target, num_devices))
+    devices = tuple(topology.target_devices(target, num_devices))
   except ConfigError as e:
     raise SweepError(str(e)) from e
   name = f"{num_devices} × {target} (compiled deviceless)"
