@@ -1,7 +1,7 @@
 """Which of our kernels and hand-written gradients a model takes, from what its program is compiled
 for (its `Target`): the rules in one place, and one switch (`Target.own_kernels`) that turns them all off.
 
-A layer's path is one of
+An attention layer's path is one of
   "explicit"        softmax(QKᵀ/√d + mask) as XLA ops, the probabilities materialised: under
                     `model.attention=explicit`, where the kernels cannot run, and for a layer
                     without dropout whose probabilities are read (AMI's sown layers in eval);
@@ -67,7 +67,7 @@ OWN_MARKS = (KERNEL_NAME, "__gpu$xla.gpu.triton", "triton_kernel_call", OWN_GRAD
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """What a program is compiled for, as far as the choice of kernels goes.
+  """What a program is compiled for, as far as the choice of kernels and gradients goes.
 
   platform: "cuda", "rocm", "tpu" or "cpu"; compute_capability: CUDA's (major, minor), None
   elsewhere; devices: how many devices the program spans; mesh: the 1-D mesh a step's rows are
