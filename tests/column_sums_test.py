@@ -1,7 +1,7 @@
 """`models/column_sums.py`: bias and LayerNorm-parameter gradients summed in two stages on CUDA.
 
 The chunk count against hand-worked cases, both stages' sums against NumPy float64, the bias
-gradient against autodiff of a plain add, and which sum each platform lowers."""
+gradient against autodiff of a plain add, and which sum each target's policy lowers."""
 import re
 
 import jax
@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from micse_jax.kernels.choice import Target, own_gradients
 from micse_jax.models import column_sums as cs
+from micse_jax.models.policy import Policy
 
 
 @pytest.mark.parametrize("rows, columns, expected", [
@@ -84,9 +86,20 @@ def test_bias_gradient_is_the_column_sum_of_the_output_gradient():
   np.testing.assert_allclose(ours[1], g.reshape(-1, 8).sum(0), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("target, expected", [
+    (Target("cuda", (9, 0)), True), (Target("cuda", (7, 0)), True), (Target("cpu"), False),
+    (Target("rocm"), False), (Target("tpu"), False), (Target("cpu", interpret=True), False),
+    (Target("cuda", (9, 0), own_kernels=False), False)])  # the program built again without our kernels
+def test_the_cuda_gradients_are_chosen_from_the_target(target, expected):
+  assert own_gradients(target) is expected and Policy(target=target).row_sums.two_stage is expected
+
+
 def _lowered(platform: str, shape) -> str:
+  """`column_sums` as the policy of a model compiled for `platform` sums, lowered for it."""
   x = _values(shape)
-  return jax.jit(cs.column_sums).trace(x).lower(lowering_platforms=(platform,)).as_text()
+  sums = Policy(target=Target(platform, (9, 0) if platform == "cuda" else None)).row_sums
+  fn = lambda v: cs.column_sums(v, sums=sums)
+  return jax.jit(fn).trace(x).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_cuda_lowers_two_stages_and_cpu_one_sum():
@@ -103,9 +116,7 @@ def _bert_gradient_lowered_for_cuda(row_split: int) -> str:
   CUDA with its rows split over `row_split` devices (a V100-like target: the explicit attention path)."""
   from types import SimpleNamespace
 
-  from micse_jax.kernels.choice import Target
   from micse_jax.models.bert import BertConfig, BertModel
-  from micse_jax.models.policy import Policy
   config = BertConfig(vocab_size=100, hidden_size=768, num_hidden_layers=1, num_attention_heads=12,
                       intermediate_size=3072)
   mesh = SimpleNamespace(size=row_split) if row_split > 1 else None  # what Policy.row_split reads

@@ -12,7 +12,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from micse_jax.kernels import choice
 from micse_jax.models import embed
+from micse_jax.models.policy import Policy
 from micse_jax.training import mesh as mesh_lib
 
 ROWS, FEATURES, SENTENCES, TOKENS = 1000, 32, 8, 6
@@ -44,12 +46,14 @@ def main():
   np.add.at(expected_grad, ids_np, 2 * weights_np.astype(np.float64) * table_np[ids_np])
   grad_text = grad.lower(table, ids, weights).compile().as_text()
 
-  module = embed.Embed(ROWS, FEATURES, mesh=mesh)
-  small = embed.Embed(8, FEATURES, mesh=mesh)  # 1 kB: gathered whole, as the position table is
+  module = embed.Embed(num_embeddings=ROWS, features=FEATURES)
+  small = embed.Embed(num_embeddings=8, features=FEATURES)  # 1 kB: gathered whole, as the position table is
   variables = {"params": {"embedding": table}}
-  module_text = jax.jit(lambda v, i: module.apply(v, i)).lower(variables, ids).compile().as_text()
-  small_text = jax.jit(lambda v, i: small.apply(v, i)).lower(
-      {"params": {"embedding": jax.device_put(jnp.asarray(table_np[:8]), by_features)}}, ids % 8).compile().as_text()
+  # applied as a model whose sharded state holds the tables split over the mesh applies them
+  with Policy(target=choice.target_of(mesh.devices.flat, mesh=mesh), split_tables=True).applied():
+    module_text = jax.jit(lambda v, i: module.apply(v, i)).lower(variables, ids).compile().as_text()
+    small_text = jax.jit(lambda v, i: small.apply(v, i)).lower(
+        {"params": {"embedding": jax.device_put(jnp.asarray(table_np[:8]), by_features)}}, ids % 8).compile().as_text()
 
   state = {"word_embeddings": {"embedding": table}, "dense": {"kernel": table}}
   gathered = jax.jit(lambda s: mesh_lib.gathered_for_compute(s, mesh, True))(state)

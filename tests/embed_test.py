@@ -2,13 +2,17 @@
 of a table split by features over several devices.
 
 Values against `take`, the table gradient against NumPy's `np.add.at` (the scatter-add they
-replace), which backward each platform lowers, and when a table is looked up split."""
+replace), which backward each target's policy lowers, and when a table is looked up split."""
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from micse_jax.kernels.choice import Target
 from micse_jax.models import embed
+from micse_jax.models.policy import Policy
 
 
 def _case(rows=3, shape=(6, 9), features=5):
@@ -37,8 +41,9 @@ def test_module_uses_the_summed_gradient_for_small_tables_only():
 
   def lowered(module, platform):
     params = module.init(jax.random.PRNGKey(0), ids)
-    grad = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, ids) ** 2)))
-    return grad.trace(params).lower(lowering_platforms=(platform,)).as_text()
+    with Policy(target=Target(platform)).applied():  # as a model compiled for `platform` applies it
+      grad = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, ids) ** 2)))
+      return grad.trace(params).lower(lowering_platforms=(platform,)).as_text()
 
   assert "scatter" not in lowered(small, "cuda")
   assert "scatter" in lowered(small, "cpu")
@@ -52,10 +57,12 @@ def test_a_small_tables_gradient_is_summed_in_chunks_of_each_devices_rows():
   ids = jnp.zeros((512, 32), jnp.int32)
 
   def lowered(row_split):
-    module = embed.Embed(num_embeddings=2, features=768, row_split=row_split)
+    module = embed.Embed(num_embeddings=2, features=768)
     params = module.init(jax.random.PRNGKey(0), ids[:1])
-    grad = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, ids))))
-    return grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    mesh = SimpleNamespace(size=row_split) if row_split > 1 else None  # what Policy.row_split reads
+    with Policy(target=Target("cuda", (9, 0), devices=row_split, mesh=mesh)).applied():
+      grad = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, ids))))
+      return grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
 
   split, whole = lowered(4), lowered(1)
   assert "tensor<256x64x768xf32>" in split and "tensor<256x64x768xf32>" not in whole

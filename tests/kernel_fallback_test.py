@@ -137,6 +137,29 @@ def test_a_compile_error_falls_back_only_when_it_names_our_kernels(tmp_path, tin
   assert not ours or "failed to compile" in warned[0]
 
 
+def test_a_compile_error_naming_the_cuda_gradients_falls_back_without_them(tmp_path, tiny_real_dir, monkeypatch,
+                                                                          caplog):
+  """A V100 target takes no Pallas kernels (the explicit path) but the hand-written CUDA gradients
+  (`choice.own_gradients`); an XLA compile error naming one of their ops (their scope in its op_name,
+  as XLA quotes an instruction's metadata) builds the program again without them, after one warning."""
+  prog, _ = _program(_config(tmp_path, tiny_real_dir), choice.Target("cuda", (7, 0)))
+  message = ("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %reduce.7 = f32[50,64,64]{2,1,0} "
+             f"reduce(...), metadata={{op_name=\"jit(train_step)/transpose(jvp(encode))/BertModel/encoder/layer_0/"
+             f"output/LayerNorm/{choice.OWN_GRADIENT_SCOPE}/reduce\"}} (injected)")
+  built, attempts, lower = [], [], program.Program.lower
+
+  def lower_failing(self):
+    lowered = lower(self)
+    built.append((self.target.own_kernels, choice.OWN_GRADIENT_SCOPE in lowered.as_text(debug_info=True)))
+    return _FailingCompile(lowered, message, attempts)
+  monkeypatch.setattr(program.Program, "lower", lower_failing)
+  with caplog.at_level(logging.WARNING), pytest.raises(jax.errors.JaxRuntimeError, match="injected"):
+    program.compiled(prog)  # the plain program's compile fails too here
+  assert built == [(True, True), (False, False)]  # the CUDA gradients first, then none of them
+  warned = [r.getMessage() for r in caplog.records if "CUDA gradients" in r.getMessage()]
+  assert len(warned) == 1 and "failed to compile for cuda sm 7.0" in warned[0]
+
+
 def _failing_when_run(message: str):
   """`_pallas` that runs as before, plus a host callback raising `message` when the program runs."""
   real = da._pallas

@@ -87,10 +87,15 @@ def test_module_equals_flax_layer_norm_values_and_gradients(dtype):
 
 
 def _lowered_gradient(platform: str) -> str:
-  from micse_jax.models.layer_norm import platform_layer_norm
-  x, scale, bias = _inputs(shape=(4, 8))
-  grad = jax.jit(jax.grad(lambda *a: jnp.sum(platform_layer_norm(*a, EPS, jnp.float32) ** 2), argnums=(0, 1, 2)))
-  return grad.trace(x, scale, bias).lower(lowering_platforms=(platform,)).as_text()
+  """The module's gradient as a model compiled for `platform` takes it (its policy's target), lowered for it."""
+  from micse_jax.kernels.choice import Target
+  from micse_jax.models.policy import Policy
+  x, _, _ = _inputs(shape=(4, 8))
+  module = LayerNorm(epsilon=EPS)
+  params = module.init(jax.random.PRNGKey(1), x)
+  with Policy(target=Target(platform)).applied():
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(module.apply(p, x) ** 2), argnums=(0, 1)))
+    return grad.trace(params, x).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_cuda_lowering_keeps_the_hand_written_backward_and_cpu_lets_jax_differentiate():

@@ -1,6 +1,7 @@
-"""Which path each attention layer takes, from what its program is compiled for: the rules in one place.
+"""Which of our kernels and hand-written gradients a model takes, from what its program is compiled
+for (its `Target`): the rules in one place, and one switch (`Target.own_kernels`) that turns them all off.
 
-A layer's path is one of
+An attention layer's path is one of
   "explicit"        softmax(QKᵀ/√d + mask) as XLA ops, the probabilities materialised: under
                     `model.attention=explicit`, where the kernels cannot run, and for a layer
                     without dropout whose probabilities are read (AMI's sown layers in eval);
@@ -23,6 +24,16 @@ SPMD partitioner does not split by rows, so on a data-parallel program (`Target.
 run under `shard_map` on each device's rows (`dropout_attention.dropout_attention`). cuDNN's flash
 attention also needs compute capability 8.0 and a shape cuDNN takes (`cudnn_takes`). The
 interpreter (`Target.interpret`) runs the kernels on any device for tests.
+
+The model's hand-written CUDA gradients (`own_gradients`) are chosen from the same target: the
+LayerNorm VJP (`models/layer_norm.py`), the two-stage sums over rows of the bias and LayerNorm
+gradients (`models/column_sums.py`) and the small tables' summed lookup gradient
+(`models/embed.py`) run where the target is a CUDA GPU (a deviceless `--aot h100` compile on this
+CPU included: the target, not the machine that lowers, decides); elsewhere JAX differentiates the
+same forward (XLA:CPU runs their variadic reductions as scalar loops). Their backward ops are named
+`OWN_GRADIENT_SCOPE`, so a compile error of theirs names them (`OWN_MARKS`), and a program built
+again without our kernels (`Target.own_kernels` False: `training/program.compiled`'s fallback)
+takes neither the kernels nor these gradients: one fallback covers them all.
 """
 from __future__ import annotations
 
@@ -32,6 +43,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+
+from micse_jax.kernels.dropout_attention import KERNEL_NAME
 
 PATHS = ("explicit", "dropout_kernel", "cudnn", "xla")
 KERNEL_LENGTHS = (16, 32, 64, 128)    # sequence lengths the dropout-attention kernels are tested at
@@ -43,19 +56,26 @@ KERNEL_DTYPES = ("bfloat16", "float16")  # Triton's GEMMs take half precision
 KERNEL_REMAT = ("none",)
 MIN_COMPUTE_CAPABILITY = (8, 0)       # Pallas-Triton and cuDNN flash attention: Ampere and newer
 MAX_CUDNN_HEAD_DIM = 128
+# The name scope of the hand-written CUDA gradients' backward ops (`own_gradients`): in the op names
+# of a lowered program and of XLA's errors about them
+OWN_GRADIENT_SCOPE = "micse_cuda_gradient"
+# What names our kernels or gradients in a lowered program's text and in an error's message: the
+# dropout-attention kernels' names (the backward kernel's begins with the forward's), Pallas' Triton
+# custom calls (no other Pallas call is in the program), the hand-written gradients' scope
+OWN_MARKS = (KERNEL_NAME, "__gpu$xla.gpu.triton", "triton_kernel_call", OWN_GRADIENT_SCOPE)
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """What a program is compiled for, as far as the choice of kernels goes.
+  """What a program is compiled for, as far as the choice of kernels and gradients goes.
 
   platform: "cuda", "rocm", "tpu" or "cpu"; compute_capability: CUDA's (major, minor), None
   elsewhere; devices: how many devices the program spans; mesh: the 1-D mesh a step's rows are
   split over (None where each device runs a program of its own rows: one device, or a
   population's members spread one per device); interpret: run the Pallas kernels in
   Pallas' interpreter (any platform: the kernels' tests on CPU); own_kernels: False keeps our
-  Pallas kernels out whatever the device (the program built again after they failed to compile,
-  `training/program.compiled`); trial: also where they are not proven yet (`KERNEL_REMAT`): the GPU
+  Pallas kernels and hand-written CUDA gradients out whatever the device (the program built again
+  after they failed to compile, `training/program.compiled`); trial: also where they are not proven yet (`KERNEL_REMAT`): the GPU
   tests that would prove them.
   """
   platform: str = "cpu"
@@ -111,6 +131,13 @@ def target_of(devices, interpret: bool = False, mesh: Mesh | None = None) -> Tar
 def local_target() -> Target:
   """This process's default device, one of it: what a model built without a target runs on."""
   return target_of(jax.devices()[:1])
+
+
+def own_gradients(target: Target | None) -> bool:
+  """Whether a model compiled for `target` (None: this process's device) takes the hand-written CUDA
+  gradients (module docstring): a CUDA target, our kernels not turned off."""
+  target = target or local_target()
+  return target.own_kernels and target.platform == "cuda"
 
 
 def kernel_takes(length: int, head_dim: int, dtype, random_bits: int, rng_impl: str) -> bool:

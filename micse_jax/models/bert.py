@@ -9,7 +9,9 @@ target); each attention layer takes the path `kernels/choice.py` picks for it th
 `models/attention.attend`. The modules it is built from are drop-ins with flax's parameters and
 values, shaped for fewer kernels: `Dense` / `fused_dense` (`models/dense.py`: query, key and value
 as one GEMM), `LayerNorm` (`models/layer_norm.py`), `Embed` (`models/embed.py`), `Dropout`
-(`models/dropout.py`); their docstrings say why each exists and what it equals.
+(`models/dropout.py`); their docstrings say why each exists and what it equals. They keep flax's
+constructors: where their rows and tables lie and which gradients they take (`kernels/choice.py`'s
+choice for the target) they read from the policy the model applies them under (`Policy.applied`).
 """
 from __future__ import annotations
 
@@ -40,19 +42,20 @@ class BertOutput:
   mlm_logits: Array | None = None               # [B, T, vocab]
 
 
-def _dense(features: int, config: BertConfig, dtype, name: str, row_split: int = 1) -> Dense:
-  """`row_split`: the devices the rows are split over (`Policy.row_split`)."""
-  return Dense(features, nn.initializers.normal(stddev=config.initializer_range), dtype, row_split, name=name)
+def _dense(features: int, config: BertConfig, dtype, name: str) -> Dense:
+  """flax `nn.Dense`'s parameters and values, initialised as BERT's (`models/dense.py`)."""
+  return Dense(features=features, kernel_init=nn.initializers.normal(stddev=config.initializer_range), dtype=dtype,
+               name=name)
 
 
-def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm", row_split: int = 1) -> LayerNorm:
+def _layer_norm(config: BertConfig, dtype, name: str = "LayerNorm") -> LayerNorm:
   """flax `nn.LayerNorm`'s parameters and values in fewer kernels (`models/layer_norm.py`)."""
-  return LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, row_split=row_split, name=name)
+  return LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, name=name)
 
 
 def _dropout(config: BertConfig, rate: float) -> Dropout:
   """A dropout site with the config's draw (`dropout_random_bits`) and generator (`dropout_rng_impl`)."""
-  return Dropout(rate, config.dropout_random_bits, config.dropout_rng_impl)
+  return Dropout(rate=rate, random_bits=config.dropout_random_bits, rng_impl=config.dropout_rng_impl)
 
 
 def position_ids_for(input_ids: Array, attention_mask: Array, config: BertConfig) -> Array:
@@ -67,18 +70,15 @@ class BertEmbeddings(nn.Module):
   """Word + position + token-type embeddings, LayerNorm, dropout (HF `BertEmbeddings`); `attend` ties the MLM decoder."""
   config: BertConfig
   dtype: Any = jnp.float32
-  row_split: int = 1  # `Policy.row_split`
-  mesh: Any = None  # `Policy.table_mesh`
 
   def setup(self):
     c = self.config
     init = nn.initializers.normal(stddev=c.initializer_range)
-    table = lambda rows: Embed(rows, c.hidden_size, embedding_init=init, dtype=self.dtype, mesh=self.mesh,
-                               row_split=self.row_split)
+    table = lambda rows: Embed(num_embeddings=rows, features=c.hidden_size, embedding_init=init, dtype=self.dtype)
     self.word_embeddings = table(c.vocab_size)
     self.position_embeddings = table(c.max_position_embeddings)
     self.token_type_embeddings = table(c.type_vocab_size)
-    self.LayerNorm = _layer_norm(c, self.dtype, row_split=self.row_split)
+    self.LayerNorm = _layer_norm(c, self.dtype)
     self.dropout = _dropout(c, c.hidden_dropout_prob)
 
   def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool):
@@ -109,7 +109,7 @@ class BertSelfAttention(nn.Module):
     c = self.config
     heads = c.num_attention_heads
     init = nn.initializers.normal(stddev=c.initializer_range)
-    qkv = [DenseParams(c.hidden_size, init, name=n)(x.shape[-1]) for n in ("query", "key", "value")]
+    qkv = [DenseParams(features=c.hidden_size, kernel_init=init, name=n)(x.shape[-1]) for n in ("query", "key", "value")]
     drop = _dropout(c, c.attention_probs_dropout_prob)
     shape = lambda rows: (x.shape[0], rows, heads, c.hidden_size // heads)
     path = self.policy.attention_path(
@@ -128,15 +128,14 @@ class BertResidualOutput(nn.Module):
   """dense → dropout → LayerNorm(x + residual): HF BertSelfOutput / BertOutput."""
   config: BertConfig
   dtype: Any = jnp.float32
-  row_split: int = 1  # `Policy.row_split`
 
   @nn.compact
-  def __call__(self, x: Array, residual: Array, deterministic: bool, draw_shape=None) -> Array:
-    """`draw_shape`: x is the leading part of an activation of this shape (`Dropout`)."""
-    x = _dense(self.config.hidden_size, self.config, self.dtype, "dense", self.row_split)(x)
-    x = _dropout(self.config, self.config.hidden_dropout_prob)(x, deterministic=deterministic,
-                                                               draw_shape=draw_shape)
-    return _layer_norm(self.config, self.dtype, row_split=self.row_split)(x + residual)
+  def __call__(self, x: Array, residual: Array, deterministic: bool, length: int | None = None) -> Array:
+    """x, residual: `[B, T', ·]`, the first T' of the layer's `length` tokens (all of them when None);
+    the dropout mask is those tokens' part of the whole layer's (`Dropout.leading`)."""
+    x = _dense(self.config.hidden_size, self.config, self.dtype, "dense")(x)
+    x = _dropout(self.config, self.config.hidden_dropout_prob).leading(x, deterministic, length or x.shape[1])
+    return _layer_norm(self.config, self.dtype)(x + residual)
 
 
 class BertAttention(nn.Module):
@@ -150,10 +149,10 @@ class BertAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
-    ctx = BertSelfAttention(self.config, self.sow_probs, self.dtype, self.policy, self.query_rows,
-                            name="self")(x, key_mask, deterministic)
-    return BertResidualOutput(self.config, self.dtype, self.policy.row_split, name="output")(
-        ctx, x[:, :ctx.shape[1]], deterministic, draw_shape=x.shape)
+    ctx = BertSelfAttention(config=self.config, sow_probs=self.sow_probs, dtype=self.dtype, policy=self.policy,
+                            query_rows=self.query_rows, name="self")(x, key_mask, deterministic)
+    return BertResidualOutput(config=self.config, dtype=self.dtype, name="output")(
+        ctx, x[:, :ctx.shape[1]], deterministic, length=x.shape[1])
 
 
 class BertLayer(nn.Module):
@@ -168,23 +167,23 @@ class BertLayer(nn.Module):
   @nn.compact
   def __call__(self, x, key_mask, deterministic: bool):
     c = self.config
-    attn = BertAttention(c, self.sow_probs, self.dtype, self.policy, 1 if self.cls_only else None,
-                         name="attention")(x, key_mask, deterministic)
-    inner = BertIntermediate(c, self.dtype, self.policy.row_split, name="intermediate")(attn)
-    return BertResidualOutput(c, self.dtype, self.policy.row_split, name="output")(inner, attn, deterministic,
-                                                                               draw_shape=x.shape)
+    with self.policy.applied():  # the policy its layers read (where its rows lie, which gradients)
+      attn = BertAttention(config=c, sow_probs=self.sow_probs, dtype=self.dtype, policy=self.policy,
+                           query_rows=1 if self.cls_only else None, name="attention")(x, key_mask, deterministic)
+      inner = BertIntermediate(config=c, dtype=self.dtype, name="intermediate")(attn)
+      return BertResidualOutput(config=c, dtype=self.dtype, name="output")(inner, attn, deterministic,
+                                                                          length=x.shape[1])
 
 
 class BertIntermediate(nn.Module):
   """The feed-forward block's expansion: dense to `intermediate_size`, then the activation."""
   config: BertConfig
   dtype: Any = jnp.float32
-  row_split: int = 1  # `Policy.row_split`
 
   @nn.compact
   def __call__(self, x):
     c = self.config
-    return ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, c, self.dtype, "dense", self.row_split)(x))
+    return ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, c, self.dtype, "dense")(x))
 
 
 class BertEncoder(nn.Module):
@@ -201,8 +200,8 @@ class BertEncoder(nn.Module):
     layer = remat_layer(BertLayer, self.policy.remat)
     last = self.config.num_hidden_layers - 1
     for i in range(self.config.num_hidden_layers):
-      x = layer(self.config, i in self.sow_attention_layers, self.dtype, self.policy, self.cls_only and i == last,
-                name=f"layer_{i}")(x, key_mask, deterministic)
+      x = layer(config=self.config, sow_probs=i in self.sow_attention_layers, dtype=self.dtype, policy=self.policy,
+                cls_only=self.cls_only and i == last, name=f"layer_{i}")(x, key_mask, deterministic)
       hidden_states.append(x)
     return x, (tuple(hidden_states) if output_hidden_states else None)
 
@@ -237,7 +236,7 @@ class BertLMPredictionHead(nn.Module):
   @nn.compact
   def __call__(self, hidden: Array, embeddings: BertEmbeddings) -> Array:
     c = self.config
-    x = BertPredictionHeadTransform(c, self.dtype, name="transform")(hidden)
+    x = BertPredictionHeadTransform(config=c, dtype=self.dtype, name="transform")(hidden)
     bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,))
     return embeddings.attend(x) + bias.astype(self.dtype)
 
@@ -256,7 +255,7 @@ class BertModel(nn.Module):
     cls_only: the last layer computes only the [CLS] token (position 0) past its attention, so
       `last_hidden_state` is `[B, 1, H]` (the pooler, the MLM head and `hidden_states` see that
       row only). Its [CLS] values are the full model's: the same parameters, the same dropout
-      bits (each site draws the full shape's mask and keeps its first row, `Dropout`), the same
+      bits (each site draws the full shape's mask and keeps its first row, `Dropout.leading`), the same
       attention probabilities of every query (sown for AMI); the training step, which reads only
       [CLS], leaves out the rest of the last layer (~1/12 of the FFN and attention-output work).
   """
@@ -272,27 +271,28 @@ class BertModel(nn.Module):
     for i in self.sow_attention_layers:
       if not 0 <= i < self.config.num_hidden_layers:
         raise ValueError(f"attention layer {i} out of range for {self.config.num_hidden_layers} layers")
-    self.embeddings = BertEmbeddings(self.config, self.dtype, self.policy.row_split, self.policy.table_mesh)
-    self.encoder = BertEncoder(self.config, tuple(self.sow_attention_layers), self.dtype, self.policy,
-                               self.cls_only)
+    self.embeddings = BertEmbeddings(config=self.config, dtype=self.dtype)
+    self.encoder = BertEncoder(config=self.config, sow_attention_layers=tuple(self.sow_attention_layers),
+                               dtype=self.dtype, policy=self.policy, cls_only=self.cls_only)
     if self.add_pooler:
-      self.pooler = BertPooler(self.config, self.dtype)
+      self.pooler = BertPooler(config=self.config, dtype=self.dtype)
     if self.add_mlm_head:
-      self.cls = BertMLMHead(self.config, self.dtype)
+      self.cls = BertMLMHead(config=self.config, dtype=self.dtype)
 
   def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array | None = None,
                deterministic: bool = True, output_hidden_states: bool = False) -> BertOutput:
     if token_type_ids is None:
       token_type_ids = jnp.zeros_like(input_ids)
-    positions = position_ids_for(input_ids, attention_mask, self.config)
-    x = self.embeddings(input_ids, token_type_ids, positions, deterministic)
-    key_mask = attention_mask[:, None, None, :] > 0  # broadcast over heads and queries
-    x, hidden_states = self.encoder(x, key_mask, deterministic, output_hidden_states)
-    return BertOutput(
-        last_hidden_state=x,
-        pooler_output=self.pooler(x) if self.add_pooler else None,
-        hidden_states=hidden_states,
-        mlm_logits=self.cls(x, self.embeddings) if self.add_mlm_head else None)
+    with self.policy.applied():  # the policy its layers read (where its rows and tables lie, which gradients)
+      positions = position_ids_for(input_ids, attention_mask, self.config)
+      x = self.embeddings(input_ids, token_type_ids, positions, deterministic)
+      key_mask = attention_mask[:, None, None, :] > 0  # broadcast over heads and queries
+      x, hidden_states = self.encoder(x, key_mask, deterministic, output_hidden_states)
+      return BertOutput(
+          last_hidden_state=x,
+          pooler_output=self.pooler(x) if self.add_pooler else None,
+          hidden_states=hidden_states,
+          mlm_logits=self.cls(x, self.embeddings) if self.add_mlm_head else None)
 
 
 class BertMLMHead(nn.Module):
@@ -302,7 +302,7 @@ class BertMLMHead(nn.Module):
 
   @nn.compact
   def __call__(self, hidden: Array, embeddings: BertEmbeddings) -> Array:
-    return BertLMPredictionHead(self.config, self.dtype, name="predictions")(hidden, embeddings)
+    return BertLMPredictionHead(config=self.config, dtype=self.dtype, name="predictions")(hidden, embeddings)
 
 
 def collect_attentions(intermediates: dict, layers: Sequence[int]) -> Array:

@@ -13,28 +13,39 @@ it streams at about a quarter of peak bandwidth where other reductions reach mor
 
 float32 partial sums, the second stage reading R·C values instead of rows·C. Under data
 parallelism the step sees the whole batch's rows while each device sums its own 1/D of them: the
-chunks are fitted to a device's rows (`devices`, the model's `Policy.row_split`), R = D·R_d, so
-every device's first stage writes R_d·C sums and its chunks never cross into another device's
+chunks are fitted to a device's rows (`RowSums.devices`, the model's `Policy.row_split`), R = D·R_d,
+so every device's first stage writes R_d·C sums and its chunks never cross into another device's
 rows; R fitted to the whole batch would leave each device R/D, a narrow reduction again. The sum
-is the same up to the order of float32 additions. Only where it pays
-(`jax.lax.platform_dependent`: a program lowered for CUDA here, for a GPU that is not here, gets it
-too): XLA:CPU sums rows in loops that chunks do not speed up, and keeps one plain sum in the
+is the same up to the order of float32 additions. Only where it pays (`RowSums.two_stage`, chosen
+from the program's target by `kernels/choice.own_gradients`: a CUDA target, a deviceless one
+included): XLA:CPU sums rows in loops that chunks do not speed up, and keeps one plain sum in the
 values' own dtype, as autodiff computes it.
 
-`add_bias(y, bias, devices)` is `y + bias` whose bias gradient is `column_sums`;
-`column_sums(*values, devices=D)` sums several arrays of one shape in one (variadic) reduction.
+`add_bias(y, bias, sums)` is `y + bias` whose bias gradient is `column_sums`;
+`column_sums(*values, sums=RowSums(...))` sums several arrays of one shape in one (variadic) reduction.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from micse_jax.kernels.choice import OWN_GRADIENT_SCOPE
+
 Array = jax.Array
 
 CHUNK_OUTPUTS = 32768  # partial sums to aim for: twice the outputs below which the reduction is narrow
 MIN_CHUNK_ROWS = 16    # shorter chunks make the second stage the larger read
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSums:
+  """How a gradient's sums over rows are computed (module docstring): in two float32 stages
+  (`two_stage`: CUDA) with chunks fitted to `devices` devices' rows, or as one plain reduction."""
+  two_stage: bool = False
+  devices: int = 1
 
 
 def chunks(rows: int, columns: int, devices: int = 1) -> int:
@@ -73,25 +84,27 @@ def _two_stage(*values: Array, devices: int = 1) -> tuple[Array, ...]:
   return tuple(s.astype(v.dtype) for s, v in zip(variadic_sum(partial, (0,)), values))
 
 
-def column_sums(*values: Array, devices: int = 1) -> tuple[Array, ...]:
-  """Σ over every axis but the last of each of `values` (one shape, rows split over `devices`), as
-  the module docstring says: in two float32 stages when lowered for CUDA, one plain reduction elsewhere."""
-  return jax.lax.platform_dependent(*values, cuda=functools.partial(_two_stage, devices=devices), default=_plain)
+def column_sums(*values: Array, sums: RowSums = RowSums()) -> tuple[Array, ...]:
+  """Σ over every axis but the last of each of `values` (one shape), as `sums` says (module docstring):
+  in two float32 stages fitted to `sums.devices` devices' rows, or one plain reduction."""
+  if not sums.two_stage:
+    return _plain(*values)
+  with jax.named_scope(OWN_GRADIENT_SCOPE):  # a CUDA gradient of ours (`kernels/choice.OWN_MARKS`)
+    return _two_stage(*values, devices=sums.devices)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def add_bias(y: Array, bias: Array, devices: int = 1) -> Array:
-  """y + bias (broadcast over y's leading axes); the bias's gradient by `column_sums` (y's rows split
-  over `devices`)."""
+def add_bias(y: Array, bias: Array, sums: RowSums = RowSums()) -> Array:
+  """y + bias (broadcast over y's leading axes); the bias's gradient by `column_sums` as `sums` says."""
   return y + bias
 
 
-def _add_bias_forward(y, bias, devices):
+def _add_bias_forward(y, bias, sums):
   return y + bias, None
 
 
-def _add_bias_backward(devices, _, g):
-  return g, column_sums(g, devices=devices)[0]
+def _add_bias_backward(sums, _, g):
+  return g, column_sums(g, sums=sums)[0]
 
 
 add_bias.defvjp(_add_bias_forward, _add_bias_backward)

@@ -2,8 +2,10 @@
 
 `Dense` creates `nn.Dense`'s parameters (same names, shapes, dtype and initialisers) and computes
 its values, x · kernel + bias in the compute dtype, the bias added by `column_sums.add_bias`
-(`models/column_sums.py`). `fused_dense` applies several Dense layers of one input (BERT's query,
-key and value) as one GEMM over their HF-named parameter sets.
+(`models/column_sums.py`), its gradient summed as the policy of the model applying it says
+(`Policy.row_sums`: two stages fitted to each device's rows where it targets CUDA). `fused_dense`
+applies several Dense layers of one input (BERT's query, key and value) as one GEMM over their
+HF-named parameter sets.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from micse_jax.models import policy
 from micse_jax.models.column_sums import add_bias
 
 Array = jax.Array
@@ -29,23 +32,22 @@ def _dense_params(module: nn.Module, in_features: int, features: int, kernel_ini
 
 def dense(x: Array, params: dict, dtype, bias_add=add_bias) -> Array:
   """`nn.Dense(dtype=dtype)` applied with `params`: x and the parameters cast to `dtype`, x · kernel
-  + bias; by default the bias's gradient is summed by `column_sums.add_bias` (two stages on CUDA)."""
+  + bias, added by `bias_add` (by default `column_sums.add_bias`: its gradient one plain sum)."""
   x, kernel, bias = (a.astype(dtype) for a in (x, params["kernel"], params["bias"]))
   return bias_add(jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), bias)
 
 
 class Dense(nn.Module):
-  """`nn.Dense(features, dtype=dtype, kernel_init=kernel_init)`: its parameters and values (`dense`);
-  `row_split`: the devices x's rows are split over (`Policy.row_split`, for the bias gradient's sum)."""
+  """`nn.Dense(features, dtype=dtype, kernel_init=kernel_init)`: its parameters and values (`dense`),
+  the bias gradient summed over x's rows as the policy in effect says (`Policy.row_sums`)."""
   features: int
   kernel_init: Any
   dtype: Any = jnp.float32
-  row_split: int = 1
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     return dense(x, _dense_params(self, x.shape[-1], self.features, self.kernel_init), self.dtype,
-                 bias_add=functools.partial(add_bias, devices=self.row_split))
+                 bias_add=functools.partial(add_bias, sums=policy.current().row_sums))
 
 
 class DenseParams(nn.Module):

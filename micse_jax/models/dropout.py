@@ -124,3 +124,8 @@ class Dropout(nn.Module):
     # traffic, instead of drawing all sites' masks in one integer-bound kernel and reading them back
     # (the faster H100 step by the time model; BENCHMARKS.md, step cuts).
     return jax.lax.select(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
+
+  def leading(self, x: jax.Array, deterministic: bool, length: int) -> jax.Array:
+    """x `[B, T', ...]` dropped as the first T' of `length` positions (axis 1) of an activation whose
+    other axes are x's: its mask is that part of the whole activation's (`__call__`'s `draw_shape`)."""
+    return self(x, deterministic=deterministic, draw_shape=x.shape[:1] + (length,) + x.shape[2:])

@@ -7,10 +7,11 @@
   never shows it. `Embed` gathers the float32 rows and casts the result: the same forward values
   (the cast commutes with the gather) and a float32 scatter-add in the backward pass.
 * Small tables (<= `SMALL_TABLE` rows, the token types): even in float32 the scatter-add's atomics
-  into two rows run one after another (every token adds into the same 768 addresses). On CUDA the
-  gradient of row k is instead the column sum of the output gradient where the id is k, for every
-  k in one pass (`models/column_sums.py`): dE_k = Σ_tokens [id = k] · g. Elsewhere the scatter-add.
-* Several devices with the train state sharded (`Embed.mesh` = `Policy.table_mesh`): the state holds
+  into two rows run one after another (every token adds into the same 768 addresses). Where the
+  model's policy targets CUDA (`Policy.own_gradients`) the gradient of row k is instead the column
+  sum of the output gradient where the id is k, for every k in one pass (`models/column_sums.py`):
+  dE_k = Σ_tokens [id = k] · g. Elsewhere the scatter-add.
+* Several devices with the train state sharded (`Policy.table_mesh` of the policy in effect): the state holds
   each table split by its features over the mesh (`training/mesh.leaf_partition`). Gathering the vocabulary whole for each
   step's lookup moves the table (94 MB in float32 for BERT's) to every device; each device instead
   looks its features up for the whole batch's ids and an all-to-all exchanges the rows
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -31,7 +31,9 @@ from jax import Array
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from micse_jax.models.column_sums import column_sums
+from micse_jax.kernels.choice import OWN_GRADIENT_SCOPE
+from micse_jax.models import policy
+from micse_jax.models.column_sums import RowSums, column_sums
 
 SMALL_TABLE = 16  # rows up to which a lookup's gradient is summed per row on CUDA, not scattered
 
@@ -41,31 +43,33 @@ def _take(table: Array, ids: Array) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _summed_lookup(table: Array, ids: Array, rows: int, row_split: int = 1) -> Array:
-  """take(table, ids); the table's gradient by per-row column sums (module docstring), the ids'
-  rows split over `row_split` devices (`column_sums`)."""
-  del rows, row_split
+def _summed_lookup(table: Array, ids: Array, rows: int, sums: RowSums = RowSums()) -> Array:
+  """take(table, ids); the table's gradient by per-row column sums (module docstring), summed over the
+  ids' rows as `sums` says (`column_sums`)."""
+  del rows, sums
   return _take(table, ids)
 
 
-def _summed_lookup_forward(table, ids, rows, row_split):
-  del rows, row_split
+def _summed_lookup_forward(table, ids, rows, sums):
+  del rows, sums
   return _take(table, ids), ids
 
 
-def _summed_lookup_backward(rows, row_split, ids, g):
-  masked = tuple(jnp.where((ids == k)[..., None], g, jnp.zeros((), g.dtype)) for k in range(rows))
-  return jnp.stack(column_sums(*masked, devices=row_split)), None
+def _summed_lookup_backward(rows, sums, ids, g):
+  with jax.named_scope(OWN_GRADIENT_SCOPE):  # a CUDA gradient of ours (`kernels/choice.OWN_MARKS`)
+    masked = tuple(jnp.where((ids == k)[..., None], g, jnp.zeros((), g.dtype)) for k in range(rows))
+    return jnp.stack(column_sums(*masked, sums=sums)), None
 
 
 _summed_lookup.defvjp(_summed_lookup_forward, _summed_lookup_backward)
 
 
-def small_table_lookup(table: Array, ids: Array, row_split: int = 1) -> Array:
-  """take(table, ids): on CUDA with the per-row summed gradient (the ids' rows split over `row_split`
-  devices), elsewhere with the scatter-add."""
-  summed = lambda table, ids: _summed_lookup(table, ids, table.shape[0], row_split)
-  return jax.lax.platform_dependent(table, ids, cuda=summed, default=_take)
+def small_table_lookup(table: Array, ids: Array, sums: RowSums | None = None) -> Array:
+  """take(table, ids): with the per-row summed gradient, summed over the ids' rows as `sums` says, where
+  the CUDA gradients are chosen (`sums`, `Policy.row_sums`); with the scatter-add where `sums` is None."""
+  if sums is None:
+    return _take(table, ids)
+  return _summed_lookup(table, ids, table.shape[0], sums)
 
 
 def splits_lookup(rows: int, features: int, ids_shape: tuple[int, ...], devices: int, itemsize: int) -> bool:
@@ -105,26 +109,28 @@ def whole_on(table: Array, mesh) -> Array:
 
 
 class Embed(nn.Embed):
-  """`nn.Embed` (same parameter, same `attend`) whose lookup is `take(float32 table).astype(dtype)`;
-  `mesh`: the mesh the table arrives split over by features (`Policy.table_mesh`; None: whole), over
-  which a large table is looked up split (`split_lookup`), a small one gathered whole; `row_split`:
-  the devices the ids' rows are split over (`Policy.row_split`: how a small table's gradient is summed)."""
-  mesh: Any = None
-  row_split: int = 1
+  """`nn.Embed` (same parameter, same `attend`) whose lookup is `take(float32 table).astype(dtype)`.
+  Where the table lies and how its gradient is summed are the policy in effect's (`policy.current`):
+  a table that arrives split by features over its mesh (`Policy.table_mesh`; None: whole) is looked
+  up split (`split_lookup`) if large, gathered whole if small; a small table's gradient is the per-row
+  sum where the policy takes the CUDA gradients (`Policy.row_sums`)."""
 
   def __call__(self, inputs: Array) -> Array:
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError("Input type must be an integer or unsigned integer.")
+    applied = policy.current()
+    mesh = applied.table_mesh
     dtype = self.dtype or self.embedding.dtype
-    devices = 1 if self.mesh is None else self.mesh.size
+    devices = 1 if mesh is None else mesh.size
     if splits_lookup(self.num_embeddings, self.features, inputs.shape, devices, jnp.dtype(dtype).itemsize):
-      return split_lookup(self.embedding, inputs, dtype, self.mesh)
-    table = whole_on(self.embedding, self.mesh)
+      return split_lookup(self.embedding, inputs, dtype, mesh)
+    table = whole_on(self.embedding, mesh)
     if self.num_embeddings <= SMALL_TABLE:
-      return small_table_lookup(table, inputs, self.row_split).astype(dtype)
+      return small_table_lookup(table, inputs, applied.row_sums if applied.own_gradients else None).astype(dtype)
     return _take(table, inputs).astype(dtype)
 
   def attend(self, query: Array) -> Array:
     """`nn.Embed.attend` (query · tableᵀ) on the whole table (`whole_on`: gathered if it arrives split)."""
-    query, embedding = self.promote_dtype(query, whole_on(self.embedding, self.mesh), dtype=self.dtype)
+    query, embedding = self.promote_dtype(query, whole_on(self.embedding, policy.current().table_mesh),
+                                          dtype=self.dtype)
     return jnp.dot(query, embedding.T)

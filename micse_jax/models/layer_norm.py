@@ -25,11 +25,11 @@ whatever consumes it (dropout's backward). Written with two-pass statistics and 
 reductions instead, XLA's Triton norm rewriter takes the backward apart into more kernels and
 float32 temporaries (`BENCHMARKS.md`, kernel diet).
 
-Only where it pays: the module (`LayerNorm`, via `platform_layer_norm`) takes the hand-written
-VJP when the program is lowered for CUDA (`jax.lax.platform_dependent`, so a program compiled on
-this CPU for a GPU that is not here gets it too) and lets JAX differentiate the same forward
-everywhere else: XLA:CPU runs the variadic reductions as scalar loops (the LayerNorm backward 1.9x
-and the whole CPU step 1.7-2x slower) and, under `model.remat=full`, keeps more than it saves.
+Only where it pays: the module (`LayerNorm`) takes the hand-written VJP where its model's policy
+targets CUDA (`kernels/choice.own_gradients` of `Policy.target`, so a program compiled on this CPU
+for a GPU that is not here gets it too) and lets JAX differentiate the same forward everywhere else:
+XLA:CPU runs the variadic reductions as scalar loops (the LayerNorm backward 1.9x and the whole CPU
+step 1.7-2x slower) and, under `model.remat=full`, keeps more than it saves.
 """
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from micse_jax.models.column_sums import column_sums, variadic_sum
+from micse_jax.kernels.choice import OWN_GRADIENT_SCOPE
+from micse_jax.models import policy
+from micse_jax.models.column_sums import RowSums, column_sums, variadic_sum
 
 Array = jax.Array
 
@@ -54,14 +56,14 @@ def _normalise(x: Array, epsilon: float) -> tuple[Array, Array]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any, row_split: int = 1) -> Array:
-  """x̂ · γ + β over the last axis, computed in float32, returned as `dtype` (x's rows split over
-  `row_split` devices: how dγ and dβ are summed, `column_sums`)."""
-  return _layer_norm_forward(x, scale, bias, epsilon, dtype, row_split)[0]
+def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any, sums: RowSums = RowSums()) -> Array:
+  """x̂ · γ + β over the last axis, computed in float32, returned as `dtype`; `sums`: how dγ and dβ
+  are summed over x's rows (`column_sums`)."""
+  return _layer_norm_forward(x, scale, bias, epsilon, dtype, sums)[0]
 
 
-def _layer_norm_forward(x, scale, bias, epsilon, dtype, row_split):
-  del row_split
+def _layer_norm_forward(x, scale, bias, epsilon, dtype, sums):
+  del sums
   return (_normalise(x, epsilon)[0] * scale + bias).astype(dtype), (x, scale)
 
 
@@ -76,13 +78,14 @@ def _input_gradient(x: Array, scale: Array, dy: Array, epsilon: float) -> tuple[
   return rstd * (g - g_mean - normalised * (gx_mean - mean * g_mean) * rstd), normalised
 
 
-def _layer_norm_backward(epsilon, dtype, row_split, residuals, dy):
+def _layer_norm_backward(epsilon, dtype, sums, residuals, dy):
   """dx, dγ, dβ of the module docstring's equations."""
   del dtype
   x, scale = residuals
-  dx, normalised = _input_gradient(x, scale, dy, epsilon)
-  dy = dy.astype(jnp.float32)
-  dscale, dbias = column_sums(dy * normalised, dy, devices=row_split)
+  with jax.named_scope(OWN_GRADIENT_SCOPE):  # a CUDA gradient of ours (`kernels/choice.OWN_MARKS`)
+    dx, normalised = _input_gradient(x, scale, dy, epsilon)
+    dy = dy.astype(jnp.float32)
+    dscale, dbias = column_sums(dy * normalised, dy, sums=sums)
   return dx.astype(x.dtype), dscale.astype(scale.dtype), dbias.astype(scale.dtype)
 
 
@@ -90,29 +93,23 @@ layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 class LayerNorm(nn.Module):
-  """`flax.linen.LayerNorm(epsilon, dtype)`'s parameters and values (two-pass variance) via
-  `platform_layer_norm`; `row_split`: the devices x's rows are split over (`Policy.row_split`)."""
+  """`flax.linen.LayerNorm(epsilon, dtype)`'s parameters and values (two-pass variance): the hand-written
+  VJP (`layer_norm`) where the policy of the model applying it chooses the CUDA gradients
+  (`Policy.own_gradients`), JAX's autodiff of the same forward elsewhere (module docstring)."""
   epsilon: float = 1e-6
   dtype: Any = jnp.float32
-  row_split: int = 1
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     features = (x.shape[-1],)
     scale = self.param("scale", nn.initializers.ones_init(), features, jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), features, jnp.float32)
-    return platform_layer_norm(x, scale, bias, self.epsilon, self.dtype, self.row_split)
+    applied = policy.current()
+    if applied.own_gradients:
+      return layer_norm(x, scale, bias, self.epsilon, self.dtype, applied.row_sums)
+    return _autodiff_layer_norm(x, scale, bias, self.epsilon, self.dtype)
 
 
 def _autodiff_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any) -> Array:
   """`layer_norm`'s forward, differentiated by JAX."""
   return (_normalise(x, epsilon)[0] * scale + bias).astype(dtype)
-
-
-def platform_layer_norm(x: Array, scale: Array, bias: Array, epsilon: float, dtype: Any, row_split: int = 1) -> Array:
-  """`layer_norm` (its own VJP) when lowered for CUDA; elsewhere the same forward differentiated by
-  JAX, because XLA:CPU runs the variadic reductions of the hand-written backward as scalar loops
-  (the CPU step 1.9x slower) and keeps more under `model.remat=full` (BENCHMARKS.md)."""
-  own = lambda x, scale, bias: layer_norm(x, scale, bias, epsilon, dtype, row_split)
-  plain = lambda x, scale, bias: _autodiff_layer_norm(x, scale, bias, epsilon, dtype)
-  return jax.lax.platform_dependent(x, scale, bias, cuda=own, default=plain)

@@ -61,10 +61,11 @@ class InfoCSEAuxiliary(nn.Module):
                deterministic: bool = True) -> jax.Array:
     key_mask = attention_mask[:, None, None, :] > 0
     x = hidden.astype(self.dtype)
-    for i in range(self.num_layers):
-      x = BertLayer(self.config, dtype=self.dtype, policy=self.policy, name=f"layer_{i}")(x, key_mask,
-                                                                                         deterministic)
-    return InfoCSEPredictions(self.config, self.dtype, name="predictions")(x, word_embeddings)
+    with self.policy.applied():  # the policy its layers read (models/policy.py)
+      for i in range(self.num_layers):
+        x = BertLayer(config=self.config, dtype=self.dtype, policy=self.policy, name=f"layer_{i}")(x, key_mask,
+                                                                                                  deterministic)
+      return InfoCSEPredictions(config=self.config, dtype=self.dtype, name="predictions")(x, word_embeddings)
 
 
 class InfoCSEPredictions(nn.Module):

@@ -243,10 +243,11 @@ def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: ch
 def compiled(prog: Program, run_once: bool = False) -> Program:
   """`prog` with its step compiled once (`Program.executable`, the step the trainer calls).
 
-  Our kernels never stop a run: when the program holds the dropout-attention kernels and fails with an
-  error that is theirs (`_our_kernels_failed`: raised while they were traced or lowered, or naming them
-  from XLA's compile or from the run), it is built again without them, on the explicit path (the same
-  values), after one warning line naming the kernels, the stage and the reason. Any other failure is
+  Our kernels never stop a run: when the program holds the dropout-attention kernels or the hand-written
+  CUDA gradients (`choice.OWN_MARKS`) and fails with an error that is theirs (`_our_kernels_failed`:
+  raised while the kernels were traced or lowered, or naming them from XLA's compile or from the run), it
+  is built again without any of them (`Target.own_kernels` False: the explicit path, JAX's gradients, the
+  same values), after one warning line naming the kernels, the stage and the reason. Any other failure is
   raised as it is, once. `run_once`: where the program's devices are this process's (one process), the
   compiled step is also run once on zeros (`_run_once`) when it holds the kernels, so that a kernel that
   cannot be launched here falls back the same way before the run's state exists (the trainer, the
@@ -264,16 +265,15 @@ def compiled(prog: Program, run_once: bool = False) -> Program:
       raise
     plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False), prog.steps)
     reason = (str(error).strip().splitlines() or [""])[0][:300]
-    logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) failed %s for %s (%s: %s); "
-                    "training on the explicit attention path, the same values (--config.model.attention=explicit "
-                    "skips this attempt)", "when run" if stage == "run" else "to compile", prog.target.describe(),
-                    type(error).__name__, reason)
+    logging.warning("the dropout-attention kernels (micse_jax/kernels/dropout_attention.py) or the CUDA gradients "
+                    "(kernels/choice.own_gradients) failed %s for %s (%s: %s); training without them on the explicit "
+                    "attention path, the same values (--config.model.attention=explicit skips the kernels' attempt)",
+                    "when run" if stage == "run" else "to compile", prog.target.describe(), type(error).__name__, reason)
     return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
 
 
-# What names our kernels in a lowered program's text and in an error's message: their names (the backward
-# kernel's begins with the forward's), Pallas' Triton custom calls (no other Pallas call is in the program).
-_KERNEL_MARKS = (dropout_attention.KERNEL_NAME, "__gpu$xla.gpu.triton", "triton_kernel_call")
+# What names our kernels or hand-written CUDA gradients in a lowered program's text and in an error's message
+_KERNEL_MARKS = choice.OWN_MARKS
 
 
 def _may_take_kernels(prog: Program) -> bool:
