@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from micse_jax import config_checks
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.errors import ConfigError
-from micse_jax.training import finite, population
+from micse_jax.training import non_finite, population
 from tests.population_utils import compared_parts, max_difference, run_population, run_solo
 from tests.train_utils import tiny_training_config
 
@@ -81,7 +81,7 @@ def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
   member1 = population.member(pstate.members, 1)
   assert int(member1.step) == stopped[1]  # nothing applied from the bad step on
   assert all(np.isfinite(np.asarray(x)).all() for x in np.asarray(member1.params["head"]["dense"]["kernel"]))
-  line = finite.stopped_line(1, 2, stopped[1], 2)
+  line = non_finite.stopped_line(1, 2, stopped[1], 2)
   assert "\n" not in line and "member 1 (seed 2) stopped" in line
   assert int(population.member(pstate.members, 0).step) == 6
   solo_config = population_fields.member_config(config, 2)

@@ -319,8 +319,8 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
     text = read_hlo(path)
     check_platform(text, path, target)
   counts = hlo.summary(text)
-  from micse_jax.training import mesh
-  cuda_graphs = mesh.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
+  from micse_jax.training import xla_options
+  cuda_graphs = xla_options.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
   result = {"aot_hlo": path, "aot_target": target, **predict(text, target, members=members, cuda_graphs=cuda_graphs),
             "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
             "update_kernels_per_step": counts["update_kernels_per_step"]}

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.evaluation.evaluators import is_due
 from micse_jax.training.flops import step_flops_for
 

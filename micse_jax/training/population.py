@@ -1,14 +1,14 @@
 """Population training: K runs that differ only in their per-member fields, trained by one jitted step.
 
-Member i is the solo run of `configs/population.member_config(config, i)` (its seed: MLP-head
+Member i is the solo run of `configs/population_fields.member_config(config, i)` (its seed: MLP-head
 init, dropout / AMI / momentum keys and data order; its few-shot subset; its learning rate and AMI
-weight, which the step takes as arrays: `configs/population.PER_MEMBER`).
+weight, which the step takes as arrays: `configs/population_fields.PER_MEMBER`).
 
 The members' train states (whatever the `TrainState` pytree holds) are stacked on a leading
 member axis (`stack`) inside one `PopulationState`, and the pure step of `training/step.py` is
 `jax.vmap`ped over it (`make_population_step`; built and jitted by `training/program.py`):
 member i's update is the solo run's update, to float32 rounding. A member whose loss or gradient
-norm is not finite is stopped alone (the non-finite policy, `training/finite.py`): from that step
+norm is not finite is stopped alone (the non-finite policy, `training/non_finite.py`): from that step
 on its state is kept as it was (`stopped_at[i]` = the step), the others go on. The update keeps a stopped member's params,
 moments, EMA and copies in its own pass (`training/update.py`: no select over the stacked state);
 only the rest of its state (step, queue, loss scale) is selected.
@@ -31,9 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.data.packing import BatchLayout
-from micse_jax.training import finite, weight_copies
-from micse_jax.training import mesh as mesh_lib
-from micse_jax.training.finite import STOPPED
+from micse_jax.training import data_parallel, non_finite
+from micse_jax.training.non_finite import STOPPED
 
 MEMBER_AXIS = "member"
 
@@ -61,9 +60,6 @@ class PopulationState:
 
 # ---------------------------------------------------------------- state
 
-
-weight_copies.dropped.register(PopulationState, PopulationState.without_copies)
-weight_copies.rebuilt.register(PopulationState, PopulationState.with_copies)
 
 
 def stack(trees):
@@ -109,7 +105,7 @@ def row_devices(k: int, num_devices: int) -> int:
 def population_mesh(k: int, devices=None) -> Mesh:
   """A 1-D mesh: axis `MEMBER_AXIS` when the devices divide the K members, else `DATA_AXIS`."""
   devices = np.asarray(jax.devices() if devices is None else devices)
-  return Mesh(devices, (MEMBER_AXIS if spreads_members(k, devices.size) else mesh_lib.DATA_AXIS,))
+  return Mesh(devices, (MEMBER_AXIS if spreads_members(k, devices.size) else data_parallel.DATA_AXIS,))
 
 
 def _spread(mesh: Mesh) -> bool:
@@ -126,7 +122,7 @@ def state_sharding(abstract: PopulationState, mesh: Mesh):
 def batch_sharding(mesh: Mesh, chunked: bool = False) -> NamedSharding:
   """The stacked packed batch `[K, rows, columns]` (`chunked`: a call's `[steps, K, rows, columns]`):
   split by member, or by rows inside each member."""
-  spec = (MEMBER_AXIS,) if _spread(mesh) else (None, mesh_lib.DATA_AXIS)
+  spec = (MEMBER_AXIS,) if _spread(mesh) else (None, data_parallel.DATA_AXIS)
   return NamedSharding(mesh, P(*((None,) if chunked else ()), *spec))
 
 
@@ -152,13 +148,13 @@ def member_step_fn(step_fn: Callable, layout: BatchLayout) -> Callable:
 
   A member that trains and stays finite takes `step_fn`'s new state (unchanged, bit for bit); a
   stopped one, or one whose loss or gradient norm is not finite, keeps its state (the non-finite
-  policy, `training/finite.py`: the update keeps params, moments, EMA and copies itself, the
-  member's `alive` flag passed into it; `finite.member_kept` the rest).
+  policy, `training/non_finite.py`: the update keeps params, moments, EMA and copies itself, the
+  member's `alive` flag passed into it; `non_finite.member_kept` the rest).
   """
   def masked(state, packed, stopped_at, member_hyper):
     alive = stopped_at == STOPPED
     new, metrics = step_fn(state, layout.unpack(packed), member_hyper, alive)
-    kept, bad = finite.member_kept(alive, new, state, metrics)
+    kept, bad = non_finite.member_kept(alive, new, state, metrics)
     return kept, metrics, bad
   return masked
 
@@ -166,7 +162,7 @@ def member_step_fn(step_fn: Callable, layout: BatchLayout) -> Callable:
 def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | None = None) -> Callable:
   """The pure population step (PopulationState, packed [K, rows, cols], hyper) → (PopulationState,
   metrics [K]) of the members' pure train step `step_fn` (built on `inner_mesh(mesh)`); `hyper`
-  holds the per-member step inputs (arrays [K], `configs/population.step_inputs`)."""
+  holds the per-member step inputs (arrays [K], `configs/population_fields.step_inputs`)."""
   member_step = member_step_fn(step_fn, layout)
   members_step = _one_member_unbatched(jax.vmap(member_step), member_step)
   if mesh is not None and _spread(mesh):  # each device steps its own members: nothing crosses devices
@@ -178,7 +174,7 @@ def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | No
 
   def population_step(pstate: PopulationState, packed, hyper):
     members, metrics, bad = members_step(pstate.members, packed, pstate.stopped_at, hyper)
-    stopped_at = finite.stopped_after(pstate.stopped_at, bad, pstate.step)
+    stopped_at = non_finite.stopped_after(pstate.stopped_at, bad, pstate.step)
     return PopulationState(step=pstate.step + 1, members=members, stopped_at=stopped_at), metrics
 
   return population_step

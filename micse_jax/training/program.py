@@ -11,10 +11,10 @@ One call runs `steps` training steps (`steps_per_dispatch`, `training/dispatch.p
 stacked chunk of packed batches, each step the one below, so K steps in one call equal K calls bit for
 bit (`dispatch.repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
 (state, packed `[steps, rows, cols]`, watch) → (state, the last step's metrics, watch), the non-finite
-`finite.Watch` folded in at every step. A population's (`population.seeds`) vmaps that step over the
+`non_finite.Watch` folded in at every step. A population's (`population.seeds`) vmaps that step over the
 stacked members (`training/population.make_population_step`); its call is (PopulationState, packed
 `[steps, K, rows, cols]`, hyper) → (state, the last step's metrics `[K]`, stopped_at), `hyper` holding
-the members' step inputs (`configs/population.PER_MEMBER`). The batch comes packed in one int32 array
+the members' step inputs (`configs/population_fields.PER_MEMBER`). The batch comes packed in one int32 array
 (`data/packing.py`).
 The encoder's shapes come from the checkpoint the trainer loaded (`abstract_of`) or, with no
 weights at all, from the model's init (`abstract_encoder`); the rest of the params' from the networks.
@@ -35,19 +35,27 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
 from micse_jax.kernels import choice, dropout_attention
 from micse_jax.models.bert import BertConfig, BertModel
-from micse_jax.training import dispatch, finite, population, run_inputs, run_views
-from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import (
+  data_parallel,
+  dispatch,
+  non_finite,
+  population,
+  run_inputs,
+  run_slices,
+  state_placement,
+  xla_options,
+)
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Program:
   """A config's networks, optimizer, abstract state and shardings, batch layout and jitted step."""
   config: ml_collections.ConfigDict  # what the step is built from (`step_config`)
@@ -76,7 +84,7 @@ class Program:
   def batch_sharding(self):
     """Where a call's packed chunk lives: rows split over the data axis (a population: by member or
     rows), every step of the chunk alike."""
-    return population.batch_sharding(self.mesh, chunked=True) if self.members else mesh_lib.chunk_sharded(self.mesh)
+    return population.batch_sharding(self.mesh, chunked=True) if self.members else data_parallel.chunk_sharded(self.mesh)
 
   def abstract_batch(self) -> jax.ShapeDtypeStruct:
     """The packed chunk's shape, placed: `[steps, rows, columns]`, a population's `[steps, K, rows, columns]`."""
@@ -97,18 +105,18 @@ class Program:
 
   def run(self, state, packed, watch=None) -> tuple:
     """One call: `steps` steps on the packed chunk → (state, the last step's metrics, health): a solo
-    run's `finite.Watch` after them (`watch` folded on), a population's `stopped_at`."""
+    run's `non_finite.Watch` after them (`watch` folded on), a population's `stopped_at`."""
     return self.step(*self.inputs(state, packed, watch))
 
-  def fresh_watch(self) -> finite.Watch:
+  def fresh_watch(self) -> non_finite.Watch:
     """A solo run's watch with no non-finite step yet, on the mesh."""
-    return jax.device_put(finite.Watch.fresh(), mesh_lib.replicated(self.mesh))
+    return jax.device_put(non_finite.Watch.fresh(), data_parallel.replicated(self.mesh))
 
   @property
   def compiler_options(self) -> dict:
     """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout, target
     and CUDA graphs)."""
-    return mesh_lib.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
+    return xla_options.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
                                      self.target.devices, self.cuda_graphs)
 
   @property
@@ -117,7 +125,7 @@ class Program:
     `mesh.cuda_graphs_for`); None off CUDA."""
     if self.target.platform != "cuda":
       return None
-    return mesh_lib.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
+    return xla_options.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
 
   def abstract_inputs(self) -> tuple:
     """The call's arguments as placed `ShapeDtypeStruct`s: (state, chunk, a solo run's watch or a
@@ -126,8 +134,8 @@ class Program:
       third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
           self.mesh)), self.hyper)
     else:
-      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=mesh_lib.replicated(self.mesh)),
-                           jax.eval_shape(finite.Watch.fresh))
+      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data_parallel.replicated(self.mesh)),
+                           jax.eval_shape(non_finite.Watch.fresh))
     return self.abstract_state, self.abstract_batch(), third
 
   def lower(self):
@@ -147,7 +155,7 @@ class Program:
     packed = np.stack([np.stack([self.layout.pack(b) for b in step]) for step in steps_batches])
     if self.members:
       return population.stacked_batch(packed, self.mesh)
-    return mesh_lib.global_batch(packed[:, 0], self.mesh, self.batch_sharding)
+    return data_parallel.global_batch(packed[:, 0], self.mesh, self.batch_sharding)
 
   def with_steps(self, steps: int) -> "Program":
     """This program for another number of steps per call (the chunk plan's shorter one), not compiled."""
@@ -200,7 +208,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   `dispatch.steps_for`)."""
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
-  mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
+  mesh = population.population_mesh(k, devices) if k else data_parallel.data_mesh(devices)
   if target is None:  # the kernels run on the rows of the mesh a member's step sees
     target = choice.target_of(devices, mesh=population.inner_mesh(mesh) if k else mesh)
   shared = _with_state_layout(shared, mesh, target, k)
@@ -212,24 +220,26 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
     sharding = population.state_sharding(abstract, mesh)
   else:
     abstract = member
-    sharding = mesh_lib.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
+    sharding = state_placement.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
                                        shared.mesh.shard_update)
   if steps is None:  # the arrays a call passes: the state both ways, about as many again besides
     steps = dispatch.steps_for(config, bert_config, target, 2 * len(jax.tree.leaves(abstract)) + 8)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
-  return Program(shared, nets, tx, mesh, k, params, mesh_lib.placed(abstract, sharding), sharding, layout,
-                 mesh_lib.padded_batch_size(shared.batch_size, population.row_devices(k, len(devices))), hyper,
-                 _jitted_step(shared, nets, mesh, sharding, layout, k), target,
-                 lambda t, n=None: build(config, bert_config, encoder, devices, tokens, t, steps if n is None else n),
-                 steps)
+  rows = data_parallel.padded_batch_size(shared.batch_size, population.row_devices(k, len(devices)))
+  return Program(
+      config=shared, nets=nets, tx=tx, mesh=mesh, members=k, abstract_params=params,
+      abstract_state=state_placement.placed(abstract, sharding), state_sharding=sharding, layout=layout,
+      rows=rows, hyper=hyper, jitted=_jitted_step(shared, nets, mesh, sharding, layout, k), target=target,
+      rebuild=lambda t, n=None: build(config, bert_config, encoder, devices, tokens, t, steps if n is None else n),
+      steps=steps)
 
 
 def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: choice.Target,
                        members: int) -> ml_collections.ConfigDict:
   """`config` with `mesh.shard_state` decided (`mesh.shards_state`: an unset field chosen for the
   devices), so the step, the shardings and the checkpoints read one value."""
-  chosen = mesh_lib.shards_state(config.mesh, mesh.size, target.platform, members)
+  chosen = state_placement.shards_state(config.mesh, mesh.size, target.platform, members)
   if config.mesh.get("shard_state") == chosen:
     return config
   if chosen:
@@ -330,7 +340,7 @@ def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:
   the program's rows; validates all input (the trainer calls it before touching the workdir)."""
   count = len(jax.devices() if devices is None else devices)
   rows_over = population.row_devices(population_fields.size(config), count)
-  return [run_inputs.prepare(c, rows_over) for c in run_views.run_configs(config)]
+  return [run_inputs.prepare(c, rows_over) for c in run_slices.run_configs(config)]
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None, steps: int | None = None) -> Program:
@@ -346,7 +356,7 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
   a population's step vmapped over its members, with their step inputs; a solo run's non-finite
   watch folded in at every step."""
   schedule = learning_rate_schedule(config)
-  replicated = mesh_lib.replicated(mesh)
+  replicated = data_parallel.replicated(mesh)
   if members:
     one = population.make_population_step(make_train_step(config, nets, schedule, population.inner_mesh(mesh)),
                                           layout, mesh)
@@ -368,12 +378,12 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
       state, watch = carry
       state, metrics = step(_pinned(state, sharding), layout.unpack(packed))
       state = _pinned(state, sharding)
-      return (state, finite.fold(watch, metrics, state.step)), metrics
+      return (state, non_finite.fold(watch, metrics, state.step)), metrics
 
     def train_steps(state, packed, watch):
       (state, watch), metrics = dispatch.repeated(watched, (state, watch), packed)
       return state, metrics, watch
-    fn, shardings = train_steps, ((sharding, mesh_lib.chunk_sharded(mesh), replicated),
+    fn, shardings = train_steps, ((sharding, data_parallel.chunk_sharded(mesh), replicated),
                                   (sharding, replicated, replicated))
   return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
 
