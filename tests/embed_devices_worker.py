@@ -2,7 +2,7 @@
 features over 4 devices and a batch of ids split by rows, as the sharded train state and data
 parallelism give them; the split lookup (`embed.split_lookup`) and its table gradient against
 NumPy, the compiled program's collectives, the `Embed` module's choice, and the FSDP gather that
-leaves tables alone (`mesh.gathered_for_compute`); prints JSON."""
+leaves tables alone (`state_placement.gathered_for_compute`); prints JSON."""
 import json
 import re
 

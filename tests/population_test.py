@@ -11,7 +11,7 @@ import pytest
 from micse_jax import config_checks
 from micse_jax.configs import population_fields
 from micse_jax.errors import ConfigError
-from micse_jax.training import non_finite, population
+from micse_jax.training import non_finite, population, population_placement
 from tests.population_utils import compared_parts, max_difference, run_population, run_solo
 from tests.train_utils import tiny_training_config
 
@@ -230,12 +230,12 @@ def test_sweep_groups_runs_that_differ_only_in_seeds(tmp_path):
     (4, 1, 1),
 ])
 def test_a_runs_batch_is_padded_to_the_devices_its_rows_are_split_over(k, devices, expected):
-  assert population.row_devices(k, devices) == expected
+  assert population_placement.row_devices(k, devices) == expected
 
 
 def test_prepared_runs_pad_each_members_batches_as_the_program_pads_its_rows(monkeypatch):
   """`program.prepared_runs` (the trainer's, the bench's, the tests') hands `run_inputs.prepare` the
-  padding multiple `program.build` pads the rows to (`population.row_devices`)."""
+  padding multiple `program.build` pads the rows to (`population_placement.row_devices`)."""
   from micse_jax.configs import micse
   from micse_jax.training import program, run_inputs
   seen = []

@@ -299,3 +299,18 @@ def test_a_member_learning_rate_scales_the_update_bit_for_bit():
   jax.tree.map(np.testing.assert_array_equal, (ours.params, ours.opt_state), theirs)
   assert not np.array_equal(ours.params["head"]["dense"]["kernel"],
                             fused(grads, opt_state, params, None, {}).params["head"]["dense"]["kernel"])
+
+
+@pytest.mark.parametrize("max_norm", [CLIP, None])
+def test_the_update_passes_the_optimizers_own_state_layout(max_norm):
+  """What `apply` runs on the optimizer state (`update.transformation`) takes and returns the state
+  `optim.make_optimizer`'s chain initialises (the checkpointed layout), clipping or not."""
+  params = make_params()
+  config = ml_collections.ConfigDict({"num_train_steps": 10, "optim": {
+      "learning_rate": LR0, "warmup_steps": 2, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD,
+      "grad_clip_norm": max_norm or 0.0}})
+  saved = optim.make_optimizer(config).init(params)
+  ran = update.transformation(optim.adamw(config, optim.learning_rate_schedule(config)), max_norm)
+  assert jax.tree.structure(ran.init(params)) == jax.tree.structure(saved)
+  _, new_state = ran.update(make_grads(params, 0, 1.0), saved, params)
+  assert jax.tree.structure(new_state) == jax.tree.structure(saved)

@@ -5,7 +5,7 @@ to a temporary directory from the same sentences with the model's tokenizer, `ma
 BERT-base miCSE runs use), at batch 50 and 512:
 
   batch      `TrainBatches.batch(step)` (epoch permutation slice, this host's rows, row_mask);
-  placement  packing the keys into one array and `mesh.global_batch` (the device transfer), as
+  placement  packing the keys into one array and `data_parallel.global_batch` (the device transfer), as
              the trainer places each step's batch (`data/packing.py`);
   host       their sum per step: the JSON line's `host_ms_per_step`.
 

@@ -13,11 +13,7 @@ on its state is kept as it was (`stopped_at[i]` = the step), the others go on. T
 moments, EMA and copies in its own pass (`training/update.py`: no select over the stacked state);
 only the rest of its state (step, queue, loss scale) is selected.
 
-Placement (`population_mesh`): when the devices divide the members, the member axis is split
-over a `member` mesh axis and each device trains whole members under `shard_map` (members
-exchange nothing: no collective in the step; GSPMD alone would all-gather AMI's batched top-k);
-otherwise every member is data-parallel over all devices (the member
-axis replicated, rows split as in a solo run).
+Where the members live on the devices is `training/population_placement.py`'s.
 """
 from __future__ import annotations
 
@@ -27,14 +23,13 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.data.packing import BatchLayout
-from micse_jax.training import data_parallel, non_finite
+from micse_jax.training import non_finite, population_placement
 from micse_jax.training.non_finite import STOPPED
-
-MEMBER_AXIS = "member"
+from micse_jax.training.population_placement import MEMBER_AXIS
 
 
 @flax.struct.dataclass
@@ -86,59 +81,6 @@ def abstract_state(abstract_member, k: int) -> PopulationState:
                          stopped_at=jax.ShapeDtypeStruct((k,), jnp.int32))
 
 
-# ---------------------------------------------------------------- placement
-
-
-def spreads_members(k: int, num_devices: int) -> bool:
-  """Whether K members are split over the devices (each device trains whole members)."""
-  return num_devices > 1 and k % num_devices == 0
-
-
-def row_devices(k: int, num_devices: int) -> int:
-  """The devices one run's rows are split over, the multiple its batch is padded to
-  (`mesh.padded_batch_size`): all of them for a solo run (k = 0) or data-parallel members, one where
-  the members are spread (each device steps whole members: padding 50 sentences to 56 for 8 devices
-  would add an eighth of each member's work)."""
-  return 1 if k and spreads_members(k, num_devices) else num_devices
-
-
-def population_mesh(k: int, devices=None) -> Mesh:
-  """A 1-D mesh: axis `MEMBER_AXIS` when the devices divide the K members, else `DATA_AXIS`."""
-  devices = np.asarray(jax.devices() if devices is None else devices)
-  return Mesh(devices, (MEMBER_AXIS if spreads_members(k, devices.size) else data_parallel.DATA_AXIS,))
-
-
-def _spread(mesh: Mesh) -> bool:
-  return mesh.axis_names == (MEMBER_AXIS,)
-
-
-def state_sharding(abstract: PopulationState, mesh: Mesh):
-  """Every stacked leaf split on its member axis (spread), or replicated (data-parallel members)."""
-  split = member_sharding(mesh)
-  return PopulationState(step=NamedSharding(mesh, P()), members=jax.tree.map(lambda _: split, abstract.members),
-                         stopped_at=split)
-
-
-def batch_sharding(mesh: Mesh, chunked: bool = False) -> NamedSharding:
-  """The stacked packed batch `[K, rows, columns]` (`chunked`: a call's `[steps, K, rows, columns]`):
-  split by member, or by rows inside each member."""
-  spec = (MEMBER_AXIS,) if _spread(mesh) else (None, data_parallel.DATA_AXIS)
-  return NamedSharding(mesh, P(*((None,) if chunked else ()), *spec))
-
-
-def member_sharding(mesh: Mesh) -> NamedSharding:
-  """Per-member arrays `[K, ...]` (`stopped_at`, the step inputs, the metrics): split by member, or replicated."""
-  return NamedSharding(mesh, P(MEMBER_AXIS) if _spread(mesh) else P())
-
-
-def stacked_batch(packed, mesh: Mesh):
-  """A call's chunk, the members' packed batches of each step stacked (`[steps, K, rows, columns]`),
-  placed on `mesh`."""
-  if jax.process_count() == 1:
-    return jax.device_put(packed, batch_sharding(mesh, chunked=True))
-  raise NotImplementedError("population training runs on one host")  # checked by the trainer
-
-
 # ---------------------------------------------------------------- the step
 
 
@@ -161,15 +103,16 @@ def member_step_fn(step_fn: Callable, layout: BatchLayout) -> Callable:
 
 def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | None = None) -> Callable:
   """The pure population step (PopulationState, packed [K, rows, cols], hyper) → (PopulationState,
-  metrics [K]) of the members' pure train step `step_fn` (built on `inner_mesh(mesh)`); `hyper`
+  metrics [K]) of the members' pure train step `step_fn` (built on `population_placement.inner_mesh(mesh)`); `hyper`
   holds the per-member step inputs (arrays [K], `configs/population_fields.step_inputs`)."""
   member_step = member_step_fn(step_fn, layout)
   members_step = _one_member_unbatched(jax.vmap(member_step), member_step)
-  if mesh is not None and _spread(mesh):  # each device steps its own members: nothing crosses devices
+  if mesh is not None and population_placement.spreads_over(mesh):  # each device steps its own members: nothing crosses devices
     # Every input and output is split by member, so there is no replication for the check to track;
     # unchecked, the members' program may hold Pallas calls (the dropout-attention kernels), whose
     # outputs carry no varying-axes annotation.
-    members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS), out_specs=P(MEMBER_AXIS),
+    members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS),
+                                 out_specs=P(MEMBER_AXIS),
                                  check_vma=False)
 
   def population_step(pstate: PopulationState, packed, hyper):
@@ -192,12 +135,6 @@ def _one_member_unbatched(batched: Callable, single: Callable) -> Callable:
     out = single(*jax.tree.map(lambda x: x[0], args))
     return jax.tree.map(lambda x: x[None], out)
   return step
-
-
-def inner_mesh(mesh: Mesh) -> Mesh | None:
-  """The mesh a member's own step sees: none when members are spread (each device steps whole
-  members), else the data mesh its rows are split over."""
-  return None if _spread(mesh) else mesh
 
 
 # ---------------------------------------------------------------- reporting

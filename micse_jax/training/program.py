@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-import traceback
 from typing import Any, Callable
 
 import jax
@@ -38,13 +36,15 @@ from jax.sharding import Mesh
 from micse_jax.configs import population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
-from micse_jax.kernels import choice, dropout_attention
+from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import (
   data_parallel,
   dispatch,
+  kernel_fallback,
   non_finite,
   population,
+  population_placement,
   run_inputs,
   run_slices,
   state_placement,
@@ -84,7 +84,7 @@ class Program:
   def batch_sharding(self):
     """Where a call's packed chunk lives: rows split over the data axis (a population: by member or
     rows), every step of the chunk alike."""
-    return population.batch_sharding(self.mesh, chunked=True) if self.members else data_parallel.chunk_sharded(self.mesh)
+    return population_placement.batch_sharding(self.mesh, chunked=True) if self.members else data_parallel.chunk_sharded(self.mesh)
 
   def abstract_batch(self) -> jax.ShapeDtypeStruct:
     """The packed chunk's shape, placed: `[steps, rows, columns]`, a population's `[steps, K, rows, columns]`."""
@@ -94,7 +94,7 @@ class Program:
   @functools.cached_property
   def placed_hyper(self) -> dict:
     """`hyper` on the devices (once), split like the members."""
-    return jax.device_put(self.hyper, population.member_sharding(self.mesh)) if self.members else {}
+    return jax.device_put(self.hyper, population_placement.member_sharding(self.mesh)) if self.members else {}
 
   def inputs(self, state, packed, watch=None) -> tuple:
     """The call's arguments: (state, packed, a solo run's `watch` (default: none yet) or a
@@ -114,7 +114,7 @@ class Program:
 
   @property
   def compiler_options(self) -> dict:
-    """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout, target
+    """The XLA options `compiled` compiles the step with (`xla_options.compiler_options`: by layout, target
     and CUDA graphs)."""
     return xla_options.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
                                      self.target.devices, self.cuda_graphs)
@@ -122,7 +122,7 @@ class Program:
   @property
   def cuda_graphs(self) -> str | None:
     """What the step's CUDA graphs hold (`mesh.cuda_graphs` resolved for the target:
-    `mesh.cuda_graphs_for`); None off CUDA."""
+    `xla_options.cuda_graphs_for`); None off CUDA."""
     if self.target.platform != "cuda":
       return None
     return xla_options.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
@@ -131,7 +131,7 @@ class Program:
     """The call's arguments as placed `ShapeDtypeStruct`s: (state, chunk, a solo run's watch or a
     population's step inputs); nothing placed, also for absent devices."""
     if self.members:
-      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
+      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population_placement.member_sharding(
           self.mesh)), self.hyper)
     else:
       third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data_parallel.replicated(self.mesh)),
@@ -154,7 +154,7 @@ class Program:
       raise ValueError(f"a chunk of {len(steps_batches)} steps for a program of {self.steps}")
     packed = np.stack([np.stack([self.layout.pack(b) for b in step]) for step in steps_batches])
     if self.members:
-      return population.stacked_batch(packed, self.mesh)
+      return population_placement.stacked_batch(packed, self.mesh)
     return data_parallel.global_batch(packed[:, 0], self.mesh, self.batch_sharding)
 
   def with_steps(self, steps: int) -> "Program":
@@ -208,16 +208,16 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   `dispatch.steps_for`)."""
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
-  mesh = population.population_mesh(k, devices) if k else data_parallel.data_mesh(devices)
+  mesh = population_placement.population_mesh(k, devices) if k else data_parallel.data_mesh(devices)
   if target is None:  # the kernels run on the rows of the mesh a member's step sees
-    target = choice.target_of(devices, mesh=population.inner_mesh(mesh) if k else mesh)
+    target = choice.target_of(devices, mesh=population_placement.inner_mesh(mesh) if k else mesh)
   shared = _with_state_layout(shared, mesh, target, k)
   nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
   params = jax.eval_shape(lambda e: run_inputs.initial_params(shared, nets, e), encoder)
   member = jax.eval_shape(lambda p: run_inputs.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
   if k:
     abstract = population.abstract_state(member, k)
-    sharding = population.state_sharding(abstract, mesh)
+    sharding = population_placement.state_sharding(abstract, mesh)
   else:
     abstract = member
     sharding = state_placement.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
@@ -226,7 +226,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
     steps = dispatch.steps_for(config, bert_config, target, 2 * len(jax.tree.leaves(abstract)) + 8)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
-  rows = data_parallel.padded_batch_size(shared.batch_size, population.row_devices(k, len(devices)))
+  rows = data_parallel.padded_batch_size(shared.batch_size, population_placement.row_devices(k, len(devices)))
   return Program(
       config=shared, nets=nets, tx=tx, mesh=mesh, members=k, abstract_params=params,
       abstract_state=state_placement.placed(abstract, sharding), state_sharding=sharding, layout=layout,
@@ -237,7 +237,7 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
 
 def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: choice.Target,
                        members: int) -> ml_collections.ConfigDict:
-  """`config` with `mesh.shard_state` decided (`mesh.shards_state`: an unset field chosen for the
+  """`config` with `mesh.shard_state` decided (`state_placement.shards_state`: an unset field chosen for the
   devices), so the step, the shardings and the checkpoints read one value."""
   chosen = state_placement.shards_state(config.mesh, mesh.size, target.platform, members)
   if config.mesh.get("shard_state") == chosen:
@@ -254,23 +254,24 @@ def compiled(prog: Program, run_once: bool = False) -> Program:
   """`prog` with its step compiled once (`Program.executable`, the step the trainer calls).
 
   Our kernels never stop a run: when the program holds the dropout-attention kernels and fails with an
-  error that is theirs (`_our_kernels_failed`: raised while they were traced or lowered, or naming them
-  from XLA's compile or from the run), it is built again without them, on the explicit path (the same
-  values), after one warning line naming the kernels, the stage and the reason. Any other failure is
-  raised as it is, once. `run_once`: where the program's devices are this process's (one process), the
-  compiled step is also run once on zeros (`_run_once`) when it holds the kernels, so that a kernel that
-  cannot be launched here falls back the same way before the run's state exists (the trainer, the
-  bench's timed steps); a kernel that hangs, or faults the device, is not caught (docs/reliability.md)."""
+  error that is theirs (`kernel_fallback.our_kernels_failed`: raised while they were traced or lowered,
+  or naming them from XLA's compile or from the run), it is built again without them, on the explicit
+  path (the same values), after one warning line naming the kernels, the stage and the reason. Any
+  other failure is raised as it is, once. `run_once`: where the program's devices are this process's
+  (one process), the compiled step is also run once on zeros (`kernel_fallback.run_once`) when it holds
+  the kernels, so that a kernel that cannot be launched here falls back the same way before the run's
+  state exists (the trainer, the bench's timed steps); a kernel that hangs, or faults the device, is
+  not caught (docs/reliability.md)."""
   lowered, stage = None, "compile"
   try:
     lowered = prog.lower()
     executable = lowered.compile(prog.compiler_options)
-    if run_once and _may_take_kernels(prog) and _runs_here(prog) and _holds_our_kernels(lowered):
+    if run_once and kernel_fallback.worth_running_once(prog, lowered):
       stage = "run"
-      _run_once(prog, executable)
+      kernel_fallback.run_once(prog, executable)
     return dataclasses.replace(prog, executable=executable)
   except Exception as error:  # noqa: BLE001  (sorted below: only our kernels' failures fall back)
-    if not _our_kernels_failed(lowered, error):
+    if not kernel_fallback.our_kernels_failed(lowered, error):
       raise
     plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False), prog.steps)
     reason = (str(error).strip().splitlines() or [""])[0][:300]
@@ -281,65 +282,12 @@ def compiled(prog: Program, run_once: bool = False) -> Program:
     return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
 
 
-# What names our kernels in a lowered program's text and in an error's message: their names (the backward
-# kernel's begins with the forward's), Pallas' Triton custom calls (no other Pallas call is in the program).
-_KERNEL_MARKS = (dropout_attention.KERNEL_NAME, "__gpu$xla.gpu.triton", "triton_kernel_call")
-
-
-def _may_take_kernels(prog: Program) -> bool:
-  """Whether any layer of the program may take the kernels on its target (`choice.kernels_allowed`): the
-  cheap test before its text is read."""
-  model = prog.config.model
-  return choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat)
-
-
-def _holds_our_kernels(lowered) -> bool:
-  """Whether the lowered program calls the dropout-attention kernels (their names are in its text: a
-  Triton call's backend config, the interpreter's name stack)."""
-  text = lowered.as_text(debug_info=True)
-  return any(mark in text for mark in _KERNEL_MARKS)
-
-
-def _error_chain(error: BaseException) -> list[BaseException]:
-  """`error` and the exceptions it was raised from or during (JAX adds the traceback of the traced op)."""
-  chain = []
-  while error is not None and all(error is not e for e in chain):
-    chain.append(error)
-    error = error.__cause__ or error.__context__
-  return chain
-
-
-def _our_kernels_failed(lowered, error: BaseException) -> bool:
-  """Whether `error` is our kernels' failure: raised inside their module while the program was traced or
-  lowered (a frame of `kernels/dropout_attention.py` in a traceback of its chain), or raised by XLA's
-  compile or the run of a program that holds them, naming them (`_KERNEL_MARKS` in a message)."""
-  chain = _error_chain(error)
-  module = os.path.abspath(dropout_attention.__file__)
-  if any(os.path.abspath(frame.filename) == module for e in chain for frame in traceback.extract_tb(e.__traceback__)):
-    return True
-  named = any(mark in str(e) for e in chain for mark in _KERNEL_MARKS)
-  return named and lowered is not None and _holds_our_kernels(lowered)
-
-
-def _runs_here(prog: Program) -> bool:
-  """Whether this process alone runs the program: its devices are this process's (not a deviceless target's)."""
-  return jax.process_count() == 1 and set(prog.mesh.devices.flat) <= set(jax.local_devices())
-
-
-def _run_once(prog: Program, executable) -> None:
-  """The compiled step called once on a zero state and batch, placed as it takes them, and waited for:
-  a kernel that cannot be launched raises here (XLA names the kernel it failed to launch)."""
-  abstract = (prog.abstract_state, prog.abstract_batch())
-  zeros = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), abstract)
-  jax.block_until_ready(executable(*prog.inputs(*zeros)))
-
-
 def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:
   """Each run of `config` prepared (`run_inputs.prepare`: the run, or each population member), its
-  batches padded to the devices its rows are split over (`population.row_devices`), as `build` pads
+  batches padded to the devices its rows are split over (`population_placement.row_devices`), as `build` pads
   the program's rows; validates all input (the trainer calls it before touching the workdir)."""
   count = len(jax.devices() if devices is None else devices)
-  rows_over = population.row_devices(population_fields.size(config), count)
+  rows_over = population_placement.row_devices(population_fields.size(config), count)
   return [run_inputs.prepare(c, rows_over) for c in run_slices.run_configs(config)]
 
 
@@ -358,9 +306,9 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
   schedule = learning_rate_schedule(config)
   replicated = data_parallel.replicated(mesh)
   if members:
-    one = population.make_population_step(make_train_step(config, nets, schedule, population.inner_mesh(mesh)),
+    one = population.make_population_step(make_train_step(config, nets, schedule, population_placement.inner_mesh(mesh)),
                                           layout, mesh)
-    per_member = population.member_sharding(mesh)
+    per_member = population_placement.member_sharding(mesh)
 
     def pinned_step(state, packed, hyper):
       state, metrics = one(_pinned(state, sharding), packed, hyper)
@@ -370,7 +318,7 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
       state, metrics = dispatch.repeated(lambda s, p: pinned_step(s, p, hyper), state, packed)
       return state, metrics, state.stopped_at
     fn = population_steps
-    shardings = (sharding, population.batch_sharding(mesh, chunked=True), per_member), (sharding, per_member, per_member)
+    shardings = (sharding, population_placement.batch_sharding(mesh, chunked=True), per_member), (sharding, per_member, per_member)
   else:
     step = make_train_step(config, nets, schedule, mesh)
 

@@ -45,7 +45,7 @@ class Run:
 def prepare(config: ml_collections.ConfigDict, row_devices: int | None = None) -> Run:
   """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input.
   `row_devices`: the devices the run's rows are split over, whose multiple its batches are padded
-  to (`population.row_devices`; default every device).
+  to (`population_placement.row_devices`; default every device).
 
   Expects a config that passed `config_checks.check_config`; runs only the checks that need the model.
   """

@@ -55,7 +55,7 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
 
   `queue` is the momentum `Queue` of extra negatives, or None (no momentum encoder). On a
   data-parallel `mesh` the per-sentence AMI sampling runs on the device holding the sentence
-  (`mesh.rows_per_device`). Rows with `batch["row_mask"]` 0 (padding of a batch the devices do
+  (`data_parallel.rows_per_device`). Rows with `batch["row_mask"]` 0 (padding of a batch the devices do
   not divide) are no anchor, no negative and in no term or metric.
   """
   second_view, encode = SECOND_VIEWS[config.view.kind], encode_views(config)
