@@ -103,16 +103,15 @@ def member_step_fn(step_fn: Callable, layout: BatchLayout) -> Callable:
 
 def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | None = None) -> Callable:
   """The pure population step (PopulationState, packed [K, rows, cols], hyper) → (PopulationState,
-  metrics [K]) of the members' pure train step `step_fn` (built on `population_placement.inner_mesh(mesh)`); `hyper`
-  holds the per-member step inputs (arrays [K], `configs/population_fields.step_inputs`)."""
+  metrics [K]) of the members' pure train step `step_fn` (built on `population_placement.inner_mesh(mesh)`);
+  `hyper` holds the per-member step inputs (arrays [K], `configs/population_fields.step_inputs`)."""
   member_step = member_step_fn(step_fn, layout)
   members_step = _one_member_unbatched(jax.vmap(member_step), member_step)
-  if mesh is not None and population_placement.spreads_over(mesh):  # each device steps its own members: nothing crosses devices
-    # Every input and output is split by member, so there is no replication for the check to track;
-    # unchecked, the members' program may hold Pallas calls (the dropout-attention kernels), whose
-    # outputs carry no varying-axes annotation.
-    members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS),
-                                 out_specs=P(MEMBER_AXIS),
+  if mesh is not None and population_placement.spreads_over(mesh):
+    # Each device steps its own members: nothing crosses devices. Every input and output is split by
+    # member, so there is no replication for the check to track; unchecked, the members' program may
+    # hold Pallas calls (the dropout-attention kernels), whose outputs carry no varying-axes annotation.
+    members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS), out_specs=P(MEMBER_AXIS),
                                  check_vma=False)
 
   def population_step(pstate: PopulationState, packed, hyper):

@@ -9,7 +9,7 @@ here, so what `bench --aot` counts is the program the trainer runs.
 
 One call runs `steps` training steps (`steps_per_dispatch`, `training/dispatch.py`): a scan over a
 stacked chunk of packed batches, each step the one below, so K steps in one call equal K calls bit for
-bit (`dispatch.repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
+bit (`chunk_loop.repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
 (state, packed `[steps, rows, cols]`, watch) → (state, the last step's metrics, watch), the non-finite
 `non_finite.Watch` folded in at every step. A population's (`population.seeds`) vmaps that step over the
 stacked members (`training/population.make_population_step`); its call is (PopulationState, packed
@@ -39,6 +39,7 @@ from micse_jax.data.pipeline import batch_layout
 from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import (
+  chunk_loop,
   data_parallel,
   dispatch,
   kernel_fallback,
@@ -84,7 +85,9 @@ class Program:
   def batch_sharding(self):
     """Where a call's packed chunk lives: rows split over the data axis (a population: by member or
     rows), every step of the chunk alike."""
-    return population_placement.batch_sharding(self.mesh, chunked=True) if self.members else data_parallel.chunk_sharded(self.mesh)
+    if self.members:
+      return population_placement.batch_sharding(self.mesh, chunked=True)
+    return data_parallel.chunk_sharded(self.mesh)
 
   def abstract_batch(self) -> jax.ShapeDtypeStruct:
     """The packed chunk's shape, placed: `[steps, rows, columns]`, a population's `[steps, K, rows, columns]`."""
@@ -114,10 +117,10 @@ class Program:
 
   @property
   def compiler_options(self) -> dict:
-    """The XLA options `compiled` compiles the step with (`xla_options.compiler_options`: by layout, target
-    and CUDA graphs)."""
+    """The XLA options `compiled` compiles the step with (`xla_options.compiler_options`: by layout,
+    target and CUDA graphs)."""
     return xla_options.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
-                                     self.target.devices, self.cuda_graphs)
+                                        self.target.devices, self.cuda_graphs)
 
   @property
   def cuda_graphs(self) -> str | None:
@@ -131,11 +134,10 @@ class Program:
     """The call's arguments as placed `ShapeDtypeStruct`s: (state, chunk, a solo run's watch or a
     population's step inputs); nothing placed, also for absent devices."""
     if self.members:
-      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population_placement.member_sharding(
-          self.mesh)), self.hyper)
+      on, third = population_placement.member_sharding(self.mesh), self.hyper
     else:
-      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data_parallel.replicated(self.mesh)),
-                           jax.eval_shape(non_finite.Watch.fresh))
+      on, third = data_parallel.replicated(self.mesh), jax.eval_shape(non_finite.Watch.fresh)
+    third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on), third)
     return self.abstract_state, self.abstract_batch(), third
 
   def lower(self):
@@ -306,8 +308,8 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
   schedule = learning_rate_schedule(config)
   replicated = data_parallel.replicated(mesh)
   if members:
-    one = population.make_population_step(make_train_step(config, nets, schedule, population_placement.inner_mesh(mesh)),
-                                          layout, mesh)
+    member_step = make_train_step(config, nets, schedule, population_placement.inner_mesh(mesh))
+    one = population.make_population_step(member_step, layout, mesh)
     per_member = population_placement.member_sharding(mesh)
 
     def pinned_step(state, packed, hyper):
@@ -315,10 +317,11 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
       return _pinned(state, sharding), metrics
 
     def population_steps(state, packed, hyper):
-      state, metrics = dispatch.repeated(lambda s, p: pinned_step(s, p, hyper), state, packed)
+      state, metrics = chunk_loop.repeated(lambda s, p: pinned_step(s, p, hyper), state, packed)
       return state, metrics, state.stopped_at
     fn = population_steps
-    shardings = (sharding, population_placement.batch_sharding(mesh, chunked=True), per_member), (sharding, per_member, per_member)
+    shardings = ((sharding, population_placement.batch_sharding(mesh, chunked=True), per_member),
+                 (sharding, per_member, per_member))
   else:
     step = make_train_step(config, nets, schedule, mesh)
 
@@ -329,7 +332,7 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
       return (state, non_finite.fold(watch, metrics, state.step)), metrics
 
     def train_steps(state, packed, watch):
-      (state, watch), metrics = dispatch.repeated(watched, (state, watch), packed)
+      (state, watch), metrics = chunk_loop.repeated(watched, (state, watch), packed)
       return state, metrics, watch
     fn, shardings = train_steps, ((sharding, data_parallel.chunk_sharded(mesh), replicated),
                                   (sharding, replicated, replicated))
