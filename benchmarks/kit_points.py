@@ -206,7 +206,7 @@ def population_point(name: str, model_dir: str, members: int, batch_size: int, m
   set-up is the trainer's (`training/program.py`: states stacked, the step vmapped)."""
   from micse_jax.bench import hardware, timing
   from micse_jax.bench import population as pop_bench
-  from micse_jax.configs import population as population_fields
+  from micse_jax.configs import population_fields
   from micse_jax.training import program, run_inputs
   corpus = pop_bench.synthetic_corpus(os.path.join(tempfile.mkdtemp(prefix="micse_kit_population_"), "corpus.txt"))
   config = pop_bench.population_config(model_dir, batch_size, max_length, dtype, members, corpus, 10_000)

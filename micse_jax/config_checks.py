@@ -2,7 +2,7 @@
 
 `check_config(config)` needs nothing but the config: types and ranges (the `RULES` table),
 constraints between fields, the methods' parts and how they combine (`check_methods`), the
-population's fields (`check_population`, by `configs/population.PER_MEMBER`), the optional
+population's fields (`check_population`, by `configs/population_fields.PER_MEMBER`), the optional
 packages. The sweep runs it for every run before any starts. `check_run(config, workdir)` runs
 it once more with the file-system checks: the SentEval directory when dev selection is on, a
 writable workdir, and, for a workdir that already holds checkpoints, a `config.json` compatible
@@ -12,7 +12,7 @@ line that the population replaces). The checks that need the checkpoint run in
 `training/run_inputs.prepare`. Every failure is a `ConfigError`: one line, nothing written.
 
 The choice lists these checks read are owned below the training package (`configs/methods.py`,
-`augmentation/add.py`, `models/`, `losses/ami.py`, `data/pipeline.py`, `configs/population.py`):
+`augmentation/add.py`, `models/`, `losses/ami.py`, `data/pipeline.py`, `configs/population_fields.py`):
 this module imports nothing from `micse_jax.training`, which imports it.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import ml_collections
 
 from micse_jax import caches, paths
 from micse_jax.augmentation.add import ADD_IMPORTANCE, ADD_MODES
-from micse_jax.configs import population
+from micse_jax.configs import population_fields
 from micse_jax.configs.methods import OBJECTIVES, VIEW_KINDS
 from micse_jax.data.pipeline import SHUFFLE_SCHEMES
 from micse_jax.errors import ConfigError
@@ -106,7 +106,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "mesh.shard_state": lambda v: None if v is None else _bool(v),  # None: chosen by the devices
     "mesh.shard_update": _bool,
     "mesh.shard_min_elements": _int(1),
-    "mesh.cuda_graphs": _choice("auto", "kernels", "xla", "fixed", "none"),  # training/mesh.CUDA_GRAPHS
+    "mesh.cuda_graphs": _choice("auto", "kernels", "xla", "fixed", "none"),  # training/xla_options.CUDA_GRAPHS
     "model.dropout_random_bits": lambda v: None if v in (16, 32) else f"must be 16 or 32, got {v!r}",
     "model.rng_impl": _choice(*RNG_IMPLS),
     "data.corpus": _text,
@@ -178,7 +178,7 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
 
 def check_combinations(config: ml_collections.ConfigDict) -> None:
   """Constraints between fields: queue vs batch, AMI layers, task names. (Any batch runs on any
-  device count: the trainer pads it with masked rows, `training/mesh.py: padded_batch_size`.)"""
+  device count: the trainer pads it with masked rows, `training/data_parallel.py: padded_batch_size`.)"""
   if config.momentum.enabled and config.batch_size > config.momentum.queue_size:
     raise ConfigError(f"momentum.queue_size {config.momentum.queue_size} must be >= batch_size "
                       f"{config.batch_size}")
@@ -290,12 +290,12 @@ def check_workdir_writable(workdir: str) -> None:
 
 
 def check_population(config: ml_collections.ConfigDict) -> None:
-  """The `population.*` fields (`configs/population.PER_MEMBER`): each value passes its member field's
+  """The `population.*` fields (`configs/population_fields.PER_MEMBER`): each value passes its member field's
   own rule (`RULES`), one per member (or none), distinct seeds, and what they combine with."""
   if "population" not in config:
     return
-  group, k = config.population, population.size(config)
-  for name, spec in population.PER_MEMBER.items():
+  group, k = config.population, population_fields.size(config)
+  for name, spec in population_fields.PER_MEMBER.items():
     value = group.get(name, () if spec.per_member else 0)
     if spec.per_member and not isinstance(value, (tuple, list)):
       raise ConfigError(f"population.{name} must be a tuple of one {spec.field} per member, e.g. '(1,2,3)'; "
@@ -321,8 +321,8 @@ def check_population(config: ml_collections.ConfigDict) -> None:
 def check_command_line(config: ml_collections.ConfigDict, overridden) -> None:
   """A field given on the command line (`overridden`: dotted names) that a set `population.*` field
   replaces in every member would be silently replaced: one error line instead."""
-  for name in population.set_fields(config):
-    field = population.PER_MEMBER[name].field
+  for name in population_fields.set_fields(config):
+    field = population_fields.PER_MEMBER[name].field
     if field in overridden:
       raise ConfigError(f"--config.{field} is replaced in every member by population.{name} "
                         f"({config.population[name]!r}); give the members' values there, or leave out "

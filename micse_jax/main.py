@@ -30,11 +30,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, overridden=()) -> dic
   # Imported here so `--help` and flag errors stay fast.
   from micse_jax import config_checks
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import mesh, trainer
+  from micse_jax.training import distributed, trainer
   with cli.input_errors_as_one_line():
     if overridden:
       config_checks.check_command_line(config, set(overridden))
-    mesh.maybe_initialize_distributed()
+    distributed.maybe_initialize_distributed()
     results = trainer.train_and_evaluate(config, workdir)
   workdir_lib.print_run_summary(workdir)
   return results

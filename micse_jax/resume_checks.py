@@ -18,7 +18,7 @@ from typing import Any
 import ml_collections
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.configs import population
+from micse_jax.configs import population_fields
 from micse_jax.errors import ConfigError
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
@@ -32,7 +32,7 @@ RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_c
 # Fields added after workdirs were first written, each with the value that does what the versions
 # before it did: an old config.json without the field resumes when the config holds that value
 # (any other value is a different run, refused like any difference).
-ADDED_FIELDS = {"model.rng_impl": "threefry", **population.DEFAULTS}
+ADDED_FIELDS = {"model.rng_impl": "threefry", **population_fields.DEFAULTS}
 # Resumable changes that change what the steps after the checkpoint compute: each is one warning line.
 RESUME_NOTES = {
     "num_train_steps": "the learning rate's linear decay to 0 now ends at step {new} instead of {old} "

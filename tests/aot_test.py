@@ -75,7 +75,7 @@ def test_h100_step_kernels_memory_and_encode_attention(h100):
 
 
 def test_one_run_over_several_h100s_shards_its_state_by_default(h100):
-  """`mesh.shard_state` unset: one GPU keeps the state whole, four split it (FSDP, `mesh.shards_state`):
+  """`mesh.shard_state` unset: one GPU keeps the state whole, four split it (FSDP, `state_placement.shards_state`):
   each device holds about a quarter of the state (the word embeddings and every matrix; only small
   leaves stay whole), the gradients reach their quarters by reduce-scatter."""
   jax.config.update("jax_platforms", "cpu")

@@ -56,7 +56,7 @@ def test_list_configs_names_every_config_file(tmp_path):
   assert out.returncode == 0, out.stderr
   names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()][:-1]
   package = os.path.join(REPO, "micse_jax", "configs")
-  expected = sorted(f[:-3] for f in os.listdir(package) if f.endswith(".py") and f not in ("__init__.py", "methods.py", "population.py"))
+  expected = sorted(f[:-3] for f in os.listdir(package) if f.endswith(".py") and f not in ("__init__.py", "methods.py", "population_fields.py"))
   expected += sorted("sweeps/" + f[:-3] for f in os.listdir(os.path.join(package, "sweeps"))
                      if f.endswith(".py") and f != "__init__.py")
   assert names == expected

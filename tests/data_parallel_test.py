@@ -13,7 +13,7 @@ import pytest
 from micse_jax.augmentation.dropout_views import interleave_views, split_views
 from micse_jax.losses import ami
 from micse_jax.losses.infonce import info_nce_loss
-from micse_jax.training.mesh import padded_batch_size
+from micse_jax.training.data_parallel import padded_batch_size
 from micse_jax.training.momentum import Queue
 from tests.helpers import fake_devices_env
 from tests.infonce_test import _np_infonce

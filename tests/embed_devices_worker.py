@@ -2,7 +2,7 @@
 features over 4 devices and a batch of ids split by rows, as the sharded train state and data
 parallelism give them; the split lookup (`embed.split_lookup`) and its table gradient against
 NumPy, the compiled program's collectives, the `Embed` module's choice, and the FSDP gather that
-leaves tables alone (`mesh.gathered_for_compute`); prints JSON."""
+leaves tables alone (`state_placement.gathered_for_compute`); prints JSON."""
 import json
 import re
 
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from micse_jax.kernels import choice
 from micse_jax.models import embed
 from micse_jax.models.policy import Policy
-from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import data_parallel, state_placement
 
 ROWS, FEATURES, SENTENCES, TOKENS = 1000, 32, 8, 6
 
@@ -26,7 +26,7 @@ def _collectives(text: str) -> list[str]:
 
 
 def main():
-  mesh = mesh_lib.data_mesh()
+  mesh = data_parallel.data_mesh()
   rng = np.random.default_rng(0)
   table_np = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
   ids_np = rng.integers(0, ROWS, size=(SENTENCES, TOKENS)).astype(np.int32)
@@ -56,7 +56,7 @@ def main():
         {"params": {"embedding": jax.device_put(jnp.asarray(table_np[:8]), by_features)}}, ids % 8).compile().as_text()
 
   state = {"word_embeddings": {"embedding": table}, "dense": {"kernel": table}}
-  gathered = jax.jit(lambda s: mesh_lib.gathered_for_compute(s, mesh, True))(state)
+  gathered = jax.jit(lambda s: state_placement.gathered_for_compute(s, mesh, True))(state)
   print(json.dumps({
       "values_equal": bool(np.array_equal(np.asarray(looked_up), table_np[ids_np])),
       "output_spec": str(looked_up.sharding.spec),

@@ -22,7 +22,7 @@ def compiled_step_text(config, mesh):
 def main():
   from micse_jax.aot.collectives import collective_table
   from micse_jax.aot.hlo_module import parse
-  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training import data_parallel
   from tests.train_utils import tiny_training_config
   parser = argparse.ArgumentParser()
   parser.add_argument("tmp")
@@ -38,8 +38,8 @@ def main():
   config = tiny_training_config(pathlib.Path(args.tmp), args.tokenizer_dir, **overrides)
   if args.model:
     config.model.name_or_path = args.model
-  text, dim = compiled_step_text(config, mesh_lib.data_mesh())
-  rows = mesh_lib.padded_batch_size(args.batch, jax.device_count())  # z is gathered with its padding rows
+  text, dim = compiled_step_text(config, data_parallel.data_mesh())
+  rows = data_parallel.padded_batch_size(args.batch, jax.device_count())  # z is gathered with its padding rows
   if args.dump:
     pathlib.Path(args.dump).write_text(text, encoding="utf-8")
   print(json.dumps({"num_devices": jax.device_count(), "z_bytes": rows * dim * 4,

@@ -125,7 +125,7 @@ LAYERS = (
     ("micse_jax.tokenization", "micse_jax.pooling", "micse_jax.kernels", "micse_jax.models", "micse_jax.losses",
      "micse_jax.augmentation", "micse_jax.data", "micse_jax.evaluation"),
     ("micse_jax.workdir", "micse_jax.encoder"),
-    # config_checks reads the choice lists of their owners below it (configs/methods, configs/population, ...)
+    # config_checks reads the choice lists of their owners below it (configs/methods, configs/population_fields, ...)
     ("micse_jax.evaluation.evaluators", "micse_jax.export", "micse_jax.config_checks", "micse_jax.resume_checks"),
     ("micse_jax.training",),
     # the deviceless compile of the trainer's program (training/program.py) and the reading of compiled programs

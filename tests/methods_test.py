@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from micse_jax.augmentation.training_views import add_view, tokens_of
 from micse_jax.config_checks import MethodConfigError, check_methods
 from micse_jax.models.bert import BertModel
 from micse_jax.training import run_inputs, terms
 from micse_jax.training.infocse import infocse_term, lower_half_layers
 from micse_jax.training.step import make_loss_fn, step_keys
-from micse_jax.training.views import add_view, tokens_of
 from tests.helpers import SENTENCES
 from tests.train_utils import initial_params, prepared_program, program_steps
 
@@ -117,7 +117,7 @@ def test_mlm_term_is_torch_masked_lm_cross_entropy(tmp_path, tiny_real_dir):
   weighted, metrics = terms.mlm_term(params, batch, key, nets, config)
   # the same masked copy, from the same key, fed to torch
   from micse_jax.augmentation import mlm_mask
-  from micse_jax.training.views import special_mask
+  from micse_jax.augmentation.training_views import special_mask
   masked, labels, w = mlm_mask(jax.random.split(key)[0], batch["input_ids"], batch["attention_mask"],
                                special_mask(batch, nets), vocab_size=nets.tokens.vocab_size,
                                mask_token_id=nets.tokens.mask_id, prob=config.mlm.prob)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from micse_jax.data.packing import BatchLayout
-from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import data_parallel
 
 
 def _batch(rows=6, length=5, seed=0):
@@ -37,9 +37,9 @@ def test_pack_puts_columns_side_by_side_and_unpack_restores_them():
 def test_placed_packed_batch_unpacks_inside_jit_to_the_host_batch():
   batch = _batch(rows=4)
   layout = BatchLayout.of(batch)
-  mesh = mesh_lib.data_mesh()
-  placed = mesh_lib.global_batch(layout.pack(batch), mesh)
-  assert placed.sharding.is_equivalent_to(mesh_lib.batch_sharded(mesh), placed.ndim)
+  mesh = data_parallel.data_mesh()
+  placed = data_parallel.global_batch(layout.pack(batch), mesh)
+  assert placed.sharding.is_equivalent_to(data_parallel.batch_sharded(mesh), placed.ndim)
   unpacked = jax.jit(layout.unpack)(placed)
   for k, v in batch.items():
     np.testing.assert_array_equal(np.asarray(unpacked[k]), v)

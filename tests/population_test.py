@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from micse_jax import config_checks
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.errors import ConfigError
-from micse_jax.training import finite, population
+from micse_jax.training import non_finite, population, population_placement
 from tests.helpers import fake_devices_env
 from tests.population_utils import compared_parts, max_difference, run_population, run_solo
 from tests.train_utils import tiny_training_config
@@ -82,7 +82,7 @@ def test_a_non_finite_member_stops_alone(tmp_path, minilm_dir):
   member1 = population.member(pstate.members, 1)
   assert int(member1.step) == stopped[1]  # nothing applied from the bad step on
   assert all(np.isfinite(np.asarray(x)).all() for x in np.asarray(member1.params["head"]["dense"]["kernel"]))
-  line = finite.stopped_line(1, 2, stopped[1], 2)
+  line = non_finite.stopped_line(1, 2, stopped[1], 2)
   assert "\n" not in line and "member 1 (seed 2) stopped" in line
   assert int(population.member(pstate.members, 0).step) == 6
   solo_config = population_fields.member_config(config, 2)
@@ -231,12 +231,12 @@ def test_sweep_groups_runs_that_differ_only_in_seeds(tmp_path):
     (4, 1, 1),
 ])
 def test_a_runs_batch_is_padded_to_the_devices_its_rows_are_split_over(k, devices, expected):
-  assert population.row_devices(k, devices) == expected
+  assert population_placement.row_devices(k, devices) == expected
 
 
 def test_prepared_runs_pad_each_members_batches_as_the_program_pads_its_rows(monkeypatch):
   """`program.prepared_runs` (the trainer's, the bench's, the tests') hands `run_inputs.prepare` the
-  padding multiple `program.build` pads the rows to (`population.row_devices`)."""
+  padding multiple `program.build` pads the rows to (`population_placement.row_devices`)."""
   from micse_jax.configs import micse
   from micse_jax.training import program, run_inputs
   seen = []

@@ -16,7 +16,7 @@ import pytest
 
 from micse_jax import config_checks, convert, jsonio
 from micse_jax import workdir as workdir_lib
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.encoder import SentenceEncoder, load_encoder
 from micse_jax.errors import CheckpointError, ConfigError, NonFiniteLossError
 from micse_jax.evaluation import command as evaluate

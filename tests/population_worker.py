@@ -15,20 +15,20 @@ COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "
 def _saved_on_one_device_restored_on_four(state, directory):
   """The population's stacked checkpoint written from one device, resumed onto the 4-device member mesh."""
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint, population
+  from micse_jax.training import checkpoint, population_placement
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   manager = workdir_lib.rolling_manager(str(directory), 2)
   checkpoint.save_state(manager, jax.device_put(state, one))
   manager.wait_until_finished()
-  mesh = population.population_mesh(4)
+  mesh = population_placement.population_mesh(4)
   abstract = jax.eval_shape(lambda: state)
-  sharding = population.state_sharding(abstract, mesh)
+  sharding = population_placement.state_sharding(abstract, mesh)
   placed = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, sharding)
   return checkpoint.resume(workdir_lib.rolling_manager(str(directory), 2), placed)
 
 
 def main(tmp, tokenizer_dir):
-  from micse_jax.training import population
+  from micse_jax.training import population, population_placement
   from tests.population_utils import compared_parts, max_difference, run_population
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
@@ -44,11 +44,11 @@ def main(tmp, tokenizer_dir):
   found = sorted({c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", hlo[0])})
   print(json.dumps({
       "num_devices": jax.device_count(),
-      "spread": {"mesh": list(population.population_mesh(4).axis_names), "collectives": found,
+      "spread": {"mesh": list(population_placement.population_mesh(4).axis_names), "collectives": found,
                  "max_diff": max(max_difference(member(spread, i), member(reference, i)) for i in range(4))},
       "restored_4dev_max_diff": max_difference(restored, reference),
       "restored_shardings": sorted({"/".join(map(str, x.sharding.spec)) for x in jax.tree.leaves(restored.members)}),
-      "split": {"mesh": list(population.population_mesh(2).axis_names),
+      "split": {"mesh": list(population_placement.population_mesh(2).axis_names),
                 "max_diff": max(max_difference(member(split, i), member(reference, i)) for i in range(2))}}))
 
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.training import checkpoint, finite, precision, trainer, update
+from micse_jax.training import checkpoint, non_finite, precision, trainer, update
 from micse_jax.training.momentum import Queue
 from micse_jax.training.state import TrainState
 from tests.train_utils import prepared_program, program_steps, tiny_training_config
@@ -27,18 +27,19 @@ def _scale_state(scale, counter=0, skipped=0):
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad):
-  """The update skips the step itself (`update.apply(skip_nonfinite=True)`: params and moments
-  unchanged; the EMA too, `tests/update_test.py`), `finite.loss_scaled_step` keeps the queue, advances the
+  """The update skips the step itself (`update.apply` with `skip_nonfinite`: params and moments
+  unchanged; the EMA too, `tests/update_test.py`), `non_finite.loss_scaled_step` keeps the queue, advances the
   step and halves the scale."""
   adamw = optax.adamw(1e-2)
   tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
   previous = _toy_state(_scale_state(1024.0, counter=7, skipped=2)).replace(opt_state=tx.init({"w": jnp.ones(3)}))
   grads = {"w": jnp.array([1.0, bad, 2.0])}
-  result = update.apply(adamw, grads, previous.opt_state, previous.params, max_norm=1.0, skip_nonfinite=True)
+  result = update.apply(update.Inputs(inner=adamw, grads=grads, params=previous.params, opt_state=previous.opt_state,
+                                       max_norm=1.0, skip_nonfinite=True))
   assert not bool(result.applied) and not np.isfinite(float(result.grad_norm))
   updated = previous.replace(step=previous.step + 1, params=result.params, opt_state=result.opt_state,
                              queue=Queue.empty(2, 3).replace(valid=jnp.ones(2, bool), ptr=jnp.asarray(1, jnp.int32)))
-  new, metrics = finite.loss_scaled_step(jnp.isfinite(result.grad_norm), updated, previous, period=2000)
+  new, metrics = non_finite.loss_scaled_step(jnp.isfinite(result.grad_norm), updated, previous, period=2000)
   assert int(new.step) == 6  # the data position advances
   for name in ("params", "opt_state", "queue"):
     for kept, before in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(previous, name))):
@@ -51,12 +52,12 @@ def test_injected_non_finite_gradient_skips_the_update_and_halves_the_scale(bad)
 def test_finite_gradient_keeps_the_update_and_doubles_the_scale_every_period():
   previous = _toy_state(_scale_state(1024.0, counter=2, skipped=1))
   updated = previous.replace(step=previous.step + 1, params={"w": jnp.full(3, 9.0)})
-  new, metrics = finite.loss_scaled_step(jnp.asarray(True), updated, previous, period=3)
+  new, metrics = non_finite.loss_scaled_step(jnp.asarray(True), updated, previous, period=3)
   np.testing.assert_array_equal(new.params["w"], np.full(3, 9.0))
   # counter 2 == period - 1: this finite step completes a period, S -> 2S, counter -> 0
   assert float(new.loss_scale["scale"]) == 2048.0 and int(new.loss_scale["counter"]) == 0
   assert int(new.loss_scale["skipped_steps"]) == 1 and int(metrics["step_skipped"]) == 0
-  again, _ = finite.loss_scaled_step(jnp.asarray(True), new.replace(step=new.step + 1), new, period=3)
+  again, _ = non_finite.loss_scaled_step(jnp.asarray(True), new.replace(step=new.step + 1), new, period=3)
   assert float(again.loss_scale["scale"]) == 2048.0 and int(again.loss_scale["counter"]) == 1
 
 

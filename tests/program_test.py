@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from micse_jax.aot import compile as aot_compile
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.training import program, trainer
 from tests.train_utils import tiny_training_config
 

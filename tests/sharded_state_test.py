@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from micse_jax.training.mesh import DATA_AXIS, is_table, leaf_partition, shards_state
+from micse_jax.training.data_parallel import DATA_AXIS
+from micse_jax.training.state_placement import is_table, leaf_partition, shards_state
 from tests.helpers import run_device_worker
 from tests.portable_checkpoint_test import drop_steps_after
 from tests.train_utils import tiny_training_config
@@ -100,7 +101,7 @@ KERNEL_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"}  # cuBLA
 ])
 def test_the_step_on_gpus_keeps_library_calls_out_of_its_graphs_and_combines_reduce_scatters_in_pieces(
     sharded, platform, devices, expected):
-  from micse_jax.training.mesh import compiler_options
+  from micse_jax.training.xla_options import compiler_options
   assert compiler_options(sharded, platform, devices) == expected
   xla = compiler_options(sharded, platform, devices, cuda_graphs="xla")  # XLA's own default graphs
   assert xla == {k: v for k, v in expected.items() if k not in KERNEL_GRAPHS}
@@ -114,13 +115,13 @@ def test_the_step_on_gpus_keeps_library_calls_out_of_its_graphs_and_combines_red
 @pytest.mark.parametrize("mode, ampere_or_newer, resolved", [
     ("auto", True, "kernels"), ("auto", False, "xla"), ("kernels", False, "kernels"), ("xla", True, "xla")])
 def test_auto_keeps_library_calls_out_of_the_graphs_of_ampere_or_newer_gpus(mode, ampere_or_newer, resolved):
-  from micse_jax.training.mesh import cuda_graphs_for
+  from micse_jax.training.xla_options import cuda_graphs_for
   assert cuda_graphs_for(mode, ampere_or_newer) == resolved
 
 
 def test_the_config_accepts_each_cuda_graphs_mode_and_auto_only():
   from micse_jax import config_checks
-  from micse_jax.training.mesh import CUDA_GRAPHS
+  from micse_jax.training.xla_options import CUDA_GRAPHS
   rule = config_checks.RULES["mesh.cuda_graphs"]
   assert all(rule(mode) is None for mode in ("auto", *CUDA_GRAPHS))
   assert rule("graphs") is not None and rule(None) is not None

@@ -217,7 +217,7 @@ def test_library_calls_between_cuda_graphs_cost_the_gpu_a_gap_and_inside_them_th
 
 def _loop(trips: int, kernels: int) -> str:
   """A program whose entry runs `kernels` negations of a [1024, 256] array in a `while` of `trips`
-  known trips (the step loop of `training/dispatch.repeated`), then one more outside it."""
+  known trips (the step loop of `training/chunk_loop.repeated`), then one more outside it."""
   shape = "f32[1024,256]{1,0}"
   fused = f"%fneg (p.0: f32[1024,256]) -> f32[1024,256] {{\n  %p.0 = {shape} parameter(0)\n" \
           f"  ROOT %n.0 = {shape} negate(%p.0)\n}}\n"

@@ -13,10 +13,9 @@ import numpy as np
 def state_on_this_topology(config, workdir):
   """The latest TrainState, replicated over this process's 4-device mesh (the trainer's target)."""
   from micse_jax import workdir as workdir_lib
-  from micse_jax.training import checkpoint
-  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training import checkpoint, data_parallel
   from tests.train_utils import step0_shapes
-  abstract = step0_shapes(config, mesh_lib.replicated(mesh_lib.data_mesh()))
+  abstract = step0_shapes(config, data_parallel.replicated(data_parallel.data_mesh()))
   return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), abstract)
 
 

@@ -47,12 +47,13 @@ SLOW = [("micse", None, {"model.dtype": "float16"}), ("micse", None, {"model.dty
         ("ami_mirror", None, {}), ("positive_only", None, {}), ("ami_positive_only", None, {})]
 
 
-def reference_apply(inner, grads, opt_state, params, *, max_norm, ema_params=None, ema_decay=None, copies=None,
-                    keep=True, skip_nonfinite=False, scale=None, norm_fn=None):
+def reference_apply(u: update.Inputs, norm_fn=None):
   """The update as the step wrote it before the fused pass, with optax's own per-leaf chain: the
   norm (`optax.tree.norm`, or `norm_fn` in its place, also inside the clipping), clip → `inner`
   (`tx.update`), the member's scale, `apply_updates`, the EMA of the new encoder, the copies recast,
   then a select of all of it against the old state."""
+  inner, grads, opt_state, params, max_norm = u.inner, u.grads, u.opt_state, u.params, u.max_norm
+  ema_params, ema_decay, copies, keep, scale = u.ema_params, u.ema_decay, u.copies, u.keep, u.scale
   tx = inner if max_norm is None else optax.chain(optax.clip_by_global_norm(max_norm), inner)
   with mock.patch.object(optax.tree, "norm", norm_fn) if norm_fn else contextlib.nullcontext():
     norm = optax.tree.norm(grads)
@@ -63,7 +64,7 @@ def reference_apply(inner, grads, opt_state, params, *, max_norm, ema_params=Non
   new_ema = ema_update(new_params["encoder"], ema_params, ema_decay) if ema_decay is not None and ema_params \
       else ema_params
   new_copies = weight_copies.of(new_params, new_ema, weight_copies.dtype_of(copies)) if copies else copies
-  keep = jnp.asarray(keep, bool) & (jnp.isfinite(norm) if skip_nonfinite else True)
+  keep = jnp.asarray(keep, bool) & (jnp.isfinite(norm) if u.skip_nonfinite else True)
   select = lambda new, old: jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
   return update.Result(select(new_params, params), select(new_state, opt_state), select(new_ema, ema_params),
                        select(new_copies, copies), norm, keep)

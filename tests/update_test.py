@@ -55,8 +55,8 @@ def initial(params):
 
 @jax.jit
 def fused(grads, opt_state, params, ema, copies, keep=True):
-  return update.apply(inner(), grads, opt_state, params, max_norm=CLIP, ema_params=ema, ema_decay=DECAY,
-                      copies=copies, keep=keep, skip_nonfinite=True)
+  return update.apply(update.Inputs(inner=inner(), grads=grads, params=params, opt_state=opt_state, max_norm=CLIP,
+                                    ema_params=ema, ema_decay=DECAY, copies=copies, keep=keep, skip_nonfinite=True))
 
 
 def numpy_step(state, grads, keep):
@@ -146,7 +146,8 @@ def test_a_non_finite_gradient_is_skipped_only_when_asked():
   assert not bool(r.applied) and not np.isfinite(float(r.grad_norm))
   jax.tree.map(np.testing.assert_array_equal, (r.params, r.opt_state, r.ema_params, r.copies),
                (params, opt_state, ema, copies))
-  solo = update.apply(inner(), grads, opt_state, params, max_norm=CLIP)  # a solo run: the NaN goes through
+  # a solo run: the NaN goes through
+  solo = update.apply(update.Inputs(inner=inner(), grads=grads, params=params, opt_state=opt_state, max_norm=CLIP))
   assert bool(solo.applied) and not np.all(np.isfinite(solo.params["encoder"]["layer"]["key"]["bias"]))
 
 
@@ -266,7 +267,8 @@ def test_h100_update_is_few_kernels_not_one_per_leaf():
                            jax.eval_shape(chain.init, params))
 
   def ours(grads, opt_state, params):
-    r = update.apply(inner(), grads, opt_state, params, max_norm=CLIP, keep=True)
+    r = update.apply(update.Inputs(inner=inner(), grads=grads, params=params, opt_state=opt_state, max_norm=CLIP,
+                                  keep=True))
     return r.opt_state, r.params, r.grad_norm  # the donated arguments' order: each output updates its input in place
 
   def per_leaf(grads, opt_state, params):
@@ -286,7 +288,8 @@ def test_a_member_learning_rate_scales_the_update_bit_for_bit():
   params = make_params(2)
   opt_state, _, _ = initial(params)
   grads, scale = make_grads(params, 0, 5.0), jnp.float32(0.37)
-  ours = jax.jit(lambda g, s, p: update.apply(inner(), g, s, p, max_norm=CLIP, scale=scale))(grads, opt_state, params)
+  ours = jax.jit(lambda g, s, p: update.apply(update.Inputs(inner=inner(), grads=g, params=p, opt_state=s, max_norm=CLIP,
+                                                            scale=scale)))(grads, opt_state, params)
 
   @jax.jit
   def reference(g, s, p):
@@ -296,3 +299,18 @@ def test_a_member_learning_rate_scales_the_update_bit_for_bit():
   jax.tree.map(np.testing.assert_array_equal, (ours.params, ours.opt_state), theirs)
   assert not np.array_equal(ours.params["head"]["dense"]["kernel"],
                             fused(grads, opt_state, params, None, {}).params["head"]["dense"]["kernel"])
+
+
+@pytest.mark.parametrize("max_norm", [CLIP, None])
+def test_the_update_passes_the_optimizers_own_state_layout(max_norm):
+  """What `apply` runs on the optimizer state (`update.transformation`) takes and returns the state
+  `optim.make_optimizer`'s chain initialises (the checkpointed layout), clipping or not."""
+  params = make_params()
+  config = ml_collections.ConfigDict({"num_train_steps": 10, "optim": {
+      "learning_rate": LR0, "warmup_steps": 2, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD,
+      "grad_clip_norm": max_norm or 0.0}})
+  saved = optim.make_optimizer(config).init(params)
+  ran = update.transformation(optim.adamw(config, optim.learning_rate_schedule(config)), max_norm)
+  assert jax.tree.structure(ran.init(params)) == jax.tree.structure(saved)
+  _, new_state = ran.update(make_grads(params, 0, 1.0), saved, params)
+  assert jax.tree.structure(new_state) == jax.tree.structure(saved)

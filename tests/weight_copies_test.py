@@ -83,8 +83,9 @@ def test_a_stale_copy_is_what_the_forward_reads():
   assert used.dtype == jnp.bfloat16 and float(used[0, 0]) == 3.0
   state = _state(jnp.bfloat16)
   moved = jax.tree.map(lambda p: p + 1.0, state.params)
-  result = update.apply(optax.sgd(0.5), moved, state.opt_state, state.params, max_norm=None,
-                        ema_params=state.ema_params, ema_decay=0.5, copies=state.compute_weights)
+  result = update.apply(update.Inputs(inner=optax.sgd(0.5), grads=moved, params=state.params, opt_state=state.opt_state,
+                                      max_norm=None, ema_params=state.ema_params, ema_decay=0.5,
+                                      copies=state.compute_weights))
   kernel = np.asarray(_params()["encoder"]["layer"]["dense"]["kernel"])
   np.testing.assert_array_equal(np.asarray(result.copies["encoder"]["layer"]["dense"]["kernel"]),
                                 (kernel - np.float32(0.5) * (kernel + np.float32(1))).astype(jnp.bfloat16))

@@ -33,7 +33,7 @@ from micse_jax.aot.hlo_module import NO_WORK, Instruction, Module
 PHASES = ("views", "encode", "loss/contrastive", "loss/ami", "loss/reconstruction", "loss/mlm", "loss/infocse",
           "optimizer", "momentum_forward", "enqueue", "finite")
 # the update (clipping, AdamW, the EMA and the weight copies in one pass: training/update.py) and the
-# non-finite selection after it (training/finite.py)
+# non-finite selection after it (training/non_finite.py)
 UPDATE_PHASES = ("optimizer", "finite")
 NO_PHASE = "(no phase)"
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -159,7 +159,7 @@ def scheduled(module: Module):
 
 def steps_per_call(module: Module) -> int:
   """The training steps one call of a program runs: the trip count of the entry computation's loop
-  whose body holds the most instructions (the step, `training/dispatch.repeated`), 1 without one."""
+  whose body holds the most instructions (the step, `training/chunk_loop.repeated`), 1 without one."""
   loops = [ins for ins in module.computations.get(module.entry, ()) if ins.opcode == "while"]
   size = lambda ins: len(module.called_instructions(ins))
   return trip_count(max(loops, key=size)) if loops else 1

@@ -71,7 +71,7 @@ INTEGER_EFFICIENCY = 0.85         # the threefry fusions: 4.7-5.8 T rounds/s of 
 SHARED_EFFICIENCY = 0.65          # the bitonic sorts: 0.64-0.66 of 128 B/clock/SM of shared memory
 ATOMIC_RATE = 2.1e11              # scatter-add updates/s (the word-embedding gradient: 25 M updates in 120 us)
 ATOMIC_CHAIN_S = 20e-9            # atomics on one address run one after another (the token-type gradient: 16 K deep)
-PRE_AMPERE = ("v100",)            # GPU targets below compute capability 8.0 (`mesh.cuda_graphs_for`)
+PRE_AMPERE = ("v100",)            # GPU targets below compute capability 8.0 (`xla_options.cuda_graphs_for`)
 GRAPH_BREAK_S = 2e-6              # a library call between two CUDA graphs: the GPU's gap (an estimate, not measured)
 TPU_LAUNCH_S = 0.3e-6             # XLA:TPU runs the whole step as one program: a fusion boundary, not a launch
 TPU_HOST_S = 100e-6               # one program launch per step
@@ -319,8 +319,8 @@ def run_saved(path: str, target: str, output: str | None = None, members: int = 
     check_platform(text, path, target)
   module = parse(text)
   counts = hlo.summary(module)
-  from micse_jax.training import mesh
-  cuda_graphs = mesh.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
+  from micse_jax.training import xla_options
+  cuda_graphs = xla_options.cuda_graphs_for(cuda_graphs, target not in PRE_AMPERE)  # "auto": as the program chose
   result = {"aot_hlo": path, "aot_target": target, **predict(module, target, members=members, cuda_graphs=cuda_graphs),
             "kernels_per_step": counts["kernels_per_step"], "by_kind": counts["by_kind"],
             "update_kernels_per_step": counts["update_kernels_per_step"]}

@@ -99,7 +99,7 @@ def token_importance_rollout(att: jax.Array, attention_mask: jax.Array, *,
 
 
 ADD_MODES = ("static", "dynamic")  # `view.add_mode`'s choices (config_checks reads this)
-# `view.add_importance`'s choices (config_checks reads the keys; `training/views.add_view` calls them)
+# `view.add_importance`'s choices (config_checks reads the keys; `augmentation/training_views.add_view` calls them)
 ADD_IMPORTANCE = {"naive": token_importance_naive, "rollout": token_importance_rollout}
 
 

@@ -36,7 +36,7 @@ from micse_jax.bench.torch_step import TORCH_MODES
 from micse_jax.errors import MicseError, one_line
 from micse_jax.models.dtypes import DTYPES
 from micse_jax.optional import require
-from micse_jax.training.mesh import CUDA_GRAPHS
+from micse_jax.training.xla_options import CUDA_GRAPHS
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -87,7 +87,7 @@ def parse_args(argv):
   p.add_argument("--aot_hlo", metavar="FILE", help="with --aot TARGET: predict a saved optimized-HLO file's step time (aot/time_model.py)")
   p.add_argument("--devices", type=int, default=1, help="with --aot: devices of the target topology")
   p.add_argument("--cuda_graphs", choices=("auto", *CUDA_GRAPHS), default="auto", help="the step's "
-                 "mesh.cuda_graphs (training/mesh.py); with --aot_hlo: how the saved program was compiled")
+                 "mesh.cuda_graphs (training/xla_options.py); with --aot_hlo: how the saved program was compiled")
   p.add_argument("--population", type=_at_least_one, default=0, metavar="K",
                  help="with --aot: compile the step of a population of K runs (training/population.py) instead")
   p.add_argument("--population_members", metavar="K,K,...", help="instead: population training of these sizes "

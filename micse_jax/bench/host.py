@@ -5,7 +5,7 @@ to a temporary directory from the same sentences with the model's tokenizer, `ma
 BERT-base miCSE runs use), at batch 50 and 512:
 
   batch      `TrainBatches.batch(step)` (epoch permutation slice, this host's rows, row_mask);
-  placement  packing the keys into one array and `mesh.global_batch` (the device transfer), as
+  placement  packing the keys into one array and `data_parallel.global_batch` (the device transfer), as
              the trainer places each step's batch (`data/packing.py`);
   host       their sum per step: the JSON line's `host_ms_per_step`.
 
@@ -63,13 +63,13 @@ def _read_through(directory: str) -> None:
 def _time_steps(batches, mesh, steps: int) -> dict[str, list[float]]:
   """Per-step seconds of `batch(step)`, of the placement, and of both, over `steps` steps."""
   from micse_jax.data.packing import BatchLayout
-  from micse_jax.training import mesh as mesh_lib
+  from micse_jax.training import data_parallel
   times, layout = {"batch": [], "placement": [], "host": []}, BatchLayout.of(batches.batch(0))
   for step in range(steps):
     t0 = time.perf_counter()
     local = batches.batch(step)
     t1 = time.perf_counter()
-    mesh_lib.global_batch(layout.pack(local), mesh)
+    data_parallel.global_batch(layout.pack(local), mesh)
     t2 = time.perf_counter()
     times["batch"].append(t1 - t0)
     times["placement"].append(t2 - t1)
@@ -83,8 +83,8 @@ def measure_host(model_dir: str, corpus: str, sentences: int, steps: int,
   from micse_jax.data.pipeline import build_train_batches
   from micse_jax.data.prepared import prepare_corpus
   from micse_jax.tokenization import Tokenizer
-  from micse_jax.training import mesh as mesh_lib
-  tokenizer, mesh = Tokenizer.from_pretrained(model_dir), mesh_lib.data_mesh()
+  from micse_jax.training import data_parallel
+  tokenizer, mesh = Tokenizer.from_pretrained(model_dir), data_parallel.data_mesh()
   directory = tempfile.mkdtemp(prefix="micse_bench_host_")
   try:
     text = _corpus_file(directory, corpus, sentences)

@@ -79,7 +79,7 @@ def bench_config(model_dir: str, num_layers: int, batch_size: int, max_length: i
   """The bench's miCSE config (AMI on the last four layers, momentum + queue) at the given shape, for
   every bench mode (timed step, `--aot`, `--collectives`, `--population_members`); `shard_state` and
   `remat` pick a memory layout (`bench/scaling.py`); `shard_state` None: the trainer's default, the
-  layout chosen for the devices (`training/mesh.shards_state`)."""
+  layout chosen for the devices (`training/state_placement.shards_state`)."""
   from micse_jax.configs import micse
   c = micse.get_config()
   c.ami.layers = tuple(range(-min(4, num_layers), 0))

@@ -18,7 +18,7 @@ import os
 from micse_jax.errors import ConfigError
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
-_HELPERS = {"__init__", "methods", "population"}  # modules of this folder that are not configs
+_HELPERS = {"__init__", "methods", "population_fields"}  # modules of this folder that are not configs
 
 
 class ConfigNotFoundError(ConfigError):

@@ -9,7 +9,7 @@ from ml_collections import config_dict
 
 from micse_jax import paths
 from micse_jax.configs.methods import add_method_fields
-from micse_jax.configs.population import add_population_fields
+from micse_jax.configs.population_fields import add_population_fields
 
 
 def shipped_minilm_dir() -> str:
@@ -48,13 +48,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shard_state = config_dict.placeholder(bool)  # FSDP/ZeRO-3: params, EMA, optimizer state, queue
-                                      # sharded over devices; unset: chosen by the devices (training/mesh.shards_state)
+                                      # sharded over devices; unset: chosen by the devices (training/state_placement.shards_state)
   c.mesh.shard_min_elements = 2 ** 14  # smaller state leaves stay replicated when shard_state/shard_update is on
   c.mesh.shard_update = False         # ZeRO-1/2: gradients reduce-scattered, 1/N of the update per device,
                                       # params/EMA all-gathered; moments sharded (docs/scaling-and-clusters.md)
   c.mesh.cuda_graphs = "auto"         # CUDA: what XLA puts into the step's CUDA graphs: kernels (XLA's and ours;
                                       # cuBLAS/cuDNN between them) | xla (XLA's set) | fixed (XLA's set at fixed
-                                      # addresses: never updated) | none | auto (training/mesh.py)
+                                      # addresses: never updated) | none | auto (training/xla_options.py)
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = paths.corpus_path("wiki1m_for_simcse.txt")
@@ -105,7 +105,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.cache.compilation_max_size = 16 * 2**30  # bytes (JAX's LRU eviction + file lock); -1 = unbounded
   c.cache.tokenized = True            # text corpora tokenised once, in <dir>/tokenized
 
-  add_population_fields(c)  # K runs in one jitted step: population.seeds, ... (configs/population.py)
+  add_population_fields(c)  # K runs in one jitted step: population.seeds, ... (configs/population_fields.py)
   add_method_fields(c)  # views and loss terms of the relatives (configs/methods.py)
 
   if arg == "demo":

@@ -8,7 +8,7 @@ import ml_collections
 from micse_jax import paths
 
 # The choices of two method fields, owned here because what implements them is the train step,
-# above the config checks that read them: `training/views.py`'s `SECOND_VIEWS` maps every
+# above the config checks that read them: `augmentation/training_views.py`'s `SECOND_VIEWS` maps every
 # `view.kind`, `training/terms.py` picks the contrastive term by `loss.objective`.
 VIEW_KINDS = ("dropout", "add", "span_mask")
 OBJECTIVES = ("infonce", "positive_only")

@@ -143,7 +143,7 @@ class TrainBatches:
       sentence_ids: int `[N]` corpus id of each row (default `arange(N)`), batched as
         `sentence_ids`.
       padded_batch_size: rows per step over all hosts including padding rows (P >= B,
-        default B); `training.mesh.padded_batch_size` makes it a multiple of the device count.
+        default B); `training.data_parallel.padded_batch_size` makes it a multiple of the device count.
 
     Raises:
       ValueError: inconsistent arguments or fewer than `global_batch_size` sentences.

@@ -4,7 +4,7 @@ valid, and uniform k-subsets of the valid cells by Gumbel-top-k.
 Each sentence draws its noise from the step key folded with its global row index
 (`row_gumbel_noise`), so a sentence samples the same cells whatever the batch's padded size,
 the device count, or the device that holds it. `map_rows` functions say where the
-per-sentence work runs: `all_rows_here` on one device, `training/mesh.py: rows_per_device`
+per-sentence work runs: `all_rows_here` on one device, `training/data_parallel.py: rows_per_device`
 per device under `shard_map`, so that no device samples (or gathers) another's sentences.
 """
 from __future__ import annotations
@@ -116,6 +116,6 @@ def all_rows_here(fn: Callable, rows: tuple, shared: tuple):
 
   A `map_rows(fn, rows, shared)` computes `fn` on blocks of rows (leading axis of every
   array in `rows`; `shared` arrays whole), e.g. with `shard_map` over a data-parallel mesh
-  (`training/mesh.py: rows_per_device`); `fn` must treat rows independently.
+  (`training/data_parallel.py: rows_per_device`); `fn` must treat rows independently.
   """
   return fn(*rows, *shared)

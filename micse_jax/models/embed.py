@@ -12,7 +12,7 @@
   sum of the output gradient where the id is k, for every k in one pass (`models/column_sums.py`):
   dE_k = Σ_tokens [id = k] · g. Elsewhere the scatter-add.
 * Several devices with the train state sharded (`Policy.table_mesh` of the policy in effect): the state holds
-  each table split by its features over the mesh (`training/mesh.leaf_partition`). Gathering the vocabulary whole for each
+  each table split by its features over the mesh (`training/state_placement.leaf_partition`). Gathering the vocabulary whole for each
   step's lookup moves the table (94 MB in float32 for BERT's) to every device; each device instead
   looks its features up for the whole batch's ids and an all-to-all exchanges the rows
   (`split_lookup`, a few MB), where that moves fewer bytes (`splits_lookup`). Small tables (the
@@ -87,7 +87,7 @@ def split_lookup(table: Array, ids: Array, dtype, mesh) -> Array:
   leading (batch) axis over it: each device looks its features up for every id of the batch, and an
   all-to-all hands each device its own ids' rows, whole. The table is never gathered; its gradient
   comes back the same way and is scattered into each device's features (float32, as `_take`), where
-  the sharded state holds them (`training/mesh.leaf_partition`)."""
+  the sharded state holds them (`training/state_placement.leaf_partition`)."""
   axis = mesh.axis_names[0]
 
   def on_device(features, own_ids):

@@ -6,7 +6,7 @@ on the explicit softmax (the A/B of the kernels). `remat` is `model.remat` (`mod
 `target` is what the program is compiled for (`kernels/choice.Target`: the trainer's program
 takes it from its devices); None means this process's default device. `split_tables`: the train
 state holds the embedding tables split by features over the target's mesh (FSDP,
-`training/mesh.leaf_partition`), so the lookups take them as they are (`models/embed.py`). No
+`training/state_placement.leaf_partition`), so the lookups take them as they are (`models/embed.py`). No
 choice changes the parameter tree or the function computed.
 
 The modules that hold a policy (`BertModel`, `BertLayer`, InfoCSE's auxiliary network) apply their

@@ -232,7 +232,7 @@ def measurement_key(config, device: Device) -> str:
 def compiled_peak(config, device: Device, k: int) -> int:
   """Peak bytes per device of `config`'s K-member population step compiled for `device`."""
   from micse_jax.aot import compile as aot_compile
-  from micse_jax.configs.population import add_population_fields
+  from micse_jax.configs.population_fields import add_population_fields
   from micse_jax.errors import MicseError
   from micse_jax.models.loading import load_config, resolve_model_dir
   from micse_jax.tokenization import Tokenizer

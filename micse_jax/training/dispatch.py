@@ -2,7 +2,7 @@
 what the host pays per call, and a loop the garbage collector leaves alone.
 
 One call of the program (`training/program.py`) runs K steps, a scan over a stacked `[K, ...]`
-chunk of batches: the same K steps as K calls, bit for bit. What the host pays for a call (Python,
+chunk of batches (`training/chunk_loop.py`): the same K steps as K calls, bit for bit. What the host pays for a call (Python,
 the few hundred arrays of the train state passed and donated, the CUDA graphs updated to the
 state's new buffers) is paid once per K steps; what it pays per step inside the call (launching
 the graphs and the library calls between them) is not (`host_seconds`). K is a property of the
@@ -24,19 +24,14 @@ import gc
 import math
 from typing import Callable, Iterable
 
-import jax
-import jax.numpy as jnp
 import ml_collections
-from jax.experimental.xla_metadata import set_xla_metadata
 
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.evaluation.evaluators import is_due
 from micse_jax.training.flops import step_flops_for
 
 AUTO = "auto"
 MAX_AUTO_STEPS = 16
-# XLA's while-loop simplifier leaves a one-trip loop carrying this frontend attribute as a loop (`repeated`)
-SKIP_TRIP_COUNT_ONE = "skip-simplify-while-loops_trip-count-one"
 
 # What the host pays for a call of the program, fitted to a lent H200's batch-50 step (its profile
 # of the host and its dispatch time per step: BENCHMARKS.md, docs/AOT.md "The host"): the call itself
@@ -161,30 +156,6 @@ def sync_due(config: ml_collections.ConfigDict, evaluates: bool, done: int) -> t
   last = done == config.num_train_steps
   return (done % config.log_every == 0 or last, evaluates and is_due(done, config.eval_every, config.num_train_steps),
           done % config.checkpoint_every == 0 or last)
-
-
-def repeated(step: Callable, carry, chunk):
-  """`step(carry, x) -> (carry, y)` on each row of the chunk → (carry, the last step's y): a loop,
-  also for a chunk of one step, every call running the step as the same loop body.
-
-  XLA compiles code differently where it can tell more: a loop of one trip would be replaced by its
-  body (compiled as top-level code), a chunk's row read from a one-row chunk is the chunk itself, and
-  a y would be fused into its row of a stacked output. Each changes how the step's fusions are formed,
-  and with them the order of some sums (a last bit): a run of one step per call would not be the run
-  of K. So the one-trip loop is kept (XLA's frontend attribute `SKIP_TRIP_COUNT_ONE`), each step reads
-  its batch from the loop's carry (read from the chunk by the step before, or before the loop for the
-  first), and its y is carried, not stacked. The loop logs only steps that end a call
-  (`plan`), so the last step's y is all it reads."""
-  rows = chunk.shape[0]
-  last = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(step, carry, chunk[0])[1])
-
-  def body(loop, i):
-    state, _, x = loop
-    upcoming = jax.lax.dynamic_index_in_dim(chunk, jnp.minimum(i + 1, rows - 1), keepdims=False)
-    return (*step(state, x), upcoming), None
-  (carry, last, _), _ = set_xla_metadata(jax.lax.scan(body, (carry, last, chunk[0]), jnp.arange(rows)),
-                                         **{SKIP_TRIP_COUNT_ONE: "true"})
-  return carry, last
 
 
 @contextlib.contextmanager

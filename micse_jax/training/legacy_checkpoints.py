@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from micse_jax.training import mesh as mesh_lib
-from micse_jax.training import population, weight_copies
+from micse_jax.training import population_placement, state_placement, weight_copies
 from micse_jax.training.momentum import Queue
 from micse_jax.training.state import TrainState
 
@@ -68,8 +67,8 @@ def _solo_layouts(program: Program) -> tuple[Legacy, Legacy]:
   flat = jax.eval_shape(lambda s: s.replace(opt_state=to_flat(s.opt_state)), dropped)
   to_per_leaf = jax.jit(lambda s: s.replace(opt_state=from_flat(s.opt_state, params)), out_shardings=target)
   from_fields = jax.jit(from_loose_fields, out_shardings=target)
-  solo = lambda old: mesh_lib.placed(old, mesh_lib.state_sharding(old, program.mesh, c.mesh.shard_state,
-                                                          c.mesh.shard_min_elements))
+  solo = lambda old: state_placement.placed(
+      old, state_placement.state_sharding(old, program.mesh, c.mesh.shard_state, c.mesh.shard_min_elements))
   return (Legacy("flat optimizer state", solo(flat), to_per_leaf),
           Legacy("the queue as loose fields", solo(as_loose_fields(dropped)), from_fields))
 
@@ -85,7 +84,7 @@ def _population_flat(program: Program, members) -> Legacy:
     opt_state = jax.vmap(lambda s: from_flat(s, params))(state.members.opt_state)
     return state.replace(members=state.members.replace(opt_state=opt_state, compute_weights={}))
   name = "flat optimizer state" + (", the members' weight copies saved" if members.compute_weights else "")
-  return Legacy(name, mesh_lib.placed(old, population.state_sharding(old, program.mesh)),
+  return Legacy(name, state_placement.placed(old, population_placement.state_sharding(old, program.mesh)),
                 jax.jit(convert, out_shardings=weight_copies.dropped(program.state_sharding)))
 
 

@@ -1,23 +1,19 @@
 """Population training: K runs that differ only in their per-member fields, trained by one jitted step.
 
-Member i is the solo run of `configs/population.member_config(config, i)` (its seed: MLP-head
+Member i is the solo run of `configs/population_fields.member_config(config, i)` (its seed: MLP-head
 init, dropout / AMI / momentum keys and data order; its few-shot subset; its learning rate and AMI
-weight, which the step takes as arrays: `configs/population.PER_MEMBER`).
+weight, which the step takes as arrays: `configs/population_fields.PER_MEMBER`).
 
 The members' train states (whatever the `TrainState` pytree holds) are stacked on a leading
 member axis (`stack`) inside one `PopulationState`, and the pure step of `training/step.py` is
 `jax.vmap`ped over it (`make_population_step`; built and jitted by `training/program.py`):
 member i's update is the solo run's update, to float32 rounding. A member whose loss or gradient
-norm is not finite is stopped alone (the non-finite policy, `training/finite.py`): from that step
+norm is not finite is stopped alone (the non-finite policy, `training/non_finite.py`): from that step
 on its state is kept as it was (`stopped_at[i]` = the step), the others go on. The update keeps a stopped member's params,
 moments, EMA and copies in its own pass (`training/update.py`: no select over the stacked state);
 only the rest of its state (step, queue, loss scale) is selected.
 
-Placement (`population_mesh`): when the devices divide the members, the member axis is split
-over a `member` mesh axis and each device trains whole members under `shard_map` (members
-exchange nothing: no collective in the step; GSPMD alone would all-gather AMI's batched top-k);
-otherwise every member is data-parallel over all devices (the member
-axis replicated, rows split as in a solo run).
+Where the members live on the devices is `training/population_placement.py`'s.
 """
 from __future__ import annotations
 
@@ -27,15 +23,13 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from micse_jax.data.packing import BatchLayout
-from micse_jax.training import finite, weight_copies
-from micse_jax.training import mesh as mesh_lib
-from micse_jax.training.finite import STOPPED
-
-MEMBER_AXIS = "member"
+from micse_jax.training import non_finite, population_placement
+from micse_jax.training.non_finite import STOPPED
+from micse_jax.training.population_placement import MEMBER_AXIS
 
 
 @flax.struct.dataclass
@@ -62,9 +56,6 @@ class PopulationState:
 # ---------------------------------------------------------------- state
 
 
-weight_copies.dropped.register(PopulationState, PopulationState.without_copies)
-weight_copies.rebuilt.register(PopulationState, PopulationState.with_copies)
-
 
 def stack(trees):
   """One pytree with a leading member axis from K pytrees of the same structure (host arrays)."""
@@ -90,59 +81,6 @@ def abstract_state(abstract_member, k: int) -> PopulationState:
                          stopped_at=jax.ShapeDtypeStruct((k,), jnp.int32))
 
 
-# ---------------------------------------------------------------- placement
-
-
-def spreads_members(k: int, num_devices: int) -> bool:
-  """Whether K members are split over the devices (each device trains whole members)."""
-  return num_devices > 1 and k % num_devices == 0
-
-
-def row_devices(k: int, num_devices: int) -> int:
-  """The devices one run's rows are split over, the multiple its batch is padded to
-  (`mesh.padded_batch_size`): all of them for a solo run (k = 0) or data-parallel members, one where
-  the members are spread (each device steps whole members: padding 50 sentences to 56 for 8 devices
-  would add an eighth of each member's work)."""
-  return 1 if k and spreads_members(k, num_devices) else num_devices
-
-
-def population_mesh(k: int, devices=None) -> Mesh:
-  """A 1-D mesh: axis `MEMBER_AXIS` when the devices divide the K members, else `DATA_AXIS`."""
-  devices = np.asarray(jax.devices() if devices is None else devices)
-  return Mesh(devices, (MEMBER_AXIS if spreads_members(k, devices.size) else mesh_lib.DATA_AXIS,))
-
-
-def _spread(mesh: Mesh) -> bool:
-  return mesh.axis_names == (MEMBER_AXIS,)
-
-
-def state_sharding(abstract: PopulationState, mesh: Mesh):
-  """Every stacked leaf split on its member axis (spread), or replicated (data-parallel members)."""
-  split = member_sharding(mesh)
-  return PopulationState(step=NamedSharding(mesh, P()), members=jax.tree.map(lambda _: split, abstract.members),
-                         stopped_at=split)
-
-
-def batch_sharding(mesh: Mesh, chunked: bool = False) -> NamedSharding:
-  """The stacked packed batch `[K, rows, columns]` (`chunked`: a call's `[steps, K, rows, columns]`):
-  split by member, or by rows inside each member."""
-  spec = (MEMBER_AXIS,) if _spread(mesh) else (None, mesh_lib.DATA_AXIS)
-  return NamedSharding(mesh, P(*((None,) if chunked else ()), *spec))
-
-
-def member_sharding(mesh: Mesh) -> NamedSharding:
-  """Per-member arrays `[K, ...]` (`stopped_at`, the step inputs, the metrics): split by member, or replicated."""
-  return NamedSharding(mesh, P(MEMBER_AXIS) if _spread(mesh) else P())
-
-
-def stacked_batch(packed, mesh: Mesh):
-  """A call's chunk, the members' packed batches of each step stacked (`[steps, K, rows, columns]`),
-  placed on `mesh`."""
-  if jax.process_count() == 1:
-    return jax.device_put(packed, batch_sharding(mesh, chunked=True))
-  raise NotImplementedError("population training runs on one host")  # checked by the trainer
-
-
 # ---------------------------------------------------------------- the step
 
 
@@ -152,33 +90,33 @@ def member_step_fn(step_fn: Callable, layout: BatchLayout) -> Callable:
 
   A member that trains and stays finite takes `step_fn`'s new state (unchanged, bit for bit); a
   stopped one, or one whose loss or gradient norm is not finite, keeps its state (the non-finite
-  policy, `training/finite.py`: the update keeps params, moments, EMA and copies itself, the
-  member's `alive` flag passed into it; `finite.member_kept` the rest).
+  policy, `training/non_finite.py`: the update keeps params, moments, EMA and copies itself, the
+  member's `alive` flag passed into it; `non_finite.member_kept` the rest).
   """
   def masked(state, packed, stopped_at, member_hyper):
     alive = stopped_at == STOPPED
     new, metrics = step_fn(state, layout.unpack(packed), member_hyper, alive)
-    kept, bad = finite.member_kept(alive, new, state, metrics)
+    kept, bad = non_finite.member_kept(alive, new, state, metrics)
     return kept, metrics, bad
   return masked
 
 
 def make_population_step(step_fn: Callable, layout: BatchLayout, mesh: Mesh | None = None) -> Callable:
   """The pure population step (PopulationState, packed [K, rows, cols], hyper) → (PopulationState,
-  metrics [K]) of the members' pure train step `step_fn` (built on `inner_mesh(mesh)`); `hyper`
-  holds the per-member step inputs (arrays [K], `configs/population.step_inputs`)."""
+  metrics [K]) of the members' pure train step `step_fn` (built on `population_placement.inner_mesh(mesh)`);
+  `hyper` holds the per-member step inputs (arrays [K], `configs/population_fields.step_inputs`)."""
   member_step = member_step_fn(step_fn, layout)
   members_step = _one_member_unbatched(jax.vmap(member_step), member_step)
-  if mesh is not None and _spread(mesh):  # each device steps its own members: nothing crosses devices
-    # Every input and output is split by member, so there is no replication for the check to track;
-    # unchecked, the members' program may hold Pallas calls (the dropout-attention kernels), whose
-    # outputs carry no varying-axes annotation.
+  if mesh is not None and population_placement.spreads_over(mesh):
+    # Each device steps its own members: nothing crosses devices. Every input and output is split by
+    # member, so there is no replication for the check to track; unchecked, the members' program may
+    # hold Pallas calls (the dropout-attention kernels), whose outputs carry no varying-axes annotation.
     members_step = jax.shard_map(members_step, mesh=mesh, in_specs=P(MEMBER_AXIS), out_specs=P(MEMBER_AXIS),
                                  check_vma=False)
 
   def population_step(pstate: PopulationState, packed, hyper):
     members, metrics, bad = members_step(pstate.members, packed, pstate.stopped_at, hyper)
-    stopped_at = finite.stopped_after(pstate.stopped_at, bad, pstate.step)
+    stopped_at = non_finite.stopped_after(pstate.stopped_at, bad, pstate.step)
     return PopulationState(step=pstate.step + 1, members=members, stopped_at=stopped_at), metrics
 
   return population_step
@@ -196,12 +134,6 @@ def _one_member_unbatched(batched: Callable, single: Callable) -> Callable:
     out = single(*jax.tree.map(lambda x: x[0], args))
     return jax.tree.map(lambda x: x[None], out)
   return step
-
-
-def inner_mesh(mesh: Mesh) -> Mesh | None:
-  """The mesh a member's own step sees: none when members are spread (each device steps whole
-  members), else the data mesh its rows are split over."""
-  return None if _spread(mesh) else mesh
 
 
 # ---------------------------------------------------------------- reporting

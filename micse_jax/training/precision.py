@@ -8,7 +8,7 @@ multiplies the loss by a scale S before differentiation, divides the gradients b
 
   * when the gradient norm ‖g‖₂ is finite (every gradient is, and their squares' sum does not
     overflow): applies the update; every `period` finite steps S ← 2S;
-  * otherwise: skips the update (params, optimizer, EMA and queue untouched: `training/finite.py`)
+  * otherwise: skips the update (params, optimizer, EMA and queue untouched: `training/non_finite.py`)
     and S ← S/2.
 
 The rule is `jmp.DynamicLossScale`; its state (scale, counter) plus a running count of the
@@ -111,7 +111,7 @@ def adjusted_loss_scale(state: dict, finite: jax.Array, period: int) -> tuple[di
   on a non-finite step, S ← 2S after `period` finite ones), with a running count of the skipped
   steps; and its metrics: `loss_scale` (before the step), `skipped_steps` (running total, for
   TensorBoard) and `step_skipped` (0/1 for this step). Which state a skipped step keeps:
-  `training/finite.py`."""
+  `training/non_finite.py`."""
   adjusted = _as_jmp(state, period).adjust(finite)
   skipped = 1 - finite.astype(jnp.int32)
   new_state = {"scale": adjusted.loss_scale, "counter": adjusted.counter.astype(jnp.int32),

@@ -9,12 +9,12 @@ here, so what `bench --aot` counts is the program the trainer runs.
 
 One call runs `steps` training steps (`steps_per_dispatch`, `training/dispatch.py`): a scan over a
 stacked chunk of packed batches, each step the one below, so K steps in one call equal K calls bit for
-bit (`dispatch.repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
+bit (`chunk_loop.repeated`). A solo run's step is `training/step.make_train_step` over a data mesh; its call is
 (state, packed `[steps, rows, cols]`, watch) → (state, the last step's metrics, watch), the non-finite
-`finite.Watch` folded in at every step. A population's (`population.seeds`) vmaps that step over the
+`non_finite.Watch` folded in at every step. A population's (`population.seeds`) vmaps that step over the
 stacked members (`training/population.make_population_step`); its call is (PopulationState, packed
 `[steps, K, rows, cols]`, hyper) → (state, the last step's metrics `[K]`, stopped_at), `hyper` holding
-the members' step inputs (`configs/population.PER_MEMBER`). The batch comes packed in one int32 array
+the members' step inputs (`configs/population_fields.PER_MEMBER`). The batch comes packed in one int32 array
 (`data/packing.py`).
 The encoder's shapes come from the checkpoint the trainer loaded (`abstract_of`) or, with no
 weights at all, from the model's init (`abstract_encoder`); the rest of the params' from the networks.
@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-import traceback
 from typing import Any, Callable
 
 import jax
@@ -35,19 +33,30 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
-from micse_jax.kernels import choice, dropout_attention
+from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
-from micse_jax.training import dispatch, finite, population, run_inputs, run_views
-from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import (
+  chunk_loop,
+  data_parallel,
+  dispatch,
+  kernel_fallback,
+  non_finite,
+  population,
+  population_placement,
+  run_inputs,
+  run_slices,
+  state_placement,
+  xla_options,
+)
 from micse_jax.training.networks import Networks, SpecialTokens, build_networks
 from micse_jax.training.optim import learning_rate_schedule, make_optimizer
 from micse_jax.training.step import make_train_step
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Program:
   """A config's networks, optimizer, abstract state and shardings, batch layout and jitted step."""
   config: ml_collections.ConfigDict  # what the step is built from (`step_config`)
@@ -76,7 +85,9 @@ class Program:
   def batch_sharding(self):
     """Where a call's packed chunk lives: rows split over the data axis (a population: by member or
     rows), every step of the chunk alike."""
-    return population.batch_sharding(self.mesh, chunked=True) if self.members else mesh_lib.chunk_sharded(self.mesh)
+    if self.members:
+      return population_placement.batch_sharding(self.mesh, chunked=True)
+    return data_parallel.chunk_sharded(self.mesh)
 
   def abstract_batch(self) -> jax.ShapeDtypeStruct:
     """The packed chunk's shape, placed: `[steps, rows, columns]`, a population's `[steps, K, rows, columns]`."""
@@ -86,7 +97,7 @@ class Program:
   @functools.cached_property
   def placed_hyper(self) -> dict:
     """`hyper` on the devices (once), split like the members."""
-    return jax.device_put(self.hyper, population.member_sharding(self.mesh)) if self.members else {}
+    return jax.device_put(self.hyper, population_placement.member_sharding(self.mesh)) if self.members else {}
 
   def inputs(self, state, packed, watch=None) -> tuple:
     """The call's arguments: (state, packed, a solo run's `watch` (default: none yet) or a
@@ -97,37 +108,36 @@ class Program:
 
   def run(self, state, packed, watch=None) -> tuple:
     """One call: `steps` steps on the packed chunk → (state, the last step's metrics, health): a solo
-    run's `finite.Watch` after them (`watch` folded on), a population's `stopped_at`."""
+    run's `non_finite.Watch` after them (`watch` folded on), a population's `stopped_at`."""
     return self.step(*self.inputs(state, packed, watch))
 
-  def fresh_watch(self) -> finite.Watch:
+  def fresh_watch(self) -> non_finite.Watch:
     """A solo run's watch with no non-finite step yet, on the mesh."""
-    return jax.device_put(finite.Watch.fresh(), mesh_lib.replicated(self.mesh))
+    return jax.device_put(non_finite.Watch.fresh(), data_parallel.replicated(self.mesh))
 
   @property
   def compiler_options(self) -> dict:
-    """The XLA options `compiled` compiles the step with (`mesh.compiler_options`: by layout, target
-    and CUDA graphs)."""
-    return mesh_lib.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
-                                     self.target.devices, self.cuda_graphs)
+    """The XLA options `compiled` compiles the step with (`xla_options.compiler_options`: by layout,
+    target and CUDA graphs)."""
+    return xla_options.compiler_options(bool(self.config.mesh.get("shard_state")), self.target.platform,
+                                        self.target.devices, self.cuda_graphs)
 
   @property
   def cuda_graphs(self) -> str | None:
     """What the step's CUDA graphs hold (`mesh.cuda_graphs` resolved for the target:
-    `mesh.cuda_graphs_for`); None off CUDA."""
+    `xla_options.cuda_graphs_for`); None off CUDA."""
     if self.target.platform != "cuda":
       return None
-    return mesh_lib.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
+    return xla_options.cuda_graphs_for(self.config.mesh.get("cuda_graphs", "auto"), self.target.ampere_or_newer)
 
   def abstract_inputs(self) -> tuple:
     """The call's arguments as placed `ShapeDtypeStruct`s: (state, chunk, a solo run's watch or a
     population's step inputs); nothing placed, also for absent devices."""
     if self.members:
-      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=population.member_sharding(
-          self.mesh)), self.hyper)
+      on, third = population_placement.member_sharding(self.mesh), self.hyper
     else:
-      third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=mesh_lib.replicated(self.mesh)),
-                           jax.eval_shape(finite.Watch.fresh))
+      on, third = data_parallel.replicated(self.mesh), jax.eval_shape(non_finite.Watch.fresh)
+    third = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on), third)
     return self.abstract_state, self.abstract_batch(), third
 
   def lower(self):
@@ -146,8 +156,8 @@ class Program:
       raise ValueError(f"a chunk of {len(steps_batches)} steps for a program of {self.steps}")
     packed = np.stack([np.stack([self.layout.pack(b) for b in step]) for step in steps_batches])
     if self.members:
-      return population.stacked_batch(packed, self.mesh)
-    return mesh_lib.global_batch(packed[:, 0], self.mesh, self.batch_sharding)
+      return population_placement.stacked_batch(packed, self.mesh)
+    return data_parallel.global_batch(packed[:, 0], self.mesh, self.batch_sharding)
 
   def with_steps(self, steps: int) -> "Program":
     """This program for another number of steps per call (the chunk plan's shorter one), not compiled."""
@@ -200,36 +210,38 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   `dispatch.steps_for`)."""
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
-  mesh = population.population_mesh(k, devices) if k else mesh_lib.data_mesh(devices)
+  mesh = population_placement.population_mesh(k, devices) if k else data_parallel.data_mesh(devices)
   if target is None:  # the kernels run on the rows of the mesh a member's step sees
-    target = choice.target_of(devices, mesh=population.inner_mesh(mesh) if k else mesh)
+    target = choice.target_of(devices, mesh=population_placement.inner_mesh(mesh) if k else mesh)
   shared = _with_state_layout(shared, mesh, target, k)
   nets, tx = build_networks(shared, bert_config, tokens, target), make_optimizer(shared)
   params = jax.eval_shape(lambda e: run_inputs.initial_params(shared, nets, e), encoder)
   member = jax.eval_shape(lambda p: run_inputs.new_train_state(shared, bert_config.hidden_size, tx, *p), params)
   if k:
     abstract = population.abstract_state(member, k)
-    sharding = population.state_sharding(abstract, mesh)
+    sharding = population_placement.state_sharding(abstract, mesh)
   else:
     abstract = member
-    sharding = mesh_lib.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
+    sharding = state_placement.state_sharding(member, mesh, shared.mesh.shard_state, shared.mesh.shard_min_elements,
                                        shared.mesh.shard_update)
   if steps is None:  # the arrays a call passes: the state both ways, about as many again besides
     steps = dispatch.steps_for(config, bert_config, target, 2 * len(jax.tree.leaves(abstract)) + 8)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
-  return Program(shared, nets, tx, mesh, k, params, mesh_lib.placed(abstract, sharding), sharding, layout,
-                 mesh_lib.padded_batch_size(shared.batch_size, population.row_devices(k, len(devices))), hyper,
-                 _jitted_step(shared, nets, mesh, sharding, layout, k), target,
-                 lambda t, n=None: build(config, bert_config, encoder, devices, tokens, t, steps if n is None else n),
-                 steps)
+  rows = data_parallel.padded_batch_size(shared.batch_size, population_placement.row_devices(k, len(devices)))
+  return Program(
+      config=shared, nets=nets, tx=tx, mesh=mesh, members=k, abstract_params=params,
+      abstract_state=state_placement.placed(abstract, sharding), state_sharding=sharding, layout=layout,
+      rows=rows, hyper=hyper, jitted=_jitted_step(shared, nets, mesh, sharding, layout, k), target=target,
+      rebuild=lambda t, n=None: build(config, bert_config, encoder, devices, tokens, t, steps if n is None else n),
+      steps=steps)
 
 
 def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: choice.Target,
                        members: int) -> ml_collections.ConfigDict:
-  """`config` with `mesh.shard_state` decided (`mesh.shards_state`: an unset field chosen for the
+  """`config` with `mesh.shard_state` decided (`state_placement.shards_state`: an unset field chosen for the
   devices), so the step, the shardings and the checkpoints read one value."""
-  chosen = mesh_lib.shards_state(config.mesh, mesh.size, target.platform, members)
+  chosen = state_placement.shards_state(config.mesh, mesh.size, target.platform, members)
   if config.mesh.get("shard_state") == chosen:
     return config
   if chosen:
@@ -244,24 +256,25 @@ def compiled(prog: Program, run_once: bool = False) -> Program:
   """`prog` with its step compiled once (`Program.executable`, the step the trainer calls).
 
   Our kernels never stop a run: when the program holds the dropout-attention kernels or the hand-written
-  CUDA gradients (`choice.OWN_MARKS`) and fails with an error that is theirs (`_our_kernels_failed`:
-  raised while the kernels were traced or lowered, or naming them from XLA's compile or from the run), it
-  is built again without any of them (`Target.own_kernels` False: the explicit path, JAX's gradients, the
-  same values), after one warning line naming the kernels, the stage and the reason. Any other failure is
-  raised as it is, once. `run_once`: where the program's devices are this process's (one process), the
-  compiled step is also run once on zeros (`_run_once`) when it holds the kernels, so that a kernel that
-  cannot be launched here falls back the same way before the run's state exists (the trainer, the
-  bench's timed steps); a kernel that hangs, or faults the device, is not caught (docs/reliability.md)."""
+  CUDA gradients (`choice.OWN_MARKS`) and fails with an error that is theirs
+  (`kernel_fallback.our_kernels_failed`: raised while the kernels were traced or lowered, or naming them
+  from XLA's compile or from the run), it is built again without any of them (`Target.own_kernels` False:
+  the explicit path, JAX's gradients, the same values), after one warning line naming the kernels, the
+  stage and the reason. Any other failure is raised as it is, once. `run_once`: where the program's devices
+  are this process's (one process), the compiled step is also run once on zeros (`kernel_fallback.run_once`)
+  when it holds them, so that a kernel that cannot be launched here falls back the same way before the
+  run's state exists (the trainer, the bench's timed steps); a kernel that hangs, or faults the device, is
+  not caught (docs/reliability.md)."""
   lowered, stage = None, "compile"
   try:
     lowered = prog.lower()
     executable = lowered.compile(prog.compiler_options)
-    if run_once and _may_take_kernels(prog) and _runs_here(prog) and _holds_our_kernels(lowered):
+    if run_once and kernel_fallback.worth_running_once(prog, lowered):
       stage = "run"
-      _run_once(prog, executable)
+      kernel_fallback.run_once(prog, executable)
     return dataclasses.replace(prog, executable=executable)
   except Exception as error:  # noqa: BLE001  (sorted below: only our kernels' failures fall back)
-    if not _our_kernels_failed(lowered, error):
+    if not kernel_fallback.our_kernels_failed(lowered, error):
       raise
     plain = prog.rebuild(dataclasses.replace(prog.target, own_kernels=False, interpret=False), prog.steps)
     reason = (str(error).strip().splitlines() or [""])[0][:300]
@@ -272,65 +285,13 @@ def compiled(prog: Program, run_once: bool = False) -> Program:
     return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
 
 
-# What names our kernels or hand-written CUDA gradients in a lowered program's text and in an error's message
-_KERNEL_MARKS = choice.OWN_MARKS
-
-
-def _may_take_kernels(prog: Program) -> bool:
-  """Whether any layer of the program may take the kernels on its target (`choice.kernels_allowed`): the
-  cheap test before its text is read."""
-  model = prog.config.model
-  return choice.kernels_allowed(prog.target, explicit=model.attention == "explicit", remat=model.remat)
-
-
-def _holds_our_kernels(lowered) -> bool:
-  """Whether the lowered program calls the dropout-attention kernels (their names are in its text: a
-  Triton call's backend config, the interpreter's name stack)."""
-  text = lowered.as_text(debug_info=True)
-  return any(mark in text for mark in _KERNEL_MARKS)
-
-
-def _error_chain(error: BaseException) -> list[BaseException]:
-  """`error` and the exceptions it was raised from or during (JAX adds the traceback of the traced op)."""
-  chain = []
-  while error is not None and all(error is not e for e in chain):
-    chain.append(error)
-    error = error.__cause__ or error.__context__
-  return chain
-
-
-def _our_kernels_failed(lowered, error: BaseException) -> bool:
-  """Whether `error` is our kernels' failure: raised inside their module while the program was traced or
-  lowered (a frame of `kernels/dropout_attention.py` in a traceback of its chain), or raised by XLA's
-  compile or the run of a program that holds them, naming them (`_KERNEL_MARKS` in a message)."""
-  chain = _error_chain(error)
-  module = os.path.abspath(dropout_attention.__file__)
-  if any(os.path.abspath(frame.filename) == module for e in chain for frame in traceback.extract_tb(e.__traceback__)):
-    return True
-  named = any(mark in str(e) for e in chain for mark in _KERNEL_MARKS)
-  return named and lowered is not None and _holds_our_kernels(lowered)
-
-
-def _runs_here(prog: Program) -> bool:
-  """Whether this process alone runs the program: its devices are this process's (not a deviceless target's)."""
-  return jax.process_count() == 1 and set(prog.mesh.devices.flat) <= set(jax.local_devices())
-
-
-def _run_once(prog: Program, executable) -> None:
-  """The compiled step called once on a zero state and batch, placed as it takes them, and waited for:
-  a kernel that cannot be launched raises here (XLA names the kernel it failed to launch)."""
-  abstract = (prog.abstract_state, prog.abstract_batch())
-  zeros = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), abstract)
-  jax.block_until_ready(executable(*prog.inputs(*zeros)))
-
-
 def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:
   """Each run of `config` prepared (`run_inputs.prepare`: the run, or each population member), its
-  batches padded to the devices its rows are split over (`population.row_devices`), as `build` pads
+  batches padded to the devices its rows are split over (`population_placement.row_devices`), as `build` pads
   the program's rows; validates all input (the trainer calls it before touching the workdir)."""
   count = len(jax.devices() if devices is None else devices)
-  rows_over = population.row_devices(population_fields.size(config), count)
-  return [run_inputs.prepare(c, rows_over) for c in run_views.run_configs(config)]
+  rows_over = population_placement.row_devices(population_fields.size(config), count)
+  return [run_inputs.prepare(c, rows_over) for c in run_slices.run_configs(config)]
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None, steps: int | None = None) -> Program:
@@ -346,21 +307,22 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
   a population's step vmapped over its members, with their step inputs; a solo run's non-finite
   watch folded in at every step."""
   schedule = learning_rate_schedule(config)
-  replicated = mesh_lib.replicated(mesh)
+  replicated = data_parallel.replicated(mesh)
   if members:
-    one = population.make_population_step(make_train_step(config, nets, schedule, population.inner_mesh(mesh)),
-                                          layout, mesh)
-    per_member = population.member_sharding(mesh)
+    member_step = make_train_step(config, nets, schedule, population_placement.inner_mesh(mesh))
+    one = population.make_population_step(member_step, layout, mesh)
+    per_member = population_placement.member_sharding(mesh)
 
     def pinned_step(state, packed, hyper):
       state, metrics = one(_pinned(state, sharding), packed, hyper)
       return _pinned(state, sharding), metrics
 
     def population_steps(state, packed, hyper):
-      state, metrics = dispatch.repeated(lambda s, p: pinned_step(s, p, hyper), state, packed)
+      state, metrics = chunk_loop.repeated(lambda s, p: pinned_step(s, p, hyper), state, packed)
       return state, metrics, state.stopped_at
     fn = population_steps
-    shardings = (sharding, population.batch_sharding(mesh, chunked=True), per_member), (sharding, per_member, per_member)
+    shardings = ((sharding, population_placement.batch_sharding(mesh, chunked=True), per_member),
+                 (sharding, per_member, per_member))
   else:
     step = make_train_step(config, nets, schedule, mesh)
 
@@ -368,12 +330,12 @@ def _jitted_step(config, nets, mesh: Mesh, sharding, layout: BatchLayout, member
       state, watch = carry
       state, metrics = step(_pinned(state, sharding), layout.unpack(packed))
       state = _pinned(state, sharding)
-      return (state, finite.fold(watch, metrics, state.step)), metrics
+      return (state, non_finite.fold(watch, metrics, state.step)), metrics
 
     def train_steps(state, packed, watch):
-      (state, watch), metrics = dispatch.repeated(watched, (state, watch), packed)
+      (state, watch), metrics = chunk_loop.repeated(watched, (state, watch), packed)
       return state, metrics, watch
-    fn, shardings = train_steps, ((sharding, mesh_lib.chunk_sharded(mesh), replicated),
+    fn, shardings = train_steps, ((sharding, data_parallel.chunk_sharded(mesh), replicated),
                                   (sharding, replicated, replicated))
   return jax.jit(fn, in_shardings=shardings[0], out_shardings=shardings[1], donate_argnums=0)
 

@@ -23,7 +23,7 @@ from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
 from micse_jax.tokenization import Tokenizer
-from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import data_parallel
 from micse_jax.training.momentum import self_collision_warning
 from micse_jax.training.networks import Networks, SpecialTokens, compute_dtype, method_params
 from micse_jax.training.precision import initial_loss_scale_state
@@ -45,7 +45,7 @@ class Run:
 def prepare(config: ml_collections.ConfigDict, row_devices: int | None = None) -> Run:
   """Loads the model and corpus; raises ConfigError / ModelLoadError / CorpusError on bad input.
   `row_devices`: the devices the run's rows are split over, whose multiple its batches are padded
-  to (`population.row_devices`; default every device).
+  to (`population_placement.row_devices`; default every device).
 
   Expects a config that passed `config_checks.check_config`; runs only the checks that need the model.
   """
@@ -61,7 +61,7 @@ def prepare(config: ml_collections.ConfigDict, row_devices: int | None = None) -
         config.data.corpus, tokenizer, max_length=config.model.max_length,
         global_batch_size=config.batch_size, seed=config.seed, num_sentences=config.data.num_sentences or None,
         subset_seed=config.data.subset_seed, show_progress=jax.process_index() == 0,
-        padded_batch_size=mesh_lib.padded_batch_size(config.batch_size, row_devices or jax.device_count()),
+        padded_batch_size=data_parallel.padded_batch_size(config.batch_size, row_devices or jax.device_count()),
         cache_dir=caches.tokenized_cache_dir(config))
   with timeline.phase("load"):
     _, encoder_params, bert_config, model_dir = load_pretrained(model_dir, add_mlm_head=needs_head)

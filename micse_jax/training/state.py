@@ -57,6 +57,3 @@ def create_train_state(params: Params, tx: optax.GradientTransformation, *, seed
       rng=jax.random.PRNGKey(seed), frozen_params=frozen_params or {}, loss_scale=loss_scale or {},
       compute_weights=weight_copies.of(params, ema_params, compute_dtype))
 
-
-weight_copies.dropped.register(TrainState, TrainState.without_copies)
-weight_copies.rebuilt.register(TrainState, TrainState.with_copies)

@@ -3,12 +3,12 @@
 miCSE total loss L = L_C + L_D (paper §2): L_C is InfoNCE over the MLP-pooled [CLS] of two
 dropout views with in-batch and queue negatives (Eq. 2); L_D = −λ·AMI between the views'
 attention maps (Eq. 3–5). The relatives are the same step with other named parts
-(`training/views.py`, `training/terms.py`): the second view (dropout, Attention-Driven
+(`augmentation/training_views.py`, `training/terms.py`): the second view (dropout, Attention-Driven
 Dropout, Mirror-BERT span masking), the encoding (one encoder, or CT's two), the contrastive
 term (InfoNCE or positive-only) and the extra terms (AMI, InforMin-CL reconstruction, MLM,
 InfoCSE's auxiliary MLM network). One jitted, donated step for all of them (`training/program.py`).
 
-Per-member hyper-parameters (a population's `configs/population.PER_MEMBER` step inputs) come as
+Per-member hyper-parameters (a population's `configs/population_fields.PER_MEMBER` step inputs) come as
 an explicit argument `hyper` of arrays, in place of the config's constant; a solo run passes
 none, so its program holds the constants. How the step reads each:
   `ami_weight`     λ of the AMI term, for `ami.weight`;
@@ -24,13 +24,22 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh
 
+from micse_jax.augmentation.training_views import SECOND_VIEWS, encode_views, tokens_of
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.training import finite, infocse, optim, precision, terms, update, weight_copies
-from micse_jax.training import mesh as mesh_lib
+from micse_jax.training import (
+  data_parallel,
+  infocse,
+  non_finite,
+  optim,
+  precision,
+  state_placement,
+  terms,
+  update,
+  weight_copies,
+)
 from micse_jax.training.momentum import Queue, momentum_embeddings
 from micse_jax.training.networks import Networks
 from micse_jax.training.state import TrainState
-from micse_jax.training.views import SECOND_VIEWS, encode_views, tokens_of
 
 KEY_NAMES = ("drop", "momentum", "ami", "view", "mlm", "infocse")
 
@@ -46,11 +55,11 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
 
   `queue` is the momentum `Queue` of extra negatives, or None (no momentum encoder). On a
   data-parallel `mesh` the per-sentence AMI sampling runs on the device holding the sentence
-  (`mesh.rows_per_device`). Rows with `batch["row_mask"]` 0 (padding of a batch the devices do
+  (`data_parallel.rows_per_device`). Rows with `batch["row_mask"]` 0 (padding of a batch the devices do
   not divide) are no anchor, no negative and in no term or metric.
   """
   second_view, encode = SECOND_VIEWS[config.view.kind], encode_views(config)
-  map_rows = mesh_lib.rows_per_device(mesh)
+  map_rows = data_parallel.rows_per_device(mesh)
   head_b = "head_b" if config.ct.enabled else "head"
 
   def project(params, head_name, hidden):
@@ -95,14 +104,15 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
   The update is one fused pass (`training/update.apply`: clipping + AdamW on `schedule`, the EMA, the
   half-precision copies). `alive` (a population member's flag, traced) makes it a member's update.
   Which updates are skipped, and what a skipped step keeps, is the non-finite policy's
-  (`training/finite.py`): a member's while it is stopped or its loss or gradient norm is not finite,
+  (`training/non_finite.py`): a member's while it is stopped or its loss or gradient norm is not finite,
   a solo run's only a float16 step the loss scale skips."""
   loss_fn = make_loss_fn(config, nets, mesh)
   mesh_config = config.get("mesh", {})
   sharded = mesh_config.get("shard_state", False)
-  whole = lambda tree: mesh_lib.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
-  split = lambda tree: mesh_lib.split_for_update(tree, mesh, mesh_config.get("shard_update", False) and not sharded,
-                                                 mesh_config.get("shard_min_elements", mesh_lib.MIN_SHARDED_ELEMENTS))
+  whole = lambda tree: state_placement.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
+  split = lambda tree: state_placement.split_for_update(
+      tree, mesh, mesh_config.get("shard_update", False) and not sharded,
+      mesh_config.get("shard_min_elements", state_placement.MIN_SHARDED_ELEMENTS))
   inner, max_norm = optim.adamw(config, schedule), optim.clip_norm(config)
 
   def train_step(state: TrainState, batch: dict, hyper: dict | None = None,
@@ -124,15 +134,16 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
         embeddings = momentum_embeddings(nets, ema_params, whole(state.params["head"]), batch, keys["momentum"])
       with jax.named_scope("enqueue"):  # padding rows are never enqueued
         new = new.replace(queue=state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY)))
-    mask = finite.update_mask(alive, loss, loss_scaling=bool(state.loss_scale))  # which updates are skipped
+    mask = non_finite.update_mask(alive, loss, loss_scaling=bool(state.loss_scale))  # which updates are skipped
     with jax.named_scope("optimizer"):  # clipping + AdamW + EMA + copies in one pass (training/update.py)
-      result = update.apply(inner, split(grads), state.opt_state, split(state.params), max_norm=max_norm,
-                            ema_params=split(state.ema_params), ema_decay=config.momentum.decay if state.queue is not None
-                            else None, copies=state.compute_weights, scale=hyper.get("learning_rate"), **mask)
+      result = update.apply(update.Inputs(
+          inner=inner, grads=split(grads), params=split(state.params), opt_state=state.opt_state, max_norm=max_norm,
+          ema_params=split(state.ema_params), ema_decay=config.momentum.decay if state.queue is not None else None,
+          copies=state.compute_weights, scale=hyper.get("learning_rate"), **mask))
     new = new.replace(params=result.params, opt_state=result.opt_state, ema_params=result.ema_params,
                       compute_weights=result.copies)
     with jax.named_scope("finite"):
-      new, precision_metrics = finite.loss_scaled_step(jnp.isfinite(result.grad_norm), new, state,
+      new, precision_metrics = non_finite.loss_scaled_step(jnp.isfinite(result.grad_norm), new, state,
                                                        config.model.loss_scale_period)
     lr = schedule(state.step) * hyper["learning_rate"] if "learning_rate" in hyper else schedule(state.step)
     metrics = dict(metrics, **precision_metrics, loss=loss, grad_norm=result.grad_norm, lr=lr)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from micse_jax.augmentation import mlm_mask
+from micse_jax.augmentation.training_views import special_mask
 from micse_jax.data.pipeline import ROW_MASK_KEY
 from micse_jax.losses.alignment import positive_only_loss
 from micse_jax.losses.ami import ami_loss, official_ami_loss
@@ -25,7 +26,6 @@ from micse_jax.losses.infonce import info_nce_loss, l2_normalize, row_mean
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.losses.reconstruction import reconstruction_loss
 from micse_jax.training.momentum import Queue
-from micse_jax.training.views import special_mask
 
 
 def contrastive_term(z1, z2, queue: Queue | None, config, anchor_ids=None, row_mask=None):

@@ -2,7 +2,7 @@
 (`training/program.py`, several steps each: `training/dispatch.py`) → logs, evaluators, checkpoints.
 
 A population (`population.seeds`) is K runs stepped by one program; the loop sees a solo run as
-one run and a population as K (`training/run_views.py`: each run's folder, params, scalars and
+one run and a population as K (`training/run_slices.py`: each run's folder, params, scalars and
 whether it still trains), with one set-up, one resume path (older releases' layouts converted,
 `training/legacy_checkpoints.py`), one evaluation, one logging path, one checkpoint-save site and one
 final evaluation. The trainer owns the rolling `checkpoints/` and each run's `best/`; the
@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from micse_jax import caches, config_checks, timeline
 from micse_jax import workdir as workdir_lib
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.data.prefetch import Prefetcher
 from micse_jax.encoder import SentenceEncoder
 from micse_jax.errors import ConfigError, NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
@@ -32,15 +32,15 @@ from micse_jax.models.bert import BertModel
 from micse_jax.training import (
   checkpoint,
   dispatch,
-  finite,
   legacy_checkpoints,
+  non_finite,
   precision,
   program,
-  run_views,
+  run_slices,
   summaries,
 )
 from micse_jax.training.run_inputs import Run
-from micse_jax.training.run_views import RunView
+from micse_jax.training.run_slices import RunView
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -97,9 +97,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
     session.info["population"] = {"size": built.members, "seeds": list(config.population.seeds),
                                   "placement": built.mesh.axis_names[0]}
   if jax.process_index() == 0:
-    workdir_lib.write_run_config(workdir, run_views.config_json(first, config))
+    workdir_lib.write_run_config(workdir, run_slices.config_json(first, config))
   with session.phase("eval"):  # the dev sets read and tokenised once; their programs compiled now
-    views, evaluators = run_views.create(config, runs, workdir), _Evaluators.create(first, built)
+    views, evaluators = run_slices.create(config, runs, workdir), _Evaluators.create(first, built)
     evaluators.warm([view.params(state) for view in views])
   chunks = _plan(config, evaluators.active, start, steps)
   programs = _compiled(built, compiling, chunks)
@@ -112,7 +112,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   finally:
     with session.phase("save"):
       saver.close()
-      run_views.close(loop.views)
+      run_slices.close(loop.views)
   session.info["steps"]["to"] = int(state.step)  # its save (the last step saves) committed: waited for above
   with session.phase("final_eval"):
     results = [_final_evaluation(loop, view, state) for view in loop.views]
@@ -172,7 +172,7 @@ def _start(prog: program.Program, runs: list[Run], rolling):
 def _timeline_files(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
   """`timeline.json` of the workdir and of each population member's folder (the same seconds:
   the members share them)."""
-  return [os.path.join(d, workdir_lib.TIMELINE_FILE) for d in [workdir, *run_views.folders(config, workdir)]]
+  return [os.path.join(d, workdir_lib.TIMELINE_FILE) for d in [workdir, *run_slices.folders(config, workdir)]]
 
 
 @dataclasses.dataclass
@@ -244,7 +244,7 @@ class _Logs:
   copied to the host while the device goes on, and read at the next log, evaluation, save or the
   end, when they are long done (the pipeline never drains for a log)."""
 
-  def __init__(self, bar, views: list[RunView], health: finite.Health, start: int):
+  def __init__(self, bar, views: list[RunView], health: non_finite.Health, start: int):
     self.bar, self.views, self.health = bar, views, health
     self.pending, self.tick, self.last = None, time.perf_counter(), start
 
@@ -284,7 +284,7 @@ def _train(loop: _Loop, state):
   bar = tqdm(total=c.num_train_steps, initial=start, disable=jax.process_index() != 0,
              desc="train" + (f" x{first.members}" if members else ""))
   watch = state.stopped_at if members else (first.fresh_watch() if first else None)
-  health, saved = finite.Health(loop.views, watch if members else None), loop.saver.rolling.latest_step()
+  health, saved = non_finite.Health(loop.views, watch if members else None), loop.saver.rolling.latest_step()
   alive = health.alive(watch, saved, bar.write) if first else loop.views
   logs = _Logs(bar, loop.views, health, start)
   place = lambda chunk: loop.programs[chunk[1]].place_chunk(

@@ -12,7 +12,7 @@ correction and ε sit where optax puts them), after global-norm clipping (Pascan
   copies ← cast(θ), cast(θ̄)   (`weight_copies.py`)
 
 and θ, m, v, t, θ̄ and the copies all stay as they were where `keep` is false, and with `skip_nonfinite`
-where ‖g‖₂ is not finite (which steps apply no update: the non-finite policy, `training/finite.py`).
+where ‖g‖₂ is not finite (which steps apply no update: the non-finite policy, `training/non_finite.py`).
 
 Why it moves few bytes in few kernels on a GPU (deviceless H100 compiles; figures in BENCHMARKS.md):
 
@@ -30,6 +30,7 @@ adamw); the train step passes its `optim.adamw` and `optim.clip_norm` (`training
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -91,15 +92,36 @@ def where(keep: jax.Array, new, old):
   return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
 
 
-def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_norm: float | None,
-          ema_params=None, ema_decay: float | None = None, copies: dict | None = None, keep=True,
-          skip_nonfinite: bool = False, scale: jax.Array | None = None) -> Result:
-  """One fused update (see the module docstring) of `params` and `opt_state` (the state of
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Inputs:
+  """What one update (`apply`) reads, by name."""
+  inner: optax.GradientTransformation  # the elementwise part (AdamW: `optim.adamw`)
+  grads: Any
+  params: Any
+  opt_state: Any                       # the state of chain(clip_by_global_norm(max_norm), inner), or inner's
+  max_norm: float | None               # the clipping threshold c (`optim.clip_norm`); None: no clipping
+  ema_params: Any = None               # the EMA encoder θ̄, following params["encoder"] with `ema_decay`
+  ema_decay: float | None = None       # μ (None: no EMA)
+  copies: dict | None = None           # the half-precision copies (`weight_copies.of`), recast from the new weights
+  keep: Any = True                     # a traced bool or True: where false, everything stays as it was
+  skip_nonfinite: bool = False         # also keep everything where ‖g‖₂ is not finite
+  scale: jax.Array | None = None       # a float32 scalar multiplying `inner`'s updates
+
+
+def transformation(inner: optax.GradientTransformation, max_norm: float | None) -> optax.GradientTransformation:
+  """The transformation `apply` runs on the optimizer state: `inner` as `optim.make_optimizer` chains it
+  after clipping, with the clipping itself left to `apply` (`clipped`, from the norm it shares). The
+  clipping's state is optax's empty state, as the identity's, so this chain's state is the optimizer's
+  (the checkpointed layout) and is passed through whole, no part of it picked out by position."""
+  return inner if max_norm is None else optax.chain(optax.identity(), inner)
+
+
+def apply(u: Inputs) -> Result:
+  """One fused update (see the module docstring) of `u.params` and `u.opt_state` (the state of
   `optax.chain(clip_by_global_norm(max_norm), inner)`, or of `inner` when `max_norm` is None) by
-  `grads`; `inner` must be elementwise per leaf (AdamW is). `scale` (a float32 scalar) multiplies
-  `inner`'s updates (a population member's peak learning rate on a schedule that peaks at 1). With
-  `ema_decay`, `ema_params` follows `params["encoder"]`; `copies` (`weight_copies.of`) are recast
-  from the new weights.
+  `u.grads`; `inner` must be elementwise per leaf (AdamW is). `scale` multiplies `inner`'s updates (a
+  population member's peak learning rate on a schedule that peaks at 1). With `ema_decay`,
+  `ema_params` follows `params["encoder"]`; `copies` (`weight_copies.of`) are recast from the new weights.
 
   `keep` (a traced bool or True) leaves everything as it was where false; with `skip_nonfinite` a
   non-finite ‖g‖₂ does too (`applied` says which). A finite norm and a finite state give a finite
@@ -108,30 +130,27 @@ def apply(inner: optax.GradientTransformation, grads, opt_state, params, *, max_
   about 7.3 for 0.9, 0.999; an overflowing v̂ gives a zero step), so θ moves by a finite step: no
   check of the new params is needed, short of θ itself reaching float32's range.
   """
-  norm = global_norm(grads)
-  keep = jnp.asarray(keep, bool)
-  if skip_nonfinite:
+  norm = global_norm(u.grads)
+  keep = jnp.asarray(u.keep, bool)
+  if u.skip_nonfinite:
     keep = keep & jnp.isfinite(norm)
-  shared = _shared(norm, keep, *(() if scale is None else (scale,)))
+  shared = _shared(norm, keep, *(() if u.scale is None else (u.scale,)))
   shared_norm, shared_keep = shared[0], shared[1] != 0
-  inner_state = opt_state if max_norm is None else opt_state[1]
-  if max_norm is not None:
-    grads = clipped(grads, shared_norm, max_norm)
-  updates, new_inner = inner.update(grads, inner_state, params)
-  if scale is not None:
-    updates = jax.tree.map(lambda u: u * shared[2].astype(u.dtype), updates)
-  new_params = where(shared_keep, optax.apply_updates(params, updates), params)
-  new_inner = where(shared_keep, new_inner, inner_state)
-  new_state = new_inner if max_norm is None else (opt_state[0], new_inner)
-  new_ema = ema_params
-  if ema_decay is not None and ema_params:
-    new_ema = where(shared_keep, ema_update(new_params["encoder"], ema_params, ema_decay), ema_params)
-  new_copies = copies
-  if copies:
-    new_copies = weight_copies.of(new_params, new_ema, weight_copies.dtype_of(copies))
+  grads = u.grads if u.max_norm is None else clipped(u.grads, shared_norm, u.max_norm)
+  updates, new_state = transformation(u.inner, u.max_norm).update(grads, u.opt_state, u.params)
+  if u.scale is not None:
+    updates = jax.tree.map(lambda x: x * shared[2].astype(x.dtype), updates)
+  new_params = where(shared_keep, optax.apply_updates(u.params, updates), u.params)
+  new_state = where(shared_keep, new_state, u.opt_state)
+  new_ema = u.ema_params
+  if u.ema_decay is not None and u.ema_params:
+    new_ema = where(shared_keep, ema_update(new_params["encoder"], u.ema_params, u.ema_decay), u.ema_params)
+  new_copies = u.copies
+  if u.copies:
+    new_copies = weight_copies.of(new_params, new_ema, weight_copies.dtype_of(u.copies))
   return Result(new_params, new_state, new_ema, new_copies, norm, keep)
 
 
 WRITTEN = ("params", "opt_state", "ema_params", "compute_weights")  # the train-state fields `apply` writes
-# (the rest of a skipped step's state is kept by `finite.rest_kept`)
+# (the rest of a skipped step's state is kept by `non_finite.rest_kept`)
 

@@ -13,8 +13,8 @@ update's own pass over the weights (`training/update.py`), and the forwards read
 The gradient reaches the float32 parameter as through the cast (`_as_copy`: the cotangent cast to
 the parameter's dtype), so gradients, loss scaling and the optimizer see what they saw before.
 The copies are derived: checkpoints leave them out and a restore rebuilds them, for every state
-that holds them, by its type (`TrainState.without_copies` / `with_copies`, and a
-`PopulationState`'s members through it; `dropped`, `rebuilt`), so a workdir's layout is the same
+that holds them, by the state's own methods (`TrainState.without_copies` / `with_copies`, and a
+`PopulationState`'s members through them; `dropped`, `rebuilt`), so a workdir's layout is the same
 with and without them.
 
 The BERT encoders have copies: the online encoder `params["encoder"]`, CT's second encoder
@@ -27,6 +27,7 @@ were made for). With float32 compute there is nothing to copy.
 from __future__ import annotations
 
 import functools
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -90,18 +91,28 @@ def substituted(tree, copies):
                       tree, copies, is_leaf=lambda v: v is None)
 
 
-@functools.singledispatch
+@runtime_checkable
+class HoldsCopies(Protocol):
+  """A state that holds copies (`TrainState`; `PopulationState`, through its members): it says
+  itself what it is without them and how they are rebuilt."""
+
+  def without_copies(self):
+    """The state without its copies."""
+
+  def with_copies(self, like):
+    """A restored state with the copies `like` (its abstract state) holds."""
+
+
 def dropped(state):
-  """`state` without its copies: what a checkpoint holds. By the state's type: `TrainState` and
-  `PopulationState` register theirs; any other tree (a dict of arrays) holds none."""
-  return state
+  """`state` without its copies: what a checkpoint holds. A state that holds copies (`HoldsCopies`)
+  drops its own; any other tree (a dict of arrays) holds none."""
+  return state.without_copies() if isinstance(state, HoldsCopies) else state
 
 
-@functools.singledispatch
 def rebuilt(state, abstract_state):
-  """A restored `state` with the copies `abstract_state` has, by the state's type (as `dropped`)."""
-  del abstract_state
-  return state
+  """A restored `state` with the copies `abstract_state` has (`HoldsCopies.with_copies`); any other
+  tree as it is."""
+  return state.with_copies(abstract_state) if isinstance(state, HoldsCopies) else state
 
 
 def rebuilt_copies(params: dict, ema_params, wanted: dict) -> dict:

@@ -1,84 +1,18 @@
-"""Data parallelism: one `Mesh` axis over every device of every host; batch split; state replicated,
-or sharded over the same axis (FSDP / ZeRO-3, `mesh.shard_state`, see `state_sharding`)."""
+"""Where the train state lives on the data mesh: replicated, or sharded over its axis (FSDP / ZeRO-3,
+`mesh.shard_state`; ZeRO-1/2, `mesh.shard_update`), leaf by leaf (`leaf_partition`), and the
+constraints the step places its trees by (`gathered_for_compute`, `split_for_update`)."""
 import math
-import os
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from micse_jax.losses.ami_cells import all_rows_here
+from micse_jax.training.data_parallel import DATA_AXIS, replicated
 
-DATA_AXIS = "data"
 MIN_SHARDED_ELEMENTS = 2 ** 14  # smaller leaves stay replicated: gathering them costs more than it saves
 # An unset mesh.shard_state shards from this many GPUs: the time model predicts the sharded step the
 # faster one from two (BENCHMARKS.md).
 MIN_SHARDED_DEVICES = 2
-# With the state sharded, gradient reduce-scatters are combined up to this many gradient bytes only
-# (each device writing 1/N of them: XLA's threshold counts those): XLA's default combines them into
-# one large reduce-scatter late in the backward, exposed (BENCHMARKS.md).
-REDUCE_SCATTER_COMBINE_BYTES = 64 * 2 ** 20
-# What XLA records into the step's CUDA graphs and how it keeps them current, by `mesh.cuda_graphs`
-# (`cuda_graphs_for`; XLA's options `xla_gpu_enable_command_buffer`, `xla_gpu_command_buffer_update_mode`).
-# "kernels": XLA's own kernels and custom calls (ours) only, cuBLAS and cuDNN calls between the graphs;
-# "xla": XLA's default set, library calls in the graphs too; "fixed": XLA's default set at fixed
-# device addresses (XLA remaps the call's buffers under them), so no graph is ever updated nor a
-# library call captured again; "none": no CUDA graphs, every kernel launched on its own.
-CUDA_GRAPHS = {"kernels": {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"}, "xla": {},
-               "fixed": {"xla_gpu_command_buffer_update_mode": "NEVER_UPDATE"},
-               "none": {"xla_gpu_enable_command_buffer": ""}}
-
-
-def maybe_initialize_distributed() -> None:
-  """Multi-host: calls `jax.distributed.initialize()` when a launcher asked for it.
-
-  Either JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (launch/local_multiprocess.sh),
-  or JAX_DISTRIBUTED=1 to let JAX discover the cluster itself (SLURM, TPU pods; launch/slurm.sbatch).
-  """
-  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only multi-process
-    jax.distributed.initialize(
-        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAX_PROCESS_ID"]))
-  elif os.environ.get("JAX_DISTRIBUTED") == "1":
-    jax.distributed.initialize()
-
-
-def data_mesh(devices=None) -> Mesh:
-  """A 1-D mesh over all (or the given) devices, axis `DATA_AXIS`."""
-  return Mesh(np.asarray(jax.devices() if devices is None else devices), (DATA_AXIS,))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-  """Every device holds the whole array."""
-  return NamedSharding(mesh, P())
-
-
-def batch_sharded(mesh: Mesh) -> NamedSharding:
-  """The leading (batch) dimension split over the data axis."""
-  return NamedSharding(mesh, P(DATA_AXIS))
-
-
-def chunk_sharded(mesh: Mesh) -> NamedSharding:
-  """A call's chunk of batches `[steps, rows, ...]`: each step's rows split over the data axis."""
-  return NamedSharding(mesh, P(None, DATA_AXIS))
-
-
-def global_batch(local, mesh: Mesh, sharding: NamedSharding | None = None):
-  """Assembles each host's rows into global arrays split like `sharding` (default: rows first,
-  `batch_sharded`), one per leaf of `local`: a dict of arrays, or one packed array or chunk
-  (`data/packing.py`).
-
-  With one process the host holds the whole global batch, so `device_put` places it directly
-  (half the host time of `make_array_from_process_local_data`).
-  """
-  sharding = batch_sharded(mesh) if sharding is None else sharding
-  if jax.process_count() == 1:
-    return jax.device_put(local, sharding)
-  return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sharding, v), local)
-
 
 TABLE_KEY = "embedding"  # the parameter name of an embedding table (`nn.Embed`, `models/embed.Embed`)
 
@@ -125,32 +59,6 @@ def shards_state(mesh_config, num_devices: int, platform: str, members: int = 0)
     return bool(chosen)
   return (num_devices >= MIN_SHARDED_DEVICES and platform == "cuda" and not members
           and not mesh_config.get("shard_update", False))
-
-
-def cuda_graphs_for(mode: str, ampere_or_newer: bool) -> str:
-  """`mesh.cuda_graphs` resolved: "auto" is "kernels" on a GPU of compute capability >= 8.0 and
-  "xla" on older ones, what the last A/B measured. XLA records a library call into a graph by stream
-  capture and captures it again whenever one of its buffers moved, which they do every call once
-  the host runs ahead of the GPU; a step as short as an Ampere-or-newer GPU's at batch 50 then
-  waited for the host (measured on an H200, BENCHMARKS.md), while a V100's step outlasts the capture
-  (the time model's `host_work`) and keeps its GEMMs in the graphs. "fixed" and "none" are choices to
-  measure (the GPU kit's A/B points), not yet anyone's default."""
-  if mode != "auto":
-    return mode
-  return "kernels" if ampere_or_newer else "xla"
-
-
-def compiler_options(sharded: bool, platform: str, devices: int, cuda_graphs: str | None = "kernels") -> dict:
-  """The XLA options the step is compiled with. On CUDA GPUs: what goes into its CUDA graphs
-  (`CUDA_GRAPHS[cuda_graphs]`), and with the state sharded over `devices`, gradient reduce-scatters
-  combined up to `REDUCE_SCATTER_COMBINE_BYTES` of gradients, so they start under the backward.
-  None elsewhere."""
-  if platform != "cuda":
-    return {}
-  options = dict(CUDA_GRAPHS[cuda_graphs])
-  if sharded:
-    options["xla_gpu_reduce_scatter_combine_threshold_bytes"] = REDUCE_SCATTER_COMBINE_BYTES // max(devices, 1)
-  return options
 
 
 def state_sharding(state_shapes, mesh: Mesh, shard_state: bool, min_elements: int = MIN_SHARDED_ELEMENTS,
@@ -203,31 +111,6 @@ def gathered_for_compute(tree, mesh: Mesh | None, sharded: bool):
   whole = replicated(mesh)
   return jax.tree_util.tree_map_with_path(
       lambda path, leaf: leaf if is_table(path) else jax.lax.with_sharding_constraint(leaf, whole), tree)
-
-
-def padded_batch_size(batch_size: int, device_count: int) -> int:
-  """The smallest multiple of `device_count` that is >= `batch_size`: rows per step on the mesh.
-
-  A global batch the devices do not divide (the paper's 50 on 4 or 8 GPUs) is padded with
-  masked rows (`row_mask` 0) that are no anchor, no negative, never enqueued and in no metric.
-  """
-  if batch_size <= 0 or device_count <= 0:
-    raise ValueError(f"need a positive batch size and device count, got {batch_size}, {device_count}")
-  return -(-batch_size // device_count) * device_count
-
-
-def rows_per_device(mesh: Mesh | None):
-  """A `map_rows(fn, rows, shared)` (losses/ami_cells.py) that runs `fn` under `shard_map` on
-  each device's own block of rows (`rows` split over the data axis, `shared` replicated): no
-  activation crosses devices. None or a one-device mesh: `fn` on the whole batch."""
-  if mesh is None or mesh.size == 1:
-    return all_rows_here
-
-  def map_rows(fn, rows: tuple, shared: tuple):
-    specs = (P(DATA_AXIS),) * len(rows) + (P(),) * len(shared)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(DATA_AXIS))(*rows, *shared)
-
-  return map_rows
 
 
 def placed(abstract, sharding):

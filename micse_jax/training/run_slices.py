@@ -1,12 +1,12 @@
-"""The runs a training loop steps, as views of its one state: a solo run is one, a population
-(`population.seeds`) one per member. The loop (`training/trainer.py`) is the same for both;
+"""The runs a training loop steps, each its slice of the loop's one state: a solo run is one, a
+population (`population.seeds`) one per member. The loop (`training/trainer.py`) is the same for both;
 what differs is here:
 
 - where a run's files go (`RunView.folder`): a solo run's workdir; member i's `members/<i>/`
   (`workdir.member_dir`), which reads like a solo workdir (its solo `config.json`, `best/`,
   `results.json`, `timeline.json`, TensorBoard scalars);
 - how its params and scalars are read from the state and the step's metrics (member i's slice);
-- which runs still train is the non-finite policy's (`training/finite.Health`).
+- which runs still train is the non-finite policy's (`training/non_finite.Health`).
 """
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from micse_jax import workdir as workdir_lib
-from micse_jax.configs import population as population_fields
+from micse_jax.configs import population_fields
 from micse_jax.training import population, summaries
 from micse_jax.training.run_inputs import Run
 
 
 @dataclasses.dataclass
 class RunView:
-  """One run of the loop: its member index (None: a solo run), set-up, folder, `best/` manager,
+  """One run of the loop, its view of the state: its member index (None: a solo run), set-up, folder, `best/` manager,
   best dev score so far and TensorBoard writer."""
   index: int | None
   run: Run

@@ -39,7 +39,7 @@ STOPPED = -1  # a population member's `stopped_at` while it trains
 
 
 def update_mask(alive: jax.Array | None, loss: jax.Array, loss_scaling: bool) -> dict:
-  """`update.apply`'s `keep` and `skip_nonfinite` for a step: a solo run (`alive` None) keeps every
+  """`update.Inputs`' `keep` and `skip_nonfinite` for a step: a solo run (`alive` None) keeps every
   update but, with float16 loss scaling, one whose ‖g‖₂ is not finite; a population member keeps
   it only while it trains (`alive`) and its loss and ‖g‖₂ are finite."""
   if alive is None:
@@ -128,7 +128,7 @@ def check(watch: Watch, saved_step: int | None = None) -> None:
 
 
 class Health:
-  """Which of the loop's runs (`run_views.RunView`s: a solo run, or each member) still train, read
+  """Which of the loop's runs (`run_slices.RunView`s: a solo run, or each member) still train, read
   only when the loop logs, evaluates or saves, from what the program's last call returned beside the
   state (`Program.run`): a solo run's `Watch`, a population's `stopped_at`."""
 
