@@ -23,7 +23,7 @@ works for every member with umask 002 (and a setgid folder keeps the group).
 A cache folder that cannot be written (read-only, or a file where it or a folder above it should
 be) is found before the run uses it (`unusable_reason`: a file written and removed in it, JAX's
 lock file opened): the run goes on without that cache, and says so in one line (what, where, what
-to do; `announce_unusable`) instead of a warning from JAX per program. One that fails later, mid-run,
+to do; `unusable_notes`) instead of a warning from JAX per program. One that fails later, mid-run,
 is one line too (`cache_healing`).
 
 Entries survive a move of the cache folder: JAX would name the folder inside every key (it points
@@ -56,7 +56,6 @@ CACHE_NAMES = {COMPILATION_DIR: "compilation cache (compiled programs)", TOKENIZ
 
 _applied: tuple | None = None  # (folder, max size) this process last pointed JAX's cache at
 _unusable: dict[str, str] = {}  # this run's cache folders that cannot be written -> why (`check_folders`)
-_announced = False  # whether this run said so (`announce_unusable`)
 
 
 def user_cache_root() -> str:
@@ -140,10 +139,8 @@ def _open_lock(folder: str) -> None:
 
 def check_folders(config: ml_collections.ConfigDict) -> dict[str, str]:
   """{folder: why} of the config's enabled cache folders that cannot be written; remembered for this
-  run (the compilation cache is then off, `tokenized_cache_dir` None), for `announce_unusable`."""
-  global _announced
+  run (the compilation cache is then off, `tokenized_cache_dir` None), for `unusable_notes`."""
   _unusable.clear()
-  _announced = False
   for folder in (compilation_cache_dir(config), _tokenized_folder(config)):
     reason = unusable_reason(folder) if folder and "://" not in folder else None
     if reason:
@@ -161,12 +158,16 @@ def unusable_line(unusable: dict[str, str]) -> str:
           "(--config.cache.compilation=False / --config.cache.tokenized=False turn a cache off)")
 
 
-def announce_unusable() -> None:
-  """Logs `unusable_line` of this run's unwritable cache folders, once per run (`check_folders`)."""
-  global _announced
-  if _unusable and not _announced:
-    logging.warning(unusable_line(_unusable))
-  _announced = True
+def unusable_notes() -> list[str]:
+  """`unusable_line` of this run's cache folders that cannot be written (`check_folders`), or no line."""
+  return [unusable_line(_unusable)] if _unusable else []
+
+
+def open_for_run(config: ml_collections.ConfigDict) -> tuple[str | None, list[str]]:
+  """A run's caches opened before its first compile: JAX's compilation cache enabled
+  (`enable_compilation_cache`, its folder returned) and the lines to say once the run's input is
+  checked (`unusable_notes`: one, where a cache folder cannot be written)."""
+  return enable_compilation_cache(config), unusable_notes()
 
 
 def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
@@ -175,7 +176,7 @@ def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
   small it is (JAX's defaults skip compiles under 1 s, i.e. most CPU programs); its reads are
   verified and heal (`cache_healing.install`); its keys name no folder (`RELOCATABLE_XLA_CACHES`).
   A cache folder that cannot be written is left out of this run (`check_folders`; the trainer
-  announces it once its input is checked, `announce_unusable`). Returns the dir."""
+  says it once its input is checked, `unusable_notes`). Returns the dir."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache as jax_cache
   unusable = check_folders(config)

@@ -235,16 +235,16 @@ def test_a_runs_batch_is_padded_to_the_devices_its_rows_are_split_over(k, device
 
 
 def test_prepared_runs_pad_each_members_batches_as_the_program_pads_its_rows(monkeypatch):
-  """`program.prepared_runs` (the trainer's, the bench's, the tests') hands `run_inputs.prepare` the
+  """`run_inputs.prepare_runs` (the trainer's, the bench's, the tests') hands `run_inputs.prepare` the
   padding multiple `program.build` pads the rows to (`population_placement.row_devices`)."""
   from micse_jax.configs import micse
-  from micse_jax.training import program, run_inputs
+  from micse_jax.training import run_inputs
   seen = []
   monkeypatch.setattr(run_inputs, "prepare", lambda config, row_devices=None: seen.append(row_devices))
   config = micse.get_config()
-  program.prepared_runs(config, devices=[object()] * 4)
+  run_inputs.prepare_runs(config, devices=[object()] * 4)
   config.population.seeds = (1, 2, 3, 4)
-  program.prepared_runs(config, devices=[object()] * 4)
+  run_inputs.prepare_runs(config, devices=[object()] * 4)
   config.population.seeds = (1, 2)
-  program.prepared_runs(config, devices=[object()] * 4)
+  run_inputs.prepare_runs(config, devices=[object()] * 4)
   assert seen == [4] + [1] * 4 + [4] * 2

@@ -20,7 +20,7 @@ from micse_jax.configs import population_fields
 from micse_jax.encoder import SentenceEncoder, load_encoder
 from micse_jax.errors import CheckpointError, ConfigError, NonFiniteLossError
 from micse_jax.evaluation import command as evaluate
-from micse_jax.training import checkpoint, program, trainer
+from micse_jax.training import checkpoint, program, run_inputs, trainer
 from tests.helpers import run_module
 from tests.train_utils import tiny_training_config, train_preempted_after_first_save
 
@@ -86,7 +86,7 @@ def test_a_population_checkpoint_of_an_older_layout_resumes_converted(tmp_path, 
   straight, old = str(tmp_path / "straight"), str(tmp_path / "old")
   trainer.train_and_evaluate(config, straight)
   train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, old)
-  abstract = program.of_runs(config, program.prepared_runs(config)).abstract_state
+  abstract = program.of_runs(config, run_inputs.prepare_runs(config)).abstract_state
   state = checkpoint.restore_state(workdir_lib.rolling_manager(old, 2), abstract, step=2)
   assert state.members.compute_weights["encoder"]  # rebuilt on restore
   members = state.members.replace(opt_state=in_flat_layout(jax.device_get(state.members.opt_state), members=True))

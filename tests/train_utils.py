@@ -118,8 +118,8 @@ def in_flat_layout(opt_state, members: bool = False):
 def prepared_program(config, devices=None):
   """(program, runs) as the trainer builds them: each run prepared (`run_inputs.prepare`: the run, or each
   population member), the program of `config` on them (`program.of_runs`, on `devices`)."""
-  from micse_jax.training import program
-  runs = program.prepared_runs(config, devices)
+  from micse_jax.training import program, run_inputs
+  runs = run_inputs.prepare_runs(config, devices)
   return program.of_runs(config, runs, devices), runs
 
 

@@ -59,8 +59,8 @@ def population_config(model_dir: str, batch_size: int, max_length: int, dtype: s
 def measure(config, steps: int, warmup: int) -> dict:
   """First call (compile), `warmup` steps, then `steps` timed steps of `config`'s population."""
   from micse_jax.bench import hardware
-  from micse_jax.training import program
-  runs = program.prepared_runs(config)
+  from micse_jax.training import program, run_inputs
+  runs = run_inputs.prepare_runs(config)
   prog = program.of_runs(config, runs, steps=1)  # the trainer's program, one step per call
   members = len(runs)
   batches = [prog.place_batch([r.batches.batch(s) for r in runs]) for s in range(1 + warmup + steps)]

@@ -24,7 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from micse_jax.errors import CheckpointError
-from micse_jax.training import weight_copies
+from micse_jax.training import legacy_checkpoints, weight_copies
 from micse_jax.workdir import BEST_METRIC, current_device_sharding, newest_readable, step_reader, unreadable_reason
 
 if TYPE_CHECKING:
@@ -271,3 +271,14 @@ class Saver:
     if self._error is not None:
       error, self._error = self._error, None
       raise error
+
+
+def starting_state(prog, runs: list, rolling: ocp.CheckpointManager):
+  """The state a run trains from: the newest readable checkpoint of `rolling` (any topology; an older
+  release's layout converted on the way in, `legacy_checkpoints.layouts`), else the program's step 0
+  of the prepared runs (`Program.initial_state`)."""
+  if rolling.latest_step() is None:
+    return prog.initial_state(runs)
+  state = resume(rolling, prog.abstract_state, legacy_checkpoints.layouts(prog))
+  logging.info("resumed from step %d", int(state.step))
+  return state

@@ -49,11 +49,23 @@ def with_resolved_dtype(config, announce: bool = True, device=None):
 
 
 def announce_dtype(requested: str, resolved: str) -> None:
-  """Prints the compute dtype and where it came from (one line, first process)."""
+  """Prints `dtype_line` (first process)."""
   if jax.process_index() == 0:
-    device = jax.local_devices()[0]
-    origin = f"auto on {device.platform} {device.device_kind}" if requested == AUTO else "set"
-    print(f"compute dtype: {resolved} ({origin})", flush=True)
+    print(dtype_line(requested, resolved), flush=True)
+
+
+def dtype_line(requested: str, resolved: str) -> str:
+  """The compute dtype and where it came from, in one line."""
+  device = jax.local_devices()[0]
+  origin = f"auto on {device.platform} {device.device_kind}" if requested == AUTO else "set"
+  return f"compute dtype: {resolved} ({origin})"
+
+
+def resolve_dtype(config) -> tuple:
+  """(`with_resolved_dtype` of `config`, unprinted; its `dtype_line`, for the trainer to print once the
+  run's input is checked)."""
+  resolved = with_resolved_dtype(config, announce=False)
+  return resolved, dtype_line(config.model.dtype, resolved.model.dtype)
 
 
 def compute_dtype(name: str):

@@ -47,7 +47,6 @@ from micse_jax.training import (
   population,
   population_placement,
   run_inputs,
-  run_slices,
   state_placement,
   xla_options,
 )
@@ -283,15 +282,6 @@ def compiled(prog: Program, run_once: bool = False) -> Program:
                     "attention path, the same values (--config.model.attention=explicit skips the kernels' attempt)",
                     "when run" if stage == "run" else "to compile", prog.target.describe(), type(error).__name__, reason)
     return dataclasses.replace(plain, executable=plain.lower().compile(plain.compiler_options))
-
-
-def prepared_runs(config: ml_collections.ConfigDict, devices=None) -> list:
-  """Each run of `config` prepared (`run_inputs.prepare`: the run, or each population member), its
-  batches padded to the devices its rows are split over (`population_placement.row_devices`), as `build` pads
-  the program's rows; validates all input (the trainer calls it before touching the workdir)."""
-  count = len(jax.devices() if devices is None else devices)
-  rows_over = population_placement.row_devices(population_fields.size(config), count)
-  return [run_inputs.prepare(c, rows_over) for c in run_slices.run_configs(config)]
 
 
 def of_runs(config: ml_collections.ConfigDict, runs: list, devices=None, steps: int | None = None) -> Program:

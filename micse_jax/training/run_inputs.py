@@ -17,13 +17,14 @@ import ml_collections
 
 from micse_jax import caches, timeline
 from micse_jax.config_checks import MethodConfigError
+from micse_jax.configs import population_fields
 from micse_jax.data.pipeline import TrainBatches, build_train_batches
 from micse_jax.errors import ConfigError
 from micse_jax.models.bert import BertConfig
 from micse_jax.models.heads import MLPHead
 from micse_jax.models.loading import has_mlm_head, load_config, load_pretrained, resolve_model_dir
 from micse_jax.tokenization import Tokenizer
-from micse_jax.training import data_parallel
+from micse_jax.training import data_parallel, population_placement
 from micse_jax.training.momentum import self_collision_warning
 from micse_jax.training.networks import Networks, SpecialTokens, compute_dtype, method_params
 from micse_jax.training.precision import initial_loss_scale_state
@@ -40,6 +41,16 @@ class Run:
   batches: TrainBatches
   encoder_params: dict  # the checkpoint's BERT params (with its MLM head `cls` where the method reads it)
   tokens: SpecialTokens  # the tokenizer's special token ids (the views and masks that need them)
+
+
+def prepare_runs(config: ml_collections.ConfigDict, devices=None) -> list[Run]:
+  """Each run of `config` prepared (`prepare`: the run, or each population member's solo config), its
+  batches padded to the devices its rows are split over (`population_placement.row_devices`, as
+  `program.build` pads the program's rows); validates all input (the trainer calls it before it
+  writes anything)."""
+  count = len(jax.devices() if devices is None else devices)
+  rows_over = population_placement.row_devices(population_fields.size(config), count)
+  return [prepare(c, rows_over) for c in population_fields.member_configs(config) or [config]]
 
 
 def prepare(config: ml_collections.ConfigDict, row_devices: int | None = None) -> Run:

@@ -56,11 +56,6 @@ class RunView:
     return population.member_metrics(metrics, self.index)
 
 
-def run_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
-  """The configs of the runs the loop steps: the members' solo configs, or the run's own."""
-  return population_fields.member_configs(config) or [config]
-
-
 def folders(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
   """The runs' folders that exist besides `workdir` (a population's member folders; [] for a solo run)."""
   dirs = [workdir_lib.member_dir(workdir, i) for i in range(population_fields.size(config))]
@@ -68,8 +63,11 @@ def folders(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
 
 
 def create(config: ml_collections.ConfigDict, runs: list[Run], workdir: str) -> list[RunView]:
-  """The runs' views; a member's folder is created with its solo `config.json`."""
+  """The runs' views; the workdir's `config.json` written (a population's config), and a member's folder
+  created with its solo one."""
   solo = not population_fields.enabled(config)
+  if jax.process_index() == 0:
+    workdir_lib.write_run_config(workdir, config_json(runs[0], config))
   views = []
   for i, run in enumerate(runs):
     folder = os.path.abspath(workdir) if solo else workdir_lib.member_dir(workdir, i)

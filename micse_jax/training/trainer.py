@@ -22,20 +22,20 @@ from tqdm import tqdm
 
 from micse_jax import caches, config_checks, timeline
 from micse_jax import workdir as workdir_lib
-from micse_jax.configs import population_fields
 from micse_jax.data.prefetch import Prefetcher
 from micse_jax.encoder import SentenceEncoder
-from micse_jax.errors import ConfigError, NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
+from micse_jax.errors import NonFiniteLossError  # noqa: F401  (re-exported: trainer.NonFiniteLossError)
 from micse_jax.evaluation.evaluators.dev_selection import DevSelection, final_evaluation
 from micse_jax.evaluation.evaluators.heldout import HeldoutMetrics
 from micse_jax.models.bert import BertModel
 from micse_jax.training import (
   checkpoint,
   dispatch,
-  legacy_checkpoints,
+  distributed,
   non_finite,
   precision,
   program,
+  run_inputs,
   run_slices,
   summaries,
 )
@@ -70,54 +70,88 @@ class _Loop:
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session: timeline.Timeline) -> dict:
-  """`train_and_evaluate` with its phases marked on `session`: the input checked, the program built
-  and compiled beside the state's loading and the evaluators' first (compiling) call, then the loop."""
-  requested_dtype = config.model.dtype
-  config = precision.with_resolved_dtype(config, announce=False)  # "auto" → this accelerator's dtype
-  resume_notes = config_checks.check_run(config, workdir)  # ranges, SentEval, workdir, resume compatibility
-  if population_fields.enabled(config) and jax.process_count() > 1:
-    raise ConfigError("population training runs on one host (several devices are fine)")
-  session.info["compilation_cache"] = caches.enable_compilation_cache(config)  # before the first compile
-  runs = program.prepared_runs(config)  # all input validation before the workdir is touched
-  precision.announce_dtype(requested_dtype, config.model.dtype)  # after the checks: nothing before an error line
-  caches.announce_unusable()  # a cache folder that cannot be written: one line, the run goes on without it
-  built, first = program.of_runs(config, runs), runs[0]
-  os.makedirs(workdir, exist_ok=True)
+  """The run, top to bottom, each step one call that does only that, said in the log as it goes
+  (`_note`; nothing is said or written before the input is checked):
+
+  1. the config: "auto" dtype resolved, then checked (ranges, SentEval, workdir, resume compatibility);
+  2. the devices, and the caches opened before the first compile;
+  3. the data: each run's checkpoint, tokenizer and batches (the last input checks);
+  4. the program: networks, dtype, state layout, the jitted step, compiling in the background;
+  5. the state: fresh, or the newest checkpoint (older layouts converted on the way in), and its saver;
+  6. the runs' folders and evaluators (their programs compiled now, not at the first evaluation);
+  7. the loop, then the final evaluation."""
+  config, dtype_line = precision.resolve_dtype(config)
+  resume_notes = config_checks.check_run(config, workdir)
+  devices = distributed.devices_for(config)
+  session.info["compilation_cache"], cache_notes = caches.open_for_run(config)
+  runs = run_inputs.prepare_runs(config, devices)
+  _say_checked(dtype_line, cache_notes, config, runs)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
-  steps = built.steps  # K: the chunks' length where they fit
-  guess = _plan(config, config.eval_every > 0, rolling.latest_step() or 0, steps)  # before the restore and evaluators
-  compiling = {n: _Background(program.compiled, built.with_steps(n), True) for n in {n for _, n in guess} or {steps}}
+  prog = program.of_runs(config, runs, devices)
+  compiling = _compile_ahead(config, prog, rolling.latest_step() or 0)
   with session.phase("load"):
-    state = _start(built, runs, rolling)
-  for note in resume_notes:  # a resumable change that alters the steps left, said once it has resumed
-    logging.warning("%s", note)
-  start = int(state.step)
-  session.info.update(steps={"from": start, "to": start}, finished=False)
-  if built.members:
-    session.info["population"] = {"size": built.members, "seeds": list(config.population.seeds),
-                                  "placement": built.mesh.axis_names[0]}
-  if jax.process_index() == 0:
-    workdir_lib.write_run_config(workdir, run_slices.config_json(first, config))
-  with session.phase("eval"):  # the dev sets read and tokenised once; their programs compiled now
-    views, evaluators = run_slices.create(config, runs, workdir), _Evaluators.create(first, built)
-    evaluators.warm([view.params(state) for view in views])
-  chunks = _plan(config, evaluators.active, start, steps)
-  programs = _compiled(built, compiling, chunks)
-  session.info["steps_per_dispatch"] = sorted({n for _, n in chunks}, reverse=True)
-  saver = checkpoint.Saver(rolling, on_saved=timeline.checkpoint_saved)
-  loop = _Loop(programs, chunks, views, evaluators, saver)
+    state = checkpoint.starting_state(prog, runs, rolling)
+  saver, views = checkpoint.Saver(rolling, on_saved=timeline.checkpoint_saved), []
   try:
+    _note(f"state: step {int(state.step)}" + (" (resumed)" if int(state.step) else " (fresh)"))
+    for line in resume_notes:  # a resumable change that alters the steps left, said once it has resumed
+      logging.warning("%s", line)
+    _session_started(session, prog, int(state.step), config)
+    with session.phase("eval"):  # the dev sets read and tokenised once; their programs compiled now
+      views, evaluators = run_slices.create(config, runs, workdir), _Evaluators.create(runs[0], prog)
+      evaluators.warm([view.params(state) for view in views])
+    _note(f"evaluators: dev selection {'on' if evaluators.selection.enabled else 'off'}, held-out metrics "
+          f"{'off' if evaluators.heldout is None else 'on'}")
+    chunks = _plan(config, evaluators.active, int(state.step), prog.steps)
+    loop = _Loop(_compiled(prog, compiling, chunks), chunks, views, evaluators, saver)
+    session.info["steps_per_dispatch"] = sorted({n for _, n in chunks}, reverse=True)
+    _note(f"training steps {int(state.step)} to {config.num_train_steps}")
     with session.phase("train"):
       state = _train(loop, state)
   finally:
     with session.phase("save"):
       saver.close()
-      run_slices.close(loop.views)
+      run_slices.close(views)
   session.info["steps"]["to"] = int(state.step)  # its save (the last step saves) committed: waited for above
   with session.phase("final_eval"):
     results = [_final_evaluation(loop, view, state) for view in loop.views]
   session.info["finished"] = True
-  return {"members": results} if built.members else results[0]
+  return {"members": results} if prog.members else results[0]
+
+
+def _note(line: str) -> None:
+  """One step of the set-up said in the log (first process)."""
+  if jax.process_index() == 0:
+    logging.info("set-up: %s", line)
+
+
+def _say_checked(dtype_line: str, cache_notes: list[str], config: ml_collections.ConfigDict, runs: list[Run]) -> None:
+  """What the run says once its input is checked: the compute dtype (printed), an unusable cache folder
+  (one warning), the config and data it read."""
+  if jax.process_index() == 0:
+    print(dtype_line, flush=True)
+  for line in cache_notes:
+    logging.warning("%s", line)
+  _note(f"config checked; {jax.device_count()} {jax.devices()[0].platform} device(s)")
+  _note(f"data: {len(runs)} run(s) of {runs[0].model_dir}, {runs[0].batches.num_sentences} sentences")
+
+
+def _compile_ahead(config: ml_collections.ConfigDict, prog: program.Program, start: int) -> dict:
+  """The program compiled in the background for each number of steps per call that the chunk plan
+  from `start` will likely call (the usual one and the shorter one, if any; the plan is made again
+  once the evaluators are known, `_compiled`), while the state loads and the evaluators compile."""
+  guess = _plan(config, config.eval_every > 0, start, prog.steps)
+  _note(f"program for {prog.target.describe()}, {prog.steps} step(s) per call: compiling")
+  return {n: _Background(program.compiled, prog.with_steps(n), True) for n in {n for _, n in guess} or {prog.steps}}
+
+
+def _session_started(session: timeline.Timeline, prog: program.Program, start: int,
+                     config: ml_collections.ConfigDict) -> None:
+  """The session's first facts: where it starts, and a population's size, seeds and placement."""
+  session.info.update(steps={"from": start, "to": start}, finished=False)
+  if prog.members:
+    session.info["population"] = {"size": prog.members, "seeds": list(config.population.seeds),
+                                  "placement": prog.mesh.axis_names[0]}
 
 
 class _Background:
@@ -157,16 +191,6 @@ def _compiled(prog: program.Program, compiling: dict, chunks: list[tuple[int, in
   for n in {n for _, n in chunks} - set(programs):
     programs[n] = program.compiled(prog.with_steps(n), run_once=True)
   return programs
-
-
-def _start(prog: program.Program, runs: list[Run], rolling):
-  """The state to train from: the newest readable checkpoint (any topology; an older layout
-  converted), else step 0."""
-  if rolling.latest_step() is None:
-    return prog.initial_state(runs)
-  state = checkpoint.resume(rolling, prog.abstract_state, legacy_checkpoints.layouts(prog))
-  logging.info("resumed from step %d", int(state.step))
-  return state
 
 
 def _timeline_files(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
