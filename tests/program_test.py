@@ -1,8 +1,7 @@
 """The one program (`training/program.py`): the deviceless compile (`aot/compile.py`) lowers exactly
 the step the trainer runs, for a solo run and a population; a solo run's program is the solo step;
 the step is jitted in one place."""
-import ast
-import os
+import sys
 
 import jax
 import numpy as np
@@ -10,10 +9,8 @@ import pytest
 
 from micse_jax.aot import compile as aot_compile
 from micse_jax.configs import population_fields
-from micse_jax.training import program, trainer
+from micse_jax.training import networks, population, program, step, trainer
 from tests.train_utils import tiny_training_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _trainer_program(config, workdir, monkeypatch) -> program.Program:
@@ -41,15 +38,59 @@ def _deviceless_text(config) -> str:
   return aot_compile.lower_program(config, bert_config, jax.devices(), tokens).as_text()
 
 
+class _BuildWatch:
+  """Who builds the networks and the pure train step, and who jits the training call, while it watches:
+  the callers (module, function) of `build_networks`, `make_train_step` and `make_population_step`
+  (seen by the profiler, however they were imported), and of each `jax.jit` of a training call."""
+
+  BUILDERS = {networks.build_networks.__code__: "build_networks", step.make_train_step.__code__: "make_train_step",
+              population.make_population_step.__code__: "make_population_step"}
+
+  def __init__(self, monkeypatch):
+    self.built: list[tuple[str, str, str]] = []
+    self.jitted: list[tuple[str, str]] = []
+    jit = jax.jit
+
+    def watched_jit(fun, *args, **kwargs):
+      if getattr(fun, "__name__", "") in ("train_steps", "population_steps"):
+        caller = sys._getframe(1)
+        self.jitted.append((caller.f_globals["__name__"], caller.f_code.co_name))
+      return jit(fun, *args, **kwargs)
+    monkeypatch.setattr(jax, "jit", watched_jit)
+
+  def __enter__(self):
+    def profile(frame, event, arg):
+      name = self.BUILDERS.get(frame.f_code) if event == "call" else None
+      if name:
+        self.built.append((name, frame.f_back.f_globals["__name__"], frame.f_back.f_code.co_name))
+    sys.setprofile(profile)
+    return self
+
+  def __exit__(self, *exc):
+    sys.setprofile(None)
+
+
 @pytest.mark.parametrize("fields", [{}, {"seeds": (1, 2), "learning_rates": (1e-3, 2e-3)}], ids=["solo", "population"])
 def test_the_deviceless_compile_lowers_the_program_the_trainer_runs(tmp_path, minilm_dir, monkeypatch, fields):
+  """The trainer and the deviceless compile lower the same program, whose step and networks are built
+  by `program.build` alone and jitted once per build, by `program._jitted_step` alone."""
   config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=1, checkpoint_every=1)
   for key, value in fields.items():
     config.population[key] = value
-  ran = _trainer_program(config, str(tmp_path / "wd"), monkeypatch)
+  with _BuildWatch(monkeypatch) as watch:
+    ran = _trainer_program(config, str(tmp_path / "wd"), monkeypatch)
+    deviceless = _deviceless_text(config)
   trainer_text = ran.lower().as_text()
-  assert trainer_text == _deviceless_text(config)
+  assert trainer_text == deviceless
   assert ("population_step" in trainer_text) == bool(fields)  # the module is jit_<step>
+  builds = [b for b in watch.built if b[0] == "build_networks"]
+  assert builds and set(builds) == {("build_networks", "micse_jax.training.program", "build")}
+  steps = [b for b in watch.built if b[0] != "build_networks"]
+  step_builder = "make_population_step" if fields else "make_train_step"
+  assert {b[0] for b in steps} >= {step_builder}
+  assert {b[1:] for b in steps if b[0] == step_builder} == {("micse_jax.training.program", "_jitted_step")}
+  assert set(watch.jitted) == {("micse_jax.training.program", "_jitted_step")}
+  assert len(watch.jitted) == len(builds)  # one jit of the training call per program built
 
 
 def test_a_solo_program_is_the_solo_step_and_a_population_one_is_vmapped(tmp_path, minilm_dir):
@@ -72,35 +113,3 @@ def test_a_solo_program_is_the_solo_step_and_a_population_one_is_vmapped(tmp_pat
   assert set(pop.hyper) == {population_fields.PER_MEMBER["ami_weights"].step_input}
 
 
-def _calls(name: str, roots=("micse_jax",)) -> list[tuple[str, str]]:
-  """(file, enclosing function) of every call of `name` (`f(...)` or `x.f(...)`) in the files under `roots`."""
-  found = []
-  for root in roots:
-    for folder, _, files in os.walk(os.path.join(REPO, root)):
-      for file in sorted(f for f in files if f.endswith(".py")):
-        path = os.path.join(folder, file)
-        with open(path, encoding="utf-8") as f:
-          tree = ast.parse(f.read())
-        for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
-          for node in ast.walk(function):
-            called = node.func if isinstance(node, ast.Call) else None
-            if getattr(called, "attr", getattr(called, "id", None)) == name:
-              found.append((os.path.relpath(path, REPO), function.name))
-  return sorted(set(found))
-
-
-def test_the_step_is_built_and_jitted_in_one_place():
-  """The pure train step is built only by the program, which jits it once, in the library and in the
-  tests (which take their steps from it: `tests/train_utils.program_steps`); every other `jax.jit` of
-  the library jits something else (evaluation, init, the non-finite flag, a layout conversion); the
-  networks are built by the program alone."""
-  everywhere = ("micse_jax", "tests")
-  assert _calls("make_train_step", everywhere) == [("micse_jax/training/program.py", "_jitted_step")]
-  assert _calls("make_population_step", everywhere) == [("micse_jax/training/program.py", "_jitted_step")]
-  assert _calls("member_step_fn", everywhere) == [("micse_jax/training/population.py", "make_population_step")]
-  jits = _calls("jit")
-  assert [j for j in jits if j[0] == "micse_jax/training/program.py"] == [
-      ("micse_jax/training/program.py", "_jitted_step")]
-  assert not [path for path, _ in jits if path.startswith(("micse_jax/bench", "micse_jax/aot", "micse_jax/studies"))]
-  assert _calls("build_networks") == [("micse_jax/training/networks.py", "build_networks"),  # InfoCSE's own
-                                      ("micse_jax/training/program.py", "build")]

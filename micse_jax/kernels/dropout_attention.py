@@ -24,9 +24,10 @@ Why a kernel: written with XLA ops the same work is, per layer, two head transpo
 GEMMs and the softmax forward, a hoisted threefry kernel, and backward four batched GEMMs, the
 softmax's backward, a transpose and a concatenate-transpose of dQKV, each a round trip of the
 `[B, heads, T, T]` probabilities or the activations through memory; the kernels keep a (sentence,
-head)'s probabilities on chip. Where they run (`kernels/choice.py`): Triton on one CUDA GPU of
-compute capability >= 8.0, at the tested shapes; the interpreter in tests; `reference` (the
-explicit path, differentiated by JAX) everywhere else.
+head)'s probabilities on chip. Where they run (`kernels/choice.py`): Triton on CUDA GPUs of
+compute capability >= 8.0, at the tested shapes, on any number of devices (under `shard_map`, each on
+its own rows); the interpreter in tests; `reference` (the explicit path, differentiated by JAX)
+everywhere else.
 """
 from __future__ import annotations
 

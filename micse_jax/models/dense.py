@@ -79,7 +79,7 @@ def fused_dense(x: Array, params: Sequence[dict], dtype) -> tuple[Array, ...]:
 def fused_projection(x: Array, params: Sequence[dict], dtype) -> tuple[Array, tuple[Array, ...]]:
   """`fused_dense`'s GEMM whole and before its biases: (x · kernels in `dtype`, the layers side by
   side on the last axis; each layer's bias as stored), for a kernel that casts and adds the biases
-  itself (`models/dropout_attention.py`)."""
+  itself (`kernels/dropout_attention.py`)."""
   kernel = _concatenated(params, dtype, ("kernel",))["kernel"]
   return (jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ()))),
           tuple(p["bias"] for p in params))

@@ -102,7 +102,7 @@ class Dropout(nn.Module):
 
   def site_rng(self) -> jax.Array:
     """The key `__call__` would draw this site's mask from (its first `make_rng`): for a kernel
-    that draws the same bits itself (`models/dropout_attention.py`)."""
+    that draws the same bits itself (`kernels/dropout_attention.py`)."""
     return self.make_rng("dropout")
 
   @nn.compact

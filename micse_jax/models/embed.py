@@ -1,9 +1,9 @@
 """Embedding lookups of BERT's three tables whose gradients suit the GPU.
 
 * Half precision: flax's `nn.Embed` casts the whole table to the compute dtype before `take`, so
-  the gradient's scatter-add into the table runs in bfloat16/float16. On an H100 that scatter
-  took 35 ms of a 55 ms BERT-base step at batch 50 (all 3,200 tokens add into row 0 of the
-  token-type table), 0.07 ms in float32 (BENCHMARKS.md, GPU section); XLA:CPU upcasts it, so a CPU
+  the gradient's scatter-add into the table runs in bfloat16/float16, a contended half-precision
+  scatter (every token adds into row 0 of the token-type table) that took most of a BERT-base step on
+  a GPU and a small part of it in float32 (BENCHMARKS.md, GPU section); XLA:CPU upcasts it, so a CPU
   never shows it. `Embed` gathers the float32 rows and casts the result: the same forward values
   (the cast commutes with the gather) and a float32 scatter-add in the backward pass.
 * Small tables (<= `SMALL_TABLE` rows, the token types): even in float32 the scatter-add's atomics
