@@ -30,6 +30,7 @@ def main(argv):
   """Writes the diagnostic figures and analysis.json of `--model` (absl main)."""
   cli.reject_extra_args(argv)
   require("matplotlib", "drawing figures (analyze)")  # before any file is written
+  # Imported here, not at the top, so that `--help` and a flag error stay fast (no JAX).
   import numpy as np
 
   from micse_jax import paths, workdir

@@ -31,6 +31,8 @@ import logging
 import os
 import secrets
 
+# JAX is imported inside the functions: this module sits below the config checks (`caches`), which
+# must not start JAX, and its `jax._src` modules are private (guarded: another jax may lack them).
 MAGIC = b"micse-sha256\n"
 DIGEST_BYTES = 32
 _MARK = "_micse_healing"  # set on the wrappers, so `install()` wraps once

@@ -177,7 +177,7 @@ def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
   verified and heal (`cache_healing.install`); its keys name no folder (`RELOCATABLE_XLA_CACHES`).
   A cache folder that cannot be written is left out of this run (`check_folders`; the trainer
   says it once its input is checked, `unusable_notes`). Returns the dir."""
-  import jax
+  import jax  # here, not at the top: the config checks read this module's folders without JAX
   from jax.experimental.compilation_cache import compilation_cache as jax_cache
   unusable = check_folders(config)
   directory = compilation_cache_dir(config)

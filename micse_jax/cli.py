@@ -21,12 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import importlib.util
 import logging
 import os
+import pkgutil
 import sys
+from importlib.metadata import entry_points
 from typing import Callable, Iterator, NoReturn, Sequence
 
+from absl import app, flags
+
+from micse_jax import configs
 from micse_jax.errors import MicseError, MissingDependencyError, one_line
+
+# JAX and ml_collections are imported inside the functions that need them, so that `--help` and a
+# flag error stay fast and a program that takes no `--config` never loads ml_collections.
 
 USAGE_EXIT = 2  # a flag or --config override that does not parse
 INPUT_EXIT = 1  # a MicseError: bad config value, corpus, model, checkpoint, data, output
@@ -50,10 +60,6 @@ def quiet_startup() -> None:
 def _jax_plugins() -> list[str]:
   """Names of the installed JAX PJRT plugins (namespace `jax_plugins` and entry points), as JAX
   discovers them; nothing is imported but the namespace package."""
-  import importlib
-  import importlib.util
-  import pkgutil
-  from importlib.metadata import entry_points
   names = {e.value.rsplit(".", 1)[-1] for e in entry_points(group="jax_plugins")}
   if importlib.util.find_spec("jax_plugins") is not None:
     names |= {m.name for m in pkgutil.iter_modules(importlib.import_module("jax_plugins").__path__)}
@@ -62,7 +68,6 @@ def _jax_plugins() -> list[str]:
 
 def _tpu_library_installed() -> bool:
   """Whether libtpu (the `tpu` extra: TPU VMs, deviceless TPU compiles) is importable."""
-  import importlib.util
   return importlib.util.find_spec("libtpu") is not None
 
 
@@ -133,7 +138,6 @@ def flag_error_line(e: BaseException) -> str:
 def resolve_config_argument(argv: Sequence[str]) -> list[str]:
   """argv with a `--config` value that is no file replaced by the packaged config it names
   (`micse:demo` → `.../micse_jax/configs/micse.py:demo`; `micse_jax.configs.resolve`)."""
-  from micse_jax import configs
   argv = list(argv)
   for i, arg in enumerate(argv):
     if arg.startswith("--config="):
@@ -163,7 +167,6 @@ def _tuple_overrides_replace(argv: Sequence[str]) -> None:
   concatenated (`--config.population.seeds='(1,2)' --config.population.seeds='(3,)'` would train
   seeds 1, 2 and 3); here every occurrence is one whole value and the last one is parsed again
   on its own (the flag's documented `unparse` and `parse`, which set the config field)."""
-  from absl import flags
   from ml_collections.config_flags import tuple_parser
   given: dict[str, list[str]] = {}
   args = iter(flags.FLAGS.read_flags_from_files(list(argv[1:]), force_gnu=False))
@@ -185,7 +188,6 @@ def _tuple_overrides_replace(argv: Sequence[str]) -> None:
 
 
 def _list_configs_and_exit() -> NoReturn:
-  from micse_jax import configs
   print(configs.listing())
   sys.exit(0)
 
@@ -197,7 +199,6 @@ def flags_parser(materialize: Callable[[], object] | None = None):
   access), so that their errors are reported here and not later, mid-program.
   """
   def parse(argv: Sequence[str]) -> list[str]:
-    from absl import flags
     takes_config = "config" in flags.FLAGS
     if takes_config and "--list_configs" in argv:
       _list_configs_and_exit()
@@ -226,7 +227,6 @@ def flags_parser(materialize: Callable[[], object] | None = None):
 def define_member_flags(verb: str) -> None:
   """`--member` and `--allow_stopped`: which run of a population workdir a command reads, and whether
   a member that stopped (a non-finite update) may be read (`workdir.member_workdir`, `one_run`)."""
-  from absl import flags
   flags.DEFINE_integer("member", None, "For a population workdir: this member (0-based, order of population.seeds).")
   flags.DEFINE_boolean("allow_stopped", False, f"{verb} a population member that stopped (a non-finite update) "
                        "anyway, in its state from before it stopped.")
@@ -256,7 +256,6 @@ def run_program(main: Callable[[list[str]], object], define_flags: Callable[[], 
   """The one skeleton of every program: quiet start-up, flags defined and parsed (a bad flag or
   override: one line, exit 2), then `main(argv)` under absl (a missing optional package: one
   line, exit 1)."""
-  from absl import app
   quiet_startup()
   if define_flags is not None:
     define_flags()

@@ -17,7 +17,6 @@ traceback. Installed: `micse-convert`.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 from absl import flags
@@ -27,6 +26,9 @@ from micse_jax import cli
 from micse_jax.errors import MicseError, one_line
 
 FLAGS = flags.FLAGS
+
+# The model, checkpoint and export modules (JAX, Flax, Orbax) are imported in the functions that
+# use them, so that `--help` and a bad flag combination stay fast.
 
 
 def define_flags() -> None:
@@ -79,7 +81,7 @@ def restore_workdir(workdir: str, which: str | int, member: int | None = None, a
   refused in one line (`workdir.one_run`); its input errors (`MicseError`) as one line."""
   if not os.path.isdir(workdir):
     raise ConvertError(f"workdir does not exist: {workdir}")
-  workdir_lib = importlib.import_module("micse_jax.workdir")
+  from micse_jax import workdir as workdir_lib
   try:
     workdir = workdir_lib.member_workdir(workdir, member, allow_stopped) if member is not None \
         else workdir_lib.one_run(workdir, allow_stopped)
@@ -115,10 +117,11 @@ def load_model_dir(path_or_name: str) -> dict:
 
 def _has_pooler_weights(model_dir: str) -> bool:
   """Whether the checkpoint in `model_dir` stores pooler weights (safetensors: names only)."""
+  from safetensors import safe_open
+
   from micse_jax.models import loading, weights
   st_path = os.path.join(model_dir, "model.safetensors")
   if os.path.isfile(st_path):
-    from safetensors import safe_open
     with safe_open(st_path, framework="numpy") as f:
       names = list(f.keys())
   else:

@@ -31,12 +31,15 @@ import tempfile
 from typing import Iterator
 
 import flax
+import jax
+import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import save_file
 
 from micse_jax import jsonio
 from micse_jax.errors import ExportError  # re-exported
 from micse_jax.models import weights
-from micse_jax.models.bert import BertConfig
+from micse_jax.models.bert import BertConfig, BertModel
 
 WEIGHTS_NAME = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
@@ -111,10 +114,6 @@ def _max_seq_length(config: BertConfig, requested: int | None) -> int:
 
 def _expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
   """Flax path → shape of every `BertModel` parameter (with pooler, no MLM head)."""
-  import jax
-  import jax.numpy as jnp
-
-  from micse_jax.models.bert import BertModel
   dummy = jnp.zeros((1, 2), jnp.int32)
   tree = jax.eval_shape(lambda: BertModel(config).init(jax.random.PRNGKey(0), dummy, dummy))["params"]
   return {path: tuple(leaf.shape) for path, leaf in weights.flatten(tree)}
@@ -199,7 +198,6 @@ def write_config(directory: str, config: BertConfig) -> None:
 
 def write_weights(directory: str, state: dict[str, np.ndarray]) -> None:
   """`model.safetensors` with the `format: pt` metadata transformers checks for."""
-  from safetensors.numpy import save_file
   save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()},
             os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
 

@@ -29,7 +29,7 @@ import importlib.metadata
 import re
 import types
 
-from micse_jax.errors import MissingDependencyError
+from micse_jax.errors import MissingDependencyError, VersionMismatchError
 
 OPTIONAL = {  # import name -> (distribution on PyPI, pyproject extra)
     "jmp": ("jmp", "fp16"),
@@ -91,7 +91,6 @@ def jax_pin(distribution: str) -> str:
 def require_jax_match(distribution: str, purpose: str) -> None:
   """Raises `VersionMismatchError` (one line, both versions) when the installed `distribution`
   is not the version the installed jax asks for (`jax_pin`)."""
-  from micse_jax.errors import VersionMismatchError
   installed, jax_version = importlib.metadata.version(distribution), importlib.metadata.version("jax")
   wanted = jax_pin(distribution)
   if not _satisfies(installed, wanted):

@@ -25,6 +25,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   """Tokenizes `--corpus` into a prepared directory `--output` (absl main)."""
   cli.reject_extra_args(argv)
+  # Imported here, not at the top, so that `--help` and a flag error stay fast (no JAX, TFDS).
   from micse_jax.data.prepared import prepare_corpus
   from micse_jax.models.loading import resolve_model_dir
   from micse_jax.tokenization import Tokenizer

@@ -18,6 +18,8 @@ from ml_collections import config_flags
 
 from micse_jax import cli
 from micse_jax.optional import require
+from micse_jax.studies import population_size as sizing
+from micse_jax.studies import runner, spec
 
 config_flags.DEFINE_config_file("config", None, "Sweep config: a file `configs/sweeps/x.py[:arg]` or a "
                                 "packaged name (`sweeps/micse_paper:fewshot`; --list_configs lists them).")
@@ -55,7 +57,7 @@ FLAGS = flags.FLAGS
 
 
 def _report(runs, sweep_dir, name) -> None:
-  from micse_jax.studies import aggregate, plots
+  from micse_jax.studies import aggregate, plots  # NumPy and the report's modules: only for --report
   document = aggregate.write_reports(runs, sweep_dir, name)
   figures = plots.write_plots(document["rows"], sweep_dir)
   with open(os.path.join(sweep_dir, "results.md"), encoding="utf-8") as f:
@@ -66,7 +68,6 @@ def _report(runs, sweep_dir, name) -> None:
 
 def _print_cost(sweep, todo) -> None:
   """Dry run: training steps left and GPU-hours of the runs still to do, with the step time's source."""
-  from micse_jax.studies import runner, spec
   step_ms = FLAGS.step_ms if FLAGS.step_ms is not None else sweep.get("step_ms")
   if step_ms is None:
     print("[sweep] GPU-hours: unknown (no step time: pass --step_ms or set step_ms in the sweep config)")
@@ -94,7 +95,6 @@ def _print_cost(sweep, todo) -> None:
 
 def _dry_run(sweep, todo, sweep_dir: str, folder: str, slurm_params: dict | None) -> None:
   """Prints each run's command and the cost; for SLURM, writes (and prints) the sbatch script."""
-  from micse_jax.studies import runner, spec
   for run in todo:
     print(shlex.join(spec.main_command(run)))
   _print_cost(sweep, todo)
@@ -109,7 +109,6 @@ def _dry_run(sweep, todo, sweep_dir: str, folder: str, slurm_params: dict | None
 
 def _print_plan(name: str, launched, sweep_dir: str) -> list:
   """Prints what each run (or population) will do; returns those not finished."""
-  from micse_jax.studies import runner
   plans = {run.name: runner.plan(run) for run in launched}
   todo = [run for run in launched if plans[run.name] != "skip"]
   print(f"[sweep] {name}: {len(launched)} runs, {len(launched) - len(todo)} finished, {len(todo)} to run "
@@ -122,8 +121,6 @@ def _print_plan(name: str, launched, sweep_dir: str) -> list:
 def population_sizes(runs, sweep_dir: str, report: bool):
   """`--population_size`: K, or (auto) {a group's first run: K} chosen from the device memory
   (`studies/population_size.py`), its plan printed; for `--report`, the sizes the launch chose."""
-  from micse_jax.studies import population_size as sizing
-  from micse_jax.studies import spec
   k = sizing.parse_size(FLAGS.population_size)
   if k is not None:
     if FLAGS.population_target or FLAGS.population_device_gib is not None:
@@ -162,14 +159,12 @@ def main(argv):
   """Expands the sweep config and submits, reports or plots its runs (absl main)."""
   cli.reject_extra_args(argv)
   check_packages(FLAGS.executor, FLAGS.dry_run, FLAGS.report)
-  from micse_jax.studies import runner, spec
   logging.getLogger("absl").setLevel(logging.WARNING)  # no tfds INFO lines
   sweep = FLAGS.config
   if FLAGS.step_ms is not None and FLAGS.step_ms <= 0:
     cli.fail(f"--step_ms must be > 0, got {FLAGS.step_ms:g}", cli.USAGE_EXIT)
   sweep_dir = os.path.abspath(FLAGS.sweep_dir or os.path.join("runs", "sweeps", sweep.name))
-  from micse_jax.studies import population_size
-  population_size.start_backend(FLAGS.population_target)
+  sizing.start_backend(FLAGS.population_target)
   try:
     runs = spec.expand(sweep, sweep_dir)
     spec.check_data(runs)

@@ -30,6 +30,8 @@ from typing import Callable
 
 from micse_jax import jsonio
 
+# JAX is imported where a timeline starts listening or is written: reading and summing timeline
+# files (a sweep's report) needs no JAX.
 PHASES = ("data", "load", "train", "eval", "final_eval", "save", "other")
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")

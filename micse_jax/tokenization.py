@@ -31,7 +31,7 @@ class Tokenizer:
   @classmethod
   def from_pretrained(cls, model_dir: str) -> "Tokenizer":
     """The fast tokenizer of a model directory (FileNotFoundError when the directory is missing)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # a slow import: only when a tokenizer is loaded
     if not os.path.isdir(model_dir):
       raise FileNotFoundError(f"tokenizer directory does not exist: {model_dir}")
     try:

@@ -17,11 +17,18 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.sharding import SingleDeviceSharding
 
 from micse_jax.aot import hlo
 from micse_jax.aot.collectives import collective_table
 from micse_jax.aot.hlo_module import Module
-from micse_jax.models.bert import BertConfig
+from micse_jax.kernels.choice import target_of
+from micse_jax.models.bert import BertConfig, BertModel
+from micse_jax.models.policy import Policy
+
+# `training/` and `encoder` are imported in the functions that build programs: they bring the
+# optimizer and checkpoint stack (optax, Orbax), which the bench's other modes, importing this
+# module through `bench/aot.py`, do not need.
 
 
 def build_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
@@ -56,12 +63,7 @@ def compile_program(config: ml_collections.ConfigDict, bert_config: BertConfig, 
 
 def compile_encode(device, bert_config: BertConfig, batch_size: int, max_length: int, dtype: str):
   """(compiled encode program, compile seconds): `SentenceEncoder._embed` (eval mode, CLS) on one device."""
-  from jax.sharding import SingleDeviceSharding
-
   from micse_jax.encoder import SentenceEncoder
-  from micse_jax.kernels.choice import target_of
-  from micse_jax.models.bert import BertModel
-  from micse_jax.models.policy import Policy
   bert = BertModel(bert_config, dtype=jnp.dtype(dtype), policy=Policy(target=target_of([device])))
   ids = jnp.zeros((1, max_length), jnp.int32)
   params = jax.eval_shape(lambda: bert.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids))["params"])

@@ -17,7 +17,7 @@ from micse_jax.training import dispatch
 MIN_GRAPH_KERNELS = 5             # XLA's `xla_gpu_graph_min_graph_size`: a shorter run of kernels is launched one by one
 # A program compiled without its GPU (deviceless) was not autotuned: XLA keeps every GEMM a Triton
 # fusion, where a GPU's autotuner hands some plain ones to cuBLAS (library calls, outside "kernels"
-# graphs). The share it handed over in the calibrated batch-50 step: 102 of its 166 plain GEMMs.
+# graphs). The share it handed over in the calibrated batch-50 step (docs/AOT.md): 102 of its 166 plain GEMMs.
 AUTOTUNED_LIBRARY_SHARE = 102 / 166
 
 

@@ -15,6 +15,8 @@ import importlib.util
 import math
 import re
 
+from jax.experimental import topologies
+
 from micse_jax import optional
 from micse_jax.errors import ConfigError
 
@@ -81,7 +83,6 @@ def tpu_slice(target: str, num_devices: int) -> tuple[int, ...]:
 
 def target_devices(target: str, num_devices: int = 1) -> list:
   """`num_devices` devices of a topology of `target`, for placing shapes (never for running)."""
-  from jax.experimental import topologies
   if target in GPU_TARGETS:
     _require_cuda_plugin(target)
     topo = topologies.get_topology_desc("aot", "cuda", target_config=gpu_target_config(target),

@@ -19,14 +19,14 @@ import jax
 from micse_jax.aot import compile as aot_compile
 from micse_jax.aot import hlo, hlo_module, time_model
 from micse_jax.aot.topology import target_devices
+from micse_jax.bench.jax_step import SHAPES, bench_config, model_dir_for
 from micse_jax.errors import ConfigError
+from micse_jax.models.bert import BertConfig
+from micse_jax.models.loading import load_config
 
 
 def bert_config_for(model: str):
   """The BertConfig of a named shape (bench SHAPES) or of a model directory's config.json."""
-  from micse_jax.bench.jax_step import SHAPES, model_dir_for
-  from micse_jax.models.bert import BertConfig
-  from micse_jax.models.loading import load_config
   if model in SHAPES:
     return BertConfig(**SHAPES[model])
   return load_config(model_dir_for(model))
@@ -34,7 +34,6 @@ def bert_config_for(model: str):
 
 def compile_config(model: str, bert_config, batch_size: int, max_length: int, dtype: str, population: int = 0):
   """The bench's miCSE config at this shape; `population` K > 0: K members (seeds 1..K)."""
-  from micse_jax.bench.jax_step import bench_config
   config = bench_config(model, bert_config.num_hidden_layers, batch_size, max_length, dtype)
   if population:
     config.population.seeds = tuple(range(1, population + 1))
@@ -44,7 +43,7 @@ def compile_config(model: str, bert_config, batch_size: int, max_length: int, dt
 def check_shape(model: str, batch_size: int, max_length: int) -> None:
   """The trainer's checks of the bench's config against its model (`run_inputs.check_against_model`:
   `--max_length` within the model's positions, the AMI layers it has), as one `ConfigError`."""
-  from micse_jax.training.run_inputs import check_against_model
+  from micse_jax.training.run_inputs import check_against_model  # optax, Orbax: only for this check
   bert_config = bert_config_for(model)
   try:
     check_against_model(compile_config(model, bert_config, batch_size, max_length, "float32"), bert_config)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
+from micse_jax.encoder import SentenceEncoder
 from micse_jax.optional import require
 
 WORDS = ("the a of in river city music game team school history war north people year film "
@@ -45,7 +47,6 @@ def encode_benchmark(model_dir: str, sentences: list[str], batch_size: int, max_
   """Sentences/s of both encoders and their ratio; also the mean cosine of their embeddings."""
   torch = require("torch", "the sentence-transformers comparison of the bench (--encode)")
   SentenceTransformer = require("sentence_transformers", "the bench's --encode comparison").SentenceTransformer
-  from micse_jax.encoder import SentenceEncoder
   ours = SentenceEncoder.from_pretrained(model_dir)
   theirs = SentenceTransformer(model_dir, device="cuda" if torch.cuda.is_available() else "cpu")
   theirs.max_seq_length = max_length
@@ -65,9 +66,6 @@ def attention_comparison(model_dir: str, sentences: list[str], batch_size: int, 
   """`SentenceEncoder.encode` in `dtype` with the fused attention (`models/attention.py`: cuDNN flash
   attention on a GPU in bfloat16/float16) against the explicit softmax(QKᵀ)V: sentences/s of
   each, the cuDNN attention calls in the fused program, the largest difference of the embeddings."""
-  import jax.numpy as jnp
-
-  from micse_jax.encoder import SentenceEncoder
   fused = SentenceEncoder.from_pretrained(model_dir, dtype=jnp.dtype(dtype))
   explicit = SentenceEncoder(fused.model.clone(attention="explicit"), fused.params, fused.tokenizer,
                              model_dir=fused.model_dir)

@@ -27,6 +27,12 @@ import time
 import jax
 import numpy as np
 
+from micse_jax.bench import hardware
+from micse_jax.bench.jax_step import bench_config
+from micse_jax.models.loading import load_config
+from micse_jax.studies import spec
+from micse_jax.training import program, run_inputs
+
 FEWSHOT_SWEEP = "sweeps/micse_paper:fewshot"
 CORPUS_SENTENCES = 2_000
 WORDS_PER_SENTENCE = 40  # more word pieces than --max_length: every row is full
@@ -46,8 +52,6 @@ def synthetic_corpus(path: str, sentences: int = CORPUS_SENTENCES, seed: int = 0
 def population_config(model_dir: str, batch_size: int, max_length: int, dtype: str, members: int,
                       corpus: str, total_steps: int):
   """The bench's miCSE config as a population of `members` seeds on `corpus`, no caches."""
-  from micse_jax.bench.jax_step import bench_config
-  from micse_jax.models.loading import load_config
   config = bench_config(model_dir, load_config(model_dir).num_hidden_layers, batch_size, max_length, dtype)
   config.population.seeds = tuple(range(1, members + 1))
   config.data.corpus = corpus
@@ -58,8 +62,6 @@ def population_config(model_dir: str, batch_size: int, max_length: int, dtype: s
 
 def measure(config, steps: int, warmup: int) -> dict:
   """First call (compile), `warmup` steps, then `steps` timed steps of `config`'s population."""
-  from micse_jax.bench import hardware
-  from micse_jax.training import program, run_inputs
   runs = run_inputs.prepare_runs(config)
   prog = program.of_runs(config, runs, steps=1)  # the trainer's program, one step per call
   members = len(runs)
@@ -84,7 +86,6 @@ def measure(config, steps: int, warmup: int) -> dict:
 
 def project_fewshot(measured: list[dict], sweep_dir: str) -> list[dict]:
   """Device-hours of the `fewshot` protocol for each measured K (see the module docstring)."""
-  from micse_jax.studies import spec
   runs = spec.expand(spec.load_config_file(FEWSHOT_SWEEP), sweep_dir)
   solo = next((m for m in measured if m["members"] == 1), None)
   rows = []

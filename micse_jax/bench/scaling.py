@@ -22,8 +22,11 @@ import dataclasses
 
 import jax
 
+from micse_jax.aot import compile as aot_compile
 from micse_jax.aot.collectives import collective_table
 from micse_jax.aot.hlo_module import parse
+from micse_jax.bench.jax_step import bench_config
+from micse_jax.models.bert import BertConfig
 
 LAYOUTS = ("replicated/none", "replicated/layer", "replicated/full",
            "sharded/none", "sharded/layer", "sharded/full")
@@ -33,7 +36,6 @@ MIB = 2 ** 20
 def layout_config(layout: str, batch_size: int, max_length: int, dtype: str, num_layers: int = 12):
   """The bench's miCSE config (`bench/jax_step.bench_config`) in one layout ("replicated|sharded" /
   "none|layer|full"), its queue holding a batch (as the trainer asks)."""
-  from micse_jax.bench.jax_step import bench_config
   placement, remat = layout.split("/")
   config = bench_config("bert-base-uncased", num_layers, batch_size, max_length, dtype,
                         shard_state=placement == "sharded", remat=remat)
@@ -44,11 +46,9 @@ def layout_config(layout: str, batch_size: int, max_length: int, dtype: str, num
 def compile_step(layout: str, batch_size: int, max_length: int, dtype: str, bert_config=None):
   """The trainer's compiled step (`aot/compile.py`) of one layout (`layout_config`) for
   `jax.devices()`; BERT-base by default."""
-  from micse_jax.aot.compile import compile_program
-  from micse_jax.models.bert import BertConfig
   bert_config = bert_config or BertConfig()  # BertConfig(): bert-base-uncased
   config = layout_config(layout, batch_size, max_length, dtype, bert_config.num_hidden_layers)
-  return compile_program(config, bert_config, jax.devices())[0]
+  return aot_compile.compile_program(config, bert_config, jax.devices())[0]
 
 
 @dataclasses.dataclass
@@ -61,8 +61,7 @@ class LayoutReport:
 
 def memory_per_device(compiled) -> dict:
   """The compiler's buffer sizes for one device (`aot/compile.memory`), MiB."""
-  from micse_jax.aot.compile import memory
-  return {k: v / MIB for k, v in memory(compiled).items()}
+  return {k: v / MIB for k, v in aot_compile.memory(compiled).items()}
 
 
 def measure(layouts=LAYOUTS, batch_size: int = 512, max_length: int = 32, dtype: str = "float32") -> list:

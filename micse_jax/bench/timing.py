@@ -15,6 +15,7 @@ step of a run waits for the whole run.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Any, Callable
@@ -71,13 +72,12 @@ def jax_peer(step) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
   """(dispatch, wait) of a compiled micse_jax program (`bench/jax_step.JaxStep`, after `compile()`):
   dispatch makes one call (its `steps` steps) on the step's state (donated, replaced) and returns its
   metrics; `measure(..., steps_per_call=step.steps)` gives the times per training step."""
-  import jax
+  import jax  # here, not at the top: the PyTorch peers time with this module too, without JAX
   return step.call, jax.block_until_ready
 
 
 def _steps_per_dispatch(text: str) -> str:
   """argparse's type of --steps_per_dispatch: "auto" or an integer >= 1, kept as text (the config's)."""
-  import argparse
   if text == "auto" or (text.isdigit() and int(text) >= 1):
     return text
   raise argparse.ArgumentTypeError(f"{text!r}: auto or an integer >= 1")

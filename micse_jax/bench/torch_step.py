@@ -58,7 +58,7 @@ def load_bert(model_dir: str, device: str, mode: str):
   SDPA also accepts); the first L − 4 layers' self-attention then gets a config copy naming
   `sdpa`, which transformers' attention interface looks up per call.
   """
-  import transformers
+  import transformers  # a required package, but a slow import: only when a PyTorch peer runs
   model = transformers.BertModel.from_pretrained(model_dir, attn_implementation="eager").to(device).train()
   if mode == "compiled":
     layers = model.encoder.layer

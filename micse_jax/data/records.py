@@ -2,17 +2,16 @@
 
 A prepared row (`micse_jax.data.prepared`) is a serialized `tf.train.Example` whose three token
 features are zlib-compressed int32 bytes (TFDS `Tensor(encoding=ZLIB)`) and whose `sentence_id` is
-an int64. TFDS decodes each row through several layers of Python (about 50 µs a row); here a
-batch's rows are read with one range read `ArrayRecordReader.read(i, i + 1)` each, parsed with
-protobuf's C parser, and the token bytes of all rows joined into one buffer per key. Attention
-masks and token type ids take few distinct values (a run of ones, all zeros), so their
-decompressed bytes are memoised.
+an int64. TFDS decodes each row through several layers of Python; here a batch's rows are read
+with one range read `ArrayRecordReader.read(i, i + 1)` each, parsed with protobuf's C parser, and
+the token bytes of all rows joined into one buffer per key. Attention masks and token type ids take
+few distinct values (a run of ones, all zeros), so their decompressed bytes are memoised.
 
 Why one range read per row: `ArrayRecordReader.read(list_of_indices)` (also behind TFDS's and
 grain's data sources) costs time in proportion to the shard's record count on every call, even
-for one row: 4.1 ms per call on a 1M-row shard (`prepared.ROWS_PER_SHARD`), 0.06 ms on a
-20k-row one. A range read of one record costs 2-3 µs at any shard size (array-record 0.8.6;
-`scripts/array_record_reads.py`, BENCHMARKS.md).
+for one row, so on a full shard (`prepared.ROWS_PER_SHARD` rows) it costs more than a step's
+whole host budget; a range read of one record costs the same at any shard size (the times:
+BENCHMARKS.md, "One range read per row", measured with `scripts/array_record_reads.py`).
 
 Corpora this release writes store the token arrays as raw bytes (TFDS `Encoding.BYTES`) and
 serialize each Example deterministically (map keys sorted), so every row has the same layout:

@@ -24,11 +24,16 @@ import os
 import sys
 from collections.abc import Sequence
 
+from absl import flags, logging
+
 from micse_jax import cli, paths
 from micse_jax.errors import ConfigError, ModelLoadError
-from micse_jax.evaluation import senteval_data
+from micse_jax.evaluation import report, senteval_data
 from micse_jax.evaluation.runner import run_evaluation
 from micse_jax.pooling import POOLERS
+
+# `workdir` and `encoder` (Flax, Orbax) are imported where a model is read, so that `--help` and
+# the checks of the flags stay fast.
 
 PROTOCOLS = senteval_data.TRANSFER_PROTOCOLS
 
@@ -83,8 +88,8 @@ def _model_path(flags_values) -> str:
   """`--model`, or with `--member I` the folder of member I of that population workdir; a population
   workdir without `--member`, or a stopped member however named (unless `--allow_stopped`), is
   one line (`workdir.one_run`)."""
-  model, member = os.path.expanduser(flags_values.model), getattr(flags_values, "member", None)
   from micse_jax import workdir
+  model, member = os.path.expanduser(flags_values.model), getattr(flags_values, "member", None)
   if member is None:
     return workdir.one_run(model, _allow_stopped(flags_values))
   if member < 0:
@@ -109,7 +114,6 @@ def _encode_fn(flags_values, model_path: str):
 
 def main(argv: Sequence[str]) -> None:
   """Evaluates the model the flags name and reports the scores (absl main)."""
-  from absl import flags, logging
   logging.set_verbosity(logging.WARNING)
   cli.reject_extra_args(argv)
   evaluate_and_report(flags.FLAGS)
@@ -118,7 +122,6 @@ def main(argv: Sequence[str]) -> None:
 def evaluate_and_report(values) -> dict:
   """Validates the flag values, loads the model, evaluates, writes the JSON and prints the
   tables; bad input is one `error:` line and exit 1 (nothing written)."""
-  from micse_jax.evaluation import report
   with cli.input_errors_as_one_line():
     tasks, senteval_dir, model_path = _check_inputs(values)
     results = run_evaluation(_encode_fn(values, model_path), senteval_dir, tasks, fast=values.fast,
@@ -137,7 +140,6 @@ def evaluate_and_report(values) -> dict:
 
 def define_flags() -> None:
   """The CLI flags (defined on demand so that importing this module defines none)."""
-  from absl import flags
   flags.DEFINE_string("model", None, "HF model directory, hub name or training workdir.")
   flags.DEFINE_string("senteval_dir", None,
                       "SentEval data/downstream directory (default: $MICSE_DATA_DIR/senteval, "

@@ -24,7 +24,7 @@ def run_evaluation(encode_fn: Callable[[list[str]], np.ndarray], senteval_dir: s
   `transfer_protocol`: `senteval` (SentEval's classifier, the papers' protocol) or `logreg`
   (exact logistic regression); see `micse_jax.evaluation.transfer`.
   """
-  from micse_jax.evaluation import sts, transfer
+  from micse_jax.evaluation import sts, transfer  # JAX, scipy, scikit-learn: loaded when an evaluation runs
   names = senteval_data.resolve_tasks(tasks)
   transfer.check_protocol(transfer_protocol)
   senteval_data.check_senteval_dir(senteval_dir)

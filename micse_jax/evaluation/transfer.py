@@ -32,6 +32,7 @@ import numpy as np
 from sklearn.model_selection import StratifiedKFold
 
 from micse_jax.evaluation import senteval_classifier, senteval_data
+from micse_jax.evaluation.logreg import fit_predict
 from micse_jax.evaluation.senteval_classifier import FitSpec
 from micse_jax.evaluation.senteval_data import TRANSFER7
 from micse_jax.evaluation.sts import encode_unique
@@ -49,7 +50,6 @@ SENTEVAL_FAST_FOLDS = {"outer": 5, "inner": 5, "kfold": 5}
 
 def logreg_classifier(x, y, specs: Sequence[FitSpec], num_classes: int) -> np.ndarray:
   """The `logreg` protocol: exact logistic regression on each spec's training rows."""
-  from micse_jax.evaluation.logreg import fit_predict
   return fit_predict(x, y, [s.train for s in specs], [s.l2 for s in specs], num_classes)
 
 

@@ -53,7 +53,7 @@ def _run_corpus_size(run: RunSpec, cache: dict) -> int | None:
   with open(path, encoding="utf-8") as f:
     corpus = json.load(f)["data"]["corpus"]
   if corpus not in cache:
-    from micse_jax.data.prepared import corpus_size
+    from micse_jax.data.prepared import corpus_size  # JAX, TFDS: only when a run's corpus is read
     cache[corpus] = corpus_size(corpus) if os.path.exists(corpus) else None
   return cache[corpus]
 

@@ -29,7 +29,7 @@ def read_status(workdir: str) -> dict:
   """A run's status.json (`{}` when it has none yet); a population member's is its population's."""
   path = os.path.join(workdir, STATUS_FILE)
   if not os.path.isfile(path):
-    from micse_jax.workdir import member_of
+    from micse_jax.workdir import member_of  # Flax, Orbax: only for a population member's folder
     population = member_of(workdir)
     return read_status(population[0]) if population is not None else {}
   with open(path, encoding="utf-8") as f:

@@ -46,6 +46,9 @@ import ml_collections
 from micse_jax import configs
 from micse_jax.errors import ConfigError, MicseError
 
+# The config checks, corpora, models and tokenizers (JAX, Flax, TFDS, transformers) are imported in
+# the functions that check a sweep's runs, so that reading a sweep (its plan, its report) stays light.
+
 SPECIAL_AXES = ("method", "seed")
 POPULATION_FIELDS = ("seed", "data.subset_seed")  # what may differ between the members of a population
 
