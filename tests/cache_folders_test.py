@@ -149,9 +149,9 @@ def _run(config, workdir, cache_dir):
 
 
 def _lines(stderr: str) -> list[str]:
-  """stderr without progress-bar updates."""
+  """stderr without progress-bar updates and the trainer's narration of its set-up (`set-up: ...`)."""
   return [line for line in stderr.replace("\r", "\n").splitlines()
-          if line.strip() and not line.startswith(("tokenizing:", "train:"))]
+          if line.strip() and not line.startswith(("tokenizing:", "train:")) and "] set-up: " not in line]
 
 
 @pytest.mark.parametrize("where", ["root", pytest.param("compilation", marks=pytest.mark.slow),
