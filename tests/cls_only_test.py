@@ -43,7 +43,7 @@ def _batch():
     (0.1, (1, 2), "fused", "none"),    # the last layer's probabilities sown (AMI) and dropped: explicit path
     (0.0, (), "fused", "none"),        # nothing needs the probabilities: the fused attention kernel
     (0.1, (), "explicit", "none"),
-    (0.1, (2,), "fused", "full"),      # the last layer rematerialised
+    pytest.param(0.1, (2,), "fused", "full", marks=pytest.mark.slow),  # the last layer rematerialised
 ])
 def test_cls_row_sown_attention_and_gradients_equal_the_full_models(attention_dropout, sown, attention, remat):
   config = _config(attention_dropout)

@@ -1,4 +1,5 @@
 """Shared fixtures: real local checkpoints from pip packages, SentEval data beside the repo."""
+import glob
 import importlib.util
 import os
 import shutil
@@ -9,23 +10,37 @@ import pytest
 from micse_jax import paths
 
 # The suite never writes to the user's ~/.cache: the caches (JAX compilations, tokenised corpora,
-# `micse_jax/caches.py`) stay on but live in a folder of this test session, which subprocesses
-# inherit through the environment; removed when the session ends.
-TEST_CACHE_HOME = tempfile.mkdtemp(prefix="micse-test-cache-")
-os.environ["XDG_CACHE_HOME"] = TEST_CACHE_HOME
+# `micse_jax/caches.py`) stay on but live in a folder of this test session, which subprocesses and
+# pytest-xdist's workers inherit through the environment (a program one worker compiled is a cache hit
+# in the other); removed when the session ends.
+_CACHE_MADE_HERE = "MICSE_TEST_CACHE_HOME" not in os.environ  # not a worker's, nor a pytest the suite runs
+TEST_CACHE_HOME = os.environ.get("MICSE_TEST_CACHE_HOME") or tempfile.mkdtemp(prefix="micse-test-cache-")
+os.environ["MICSE_TEST_CACHE_HOME"] = os.environ["XDG_CACHE_HOME"] = TEST_CACHE_HOME
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 # The suite's programs are tiny and most are compiled once: XLA:CPU's backend (LLVM) at -O0 compiles them
 # about twice as fast. Values move by float rounding only (LLVM contracts fewer multiply-adds), and every
 # program of the suite, subprocesses included (`helpers.fake_devices_env` keeps the flag beside a fake
 # device count), is compiled alike, so the bit-for-bit comparisons between runs still compare like with like.
+# The flag reaches every backend, so it is left out wherever JAX may compile for an accelerator (a GPU or
+# TPU here, or an accelerator plugin for the deviceless compiles): their kernels are compiled as users' are.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def _accelerator_possible() -> bool:
+  """Whether JAX may compile for a GPU or TPU in this environment."""
+  plugins = importlib.util.find_spec("jax_plugins") or importlib.util.find_spec("libtpu")
+  return bool(plugins or glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel*"))
+
+
+if not _accelerator_possible() and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 
 def pytest_sessionfinish(session, exitstatus):
-  """Removes the session's cache folder."""
-  shutil.rmtree(TEST_CACHE_HOME, ignore_errors=True)
+  """Removes the session's cache folder (in the process that made it)."""
+  if _CACHE_MADE_HERE:
+    shutil.rmtree(TEST_CACHE_HOME, ignore_errors=True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tests live in
 SHARED_DATA = paths.shared_data_dir()  # $MICSE_DATA_DIR, else shared/data in or above the cwd

@@ -36,9 +36,10 @@ def test_the_gate_trial_and_other_tests_start_together_and_the_gate_alone_decide
   result = kit_gate.gpu_tests(100)
   others = [f for f in kit_gate.gpu_test_files() if f not in kit_gate.GATE_FILES]
   gate = list(kit_gate.GATE_FILES)
+  proof = f"{os.environ.get('XLA_FLAGS', '')} {kit_gate.PROOF_XLA_FLAGS}".strip()  # this process's flags kept
   assert others and started == [
-      ("gpu and not trial", gate, kit_gate.GATE_WORKERS, kit_gate.PROOF_XLA_FLAGS, 0),
-      ("gpu and trial", gate, kit_gate.TRIAL_WORKERS, kit_gate.PROOF_XLA_FLAGS, kit_gate.LOW_PRIORITY),
+      ("gpu and not trial", gate, kit_gate.GATE_WORKERS, proof, 0),
+      ("gpu and trial", gate, kit_gate.TRIAL_WORKERS, proof, kit_gate.LOW_PRIORITY),
       ("gpu and not trial", others, kit_gate.OTHERS_WORKERS, "", kit_gate.LOW_PRIORITY)]
   assert deadlines == [1100.0]
   assert result["verdict"] == "passed" and result["files"] == gate

@@ -378,6 +378,7 @@ def test_model_with_the_kernels_is_the_explicit_model(remat, cls_only):
   _check_model(remat, cls_only, INTERPRET, exact=True)
 
 
+@pytest.mark.slow  # ~35 s: the kernels equal the explicit path on one device in the default run
 def test_on_four_devices_the_kernels_under_shard_map_are_the_explicit_path_and_the_one_device_model():
   """Data parallelism: on a batch-sharded 4-device mesh the kernels run per device (no activation
   gathered), each shard drawing its rows' bits of the whole batch's draw: the hidden states equal

@@ -220,6 +220,7 @@ def _spearman(e1, e2, gold):
   return 100 * stats.spearmanr(cos, gold)[0]
 
 
+@pytest.mark.slow  # ~50 s: the whole STS-B dev on MiniLM; the forward is torch-checked in bert_test, the scoring in sts tests
 def test_sts_parity_with_transformers(senteval_dir, minilm_dir, tmp_path):
   from micse_jax.encoder import SentenceEncoder
   root = _subset_dir(senteval_dir, str(tmp_path))

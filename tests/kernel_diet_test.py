@@ -90,7 +90,7 @@ def _inputs():
 
 
 @pytest.mark.parametrize("dtype, attention, tol", [("float32", "fused", 2e-5), ("float32", "explicit", 2e-5),
-                                                   ("bfloat16", "fused", 3e-2)])
+                                                   pytest.param("bfloat16", "fused", 3e-2, marks=pytest.mark.slow)])
 def test_the_training_encoder_and_its_gradient_are_a_plain_berts(dtype, attention, tol):
   model, (ids, mask) = _online(dtype, attention), _inputs()
   params = _spread(model.init(jax.random.PRNGKey(1), ids, mask)["params"])

@@ -198,6 +198,7 @@ def test_a_kernel_that_fails_when_run_falls_back_before_training(tmp_path, tiny_
   jax.block_until_ready(fell_back.step(*fell_back.inputs(state, batch)))
 
 
+@pytest.mark.slow  # ~25 s: the program-level fallback tests stay in the default run
 def test_the_trainer_trains_on_when_the_kernels_fail(tmp_path, tiny_real_dir, monkeypatch, caplog):
   """Through `train_and_evaluate`: the devices' target is made to take the kernels (the interpreter)
   and the kernels to fail; the run finishes, its params those of a run on the explicit path."""

@@ -59,6 +59,7 @@ def _bf16_population(tmp_path, minilm_dir):
   return config
 
 
+@pytest.mark.slow  # ~40 s: the bf16 copies left out of checkpoints are tested solo in the default run
 def test_a_bfloat16_population_checkpoint_holds_no_copies_and_resumes_to_the_uninterrupted_run(
     tmp_path, minilm_dir, monkeypatch):
   config = _bf16_population(tmp_path, minilm_dir)

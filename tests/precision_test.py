@@ -117,6 +117,7 @@ def test_float16_overflow_skips_the_step_instead_of_failing(tmp_path, minilm_dir
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # ~30 s: float16 overflow skipping stays in the default run
 def test_loss_scale_state_survives_checkpoint_and_resume(tmp_path, minilm_dir, caplog):
   """period 1 doubles S after every finite step: 1 → 4 after two steps, → 16 after four
   (a resume that reset the scale would end at 4). The longer run says once that its learning rate's

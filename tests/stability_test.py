@@ -22,6 +22,7 @@ if not FULL_RUN:  # CI: both extremes in one short run, one compilation
   CASES = {"ami_weight_x100+temperature_0.01": {"ami.weight": 0.25, "loss.temperature": 0.01}}
 
 
+@pytest.mark.slow  # ~20 s: 40 steps at both unstable ends
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_long_run_loss_stays_finite(tmp_path, minilm_dir, monkeypatch, case):
   from micse_jax.training import trainer

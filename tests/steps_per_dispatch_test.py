@@ -110,6 +110,7 @@ def test_a_population_trains_alike_with_four_steps_per_call(tmp_path, minilm_dir
   _assert_same_run(config, runs["1"], runs["4"], folders=[os.path.join("members", "0"), os.path.join("members", "1")])
 
 
+@pytest.mark.slow  # ~35 s: K steps per call equal K calls stays in the default run, as does the resume
 def test_a_resume_with_another_k_continues_the_same_run(tmp_path, minilm_dir, senteval_dir, monkeypatch):
   config = _config(tmp_path, minilm_dir, senteval_dir)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
