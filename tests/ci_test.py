@@ -19,7 +19,7 @@ def test_readme_setup_has_the_main_and_test_commands():
   assert commands["main"].startswith("pip install -r requirements.txt")
   assert "python -m micse_jax.main --config configs/micse.py:demo" in commands["main"]
   assert commands["test"].startswith("pip install -q -r requirements-test.txt")
-  assert commands["test"].endswith("python -m pytest -n 2 --dist loadfile")
+  assert commands["test"].endswith("python -m pytest -n 2 --dist worksteal")
 
 
 def test_parser_reads_only_the_setup_section():
