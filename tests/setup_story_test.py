@@ -1,10 +1,9 @@
 """The trainer's set-up reads as one story: each of its lines is one call into a module that does that
 step, no module is entered twice, the steps come in the documented order, and the log says them."""
 import logging
-import sys
 
 from micse_jax.training import trainer
-from tests.train_utils import tiny_training_config
+from tests.train_utils import set_up_calls, tiny_training_config
 
 # The steps' modules in `trainer._train_and_evaluate`'s documented order (config, devices, caches, data,
 # the workdir's checkpoints, program, state, runs' folders).
@@ -15,25 +14,13 @@ ORDER = ["training.precision", "config_checks", "training.distributed", "caches"
 def _direct_calls_of_the_set_up(config, workdir) -> list[str]:
   """The package modules (the trainer's own and the timeline's clock left out) that the set-up function
   calls directly, in call order, until the loop starts."""
-  story, loop = trainer._train_and_evaluate.__code__, trainer._train.__code__
-  calls, on = [], [True]
+  story = trainer._train_and_evaluate.__code__
 
-  def profile(frame, event, arg):
-    if event != "call" or not on[0]:
-      return
-    if frame.f_code is loop:
-      on[0] = False
-    elif frame.f_back is not None and frame.f_back.f_code is story:
-      module = frame.f_globals.get("__name__", "")
-      if module.startswith("micse_jax.") and module not in ("micse_jax.training.trainer", "micse_jax.timeline"):
-        calls.append(module.removeprefix("micse_jax."))
-
-  sys.setprofile(profile)
-  try:
-    trainer.train_and_evaluate(config, workdir)
-  finally:
-    sys.setprofile(None)
-  return calls
+  def direct(frame) -> bool:
+    module = frame.f_globals.get("__name__", "")
+    return (frame.f_back is not None and frame.f_back.f_code is story and module.startswith("micse_jax.")
+            and module not in ("micse_jax.training.trainer", "micse_jax.timeline"))
+  return [m.removeprefix("micse_jax.") for m in set_up_calls(config, workdir, direct)]
 
 
 def test_the_set_up_enters_each_module_once_in_the_story_order_and_says_each_step(tmp_path, minilm_dir, caplog):

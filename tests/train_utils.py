@@ -166,3 +166,27 @@ def restore_latest(config, workdir, sharding=None):
   from micse_jax import workdir as workdir_lib
   from micse_jax.training import checkpoint
   return checkpoint.restore_state(workdir_lib.rolling_manager(workdir, 2), step0_shapes(config, sharding))
+
+
+def set_up_calls(config, workdir: str, counted) -> list[str]:
+  """The modules (`__name__`) of the calls `counted(frame)` admits that `trainer.train_and_evaluate`
+  makes until its loop starts, in call order (the run then goes on to its end unwatched)."""
+  import sys
+
+  from micse_jax.training import trainer
+  calls, on, loop = [], [True], trainer._train.__code__
+
+  def profile(frame, event, arg):
+    if event != "call" or not on[0]:
+      return
+    if frame.f_code is loop:
+      on[0] = False
+    elif counted(frame):
+      calls.append(frame.f_globals.get("__name__", ""))
+
+  sys.setprofile(profile)
+  try:
+    trainer.train_and_evaluate(config, workdir)
+  finally:
+    sys.setprofile(None)
+  return calls
