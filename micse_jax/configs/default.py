@@ -30,6 +30,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.steps_per_dispatch = "auto"       # training steps per call of the jitted program (an integer >= 1, or
                                       # auto: more than one where the host would keep a GPU waiting;
                                       # training/dispatch.py); the same run whatever K
+  c.chunk_size = "0"                  # GradCache (training/grad_cache.py): rows of the global batch per block
+                                      # of the step (0: the whole batch at once | an integer that divides the
+                                      # padded batch, a multiple of the devices | auto: the largest block whose
+                                      # compiled step fits the device's memory); the same step, less memory
 
   c.model = ml_collections.ConfigDict()
   c.model.name_or_path = "bert-base-uncased"

@@ -278,7 +278,7 @@ def _key_words(key):
 
 
 def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int, interpret: bool = False,
-                      mesh=None, probabilities: bool = False):
+                      mesh=None, probabilities: bool = False, rows=None):
   """`reference`'s context, computed by the two kernels (with `interpret`, in Pallas' interpreter);
   with `probabilities`, `reference(probabilities=True)`'s (context, float32 dropped probabilities),
   for a layer whose probabilities are sown (AMI reads them and sends them a gradient of its own).
@@ -287,10 +287,17 @@ def dropout_attention(projection, biases, key_mask, key, rate: float, heads: int
   `mesh`: a 1-D mesh the rows are split over (data parallelism). A Pallas call is a custom call
   XLA's partitioner does not split, so the kernels run under `shard_map` on each device's own rows,
   each call drawing its dropout bits at its rows' indices in the whole batch's draw: a sentence's
-  mask and values do not depend on the device count."""
+  mask and values do not depend on the device count.
+
+  `rows`: None, or (index, count) when the rows are block `index` of `count` of each device's rows of a
+  larger pass (`models/row_block.Block`): the bits are drawn at those rows' indices in that pass's draw."""
   words = _key_words(key)
+  local_rows = projection.shape[0] // (1 if mesh is None else mesh.size)
+  index, count = (0, 1) if rows is None else rows
+  start = jnp.asarray(index, jnp.uint32) * np.uint32(local_rows)  # a device's first row: device·stride + start
   if mesh is None or mesh.size == 1:
-    return _kernels(projection, biases, key_mask, words, 0, rate, heads, interpret, probabilities)
+    return _kernels(projection, biases, key_mask, words, start, rate, heads, interpret, probabilities)
+  words = jnp.concatenate([words.astype(jnp.uint32), jnp.stack([start, jnp.uint32(count * local_rows)])])
   return _sharded_kernels(projection, tuple(biases), key_mask, words, mesh, rate, heads, interpret, probabilities)
 
 
@@ -306,8 +313,9 @@ def _sharded_forward(projection, biases, key_mask, words, mesh, rate, heads, int
                      save_keep: bool = False):
   """`_pallas` on each device's rows, its dropout bits drawn at its rows' indices in the batch's draw."""
   def on_device(projection, key_mask, words, *biases):
-    first_row = jax.lax.axis_index(mesh.axis_names[0]) * projection.shape[0]
-    return _pallas(projection, biases, key_mask, words, rate, heads, save_keep=save_keep, interpret=interpret,
+    key, (start, stride) = words[:2], words[2:]  # rows of a block: see `dropout_attention`'s `rows`
+    first_row = jax.lax.axis_index(mesh.axis_names[0]).astype(jnp.uint32) * stride + start
+    return _pallas(projection, biases, key_mask, key, rate, heads, save_keep=save_keep, interpret=interpret,
                    first_row=first_row, save_probs=probabilities)
   return _on_rows(mesh, on_device, 2, 1 + len(biases), 1 + save_keep + probabilities)(
       projection, key_mask, words, *biases)

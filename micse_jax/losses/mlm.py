@@ -14,13 +14,15 @@ import jax.numpy as jnp
 import optax
 
 
-def mlm_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
+def mlm_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array, total: jax.Array | None = None) -> jax.Array:
   """Weighted mean token cross-entropy, in float32 (at least).
 
   Args:
     logits: `[B, T, V]` MLM-head scores (any float dtype; upcast to float32).
     labels: `[B, T]` int target ids (the original tokens).
     weights: `[B, T]`, 1.0 at the positions to predict, 0.0 elsewhere.
+    total: the batch's Σ weights when these are a block of its rows: the block's share of the
+      batch's loss (adding up over the blocks to it); None: Σ `weights`.
 
   Returns:
     Scalar loss; 0.0 when no position is selected (PyTorch would give NaN).
@@ -31,4 +33,4 @@ def mlm_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Ar
   # neither the value nor the gradient.
   logits = jnp.where(weights[..., None] > 0, logits, 0.0)
   per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  return jnp.sum(weights * per_token) / jnp.maximum(jnp.sum(weights), 1.0)
+  return jnp.sum(weights * per_token) / jnp.maximum(jnp.sum(weights) if total is None else total, 1.0)

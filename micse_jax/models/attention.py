@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from micse_jax.kernels import explicit_attention
 from micse_jax.kernels.dropout_attention import dropout_attention
+from micse_jax.models import row_block
 from micse_jax.models.dense import fused_dense, fused_projection
 
 
@@ -41,8 +42,10 @@ def attend(path: str, x, qkv: Sequence[dict], key_mask, drop, deterministic: boo
   queries = slice(0, rows)
   if path == "dropout_kernel":
     projection, biases = fused_projection(x, qkv, dtype)
+    block = row_block.current()  # a block of a batch's rows draws the batch's bits at its rows
     out = dropout_attention(projection, biases, key_mask[:, 0, 0, :], drop.site_rng(), drop.rate, heads,
-                            interpret=interpret, mesh=mesh, probabilities=float32_probs)
+                            interpret=interpret, mesh=mesh, probabilities=float32_probs,
+                            rows=None if block is None else (block.index, block.count))
     ctx, probs = out if float32_probs else (out, None)
     return ctx[:, queries], probs
   q, k, v = (_split_heads(t, heads) for t in fused_dense(x, qkv, dtype))  # one GEMM for the three

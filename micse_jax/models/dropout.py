@@ -26,6 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from micse_jax.models import row_block
+
 RANDOM_BITS = (32, 16)
 RNG_IMPLS = {"threefry": "threefry2x32", "rbg": "rbg", "unsafe_rbg": "unsafe_rbg"}  # name -> JAX's impl
 
@@ -110,15 +112,21 @@ class Dropout(nn.Module):
     """x dropped; with `draw_shape`, x is the leading part (`x.shape` from index 0 on every axis)
     of an activation of that shape, and its mask is that part of the full shape's mask: the
     same bits as if the whole activation were dropped (the counter-based generators compute
-    only the part kept)."""
+    only the part kept). Inside a `row_block.Block` (a block of a batch's rows), x's rows are that
+    block's, and the mask is the whole batch's at those rows."""
     if self.random_bits not in RANDOM_BITS:
       raise ValueError(f"dropout random_bits must be one of {RANDOM_BITS}, got {self.random_bits}")
     if deterministic or self.rate == 0.0:
       return x
     if self.rate >= 1.0:
       return jnp.zeros_like(x)
-    keep = keep_mask(self.make_rng("dropout"), tuple(draw_shape or x.shape), self.rate, self.random_bits,
-                     self.rng_impl)[tuple(slice(0, n) for n in x.shape)]
+    shape, block = tuple(draw_shape or x.shape), row_block.current()
+    if block is not None:  # a block of the batch's rows: the whole batch's mask at those rows
+      shape = (block.whole_rows(shape[0]),) + shape[1:]
+    keep = keep_mask(self.make_rng("dropout"), shape, self.rate, self.random_bits, self.rng_impl)
+    if block is not None:
+      keep = block.of_whole(keep)
+    keep = keep[tuple(slice(0, n) for n in x.shape)]
     # No optimization barrier on the mask: XLA then draws a site's bits inside the kernel that
     # applies them (the residual add), overlapping the integer work with that kernel's memory
     # traffic, instead of drawing all sites' masks in one integer-bound kernel and reading them back

@@ -105,15 +105,16 @@ def initial_params(nets: InfoCSENetworks, encoder_params: dict, mlm_head: dict, 
   return auxiliary, frozen
 
 
-def infocse_term(params, frozen, batch, cls_vector, key, nets, config, weight=None):
+def infocse_term(params, frozen, batch, cls_vector, key, nets, config, weight=None, copy=None, total=None):
   """λ·L_MLM (Eq. 5): the auxiliary network predicts the masked tokens from the frozen lower
   half's states with position 0 replaced by the online [CLS] (`cls_vector`, with gradient).
 
   The frozen states and the tied decoder embeddings are `stop_gradient`-ed and come from
-  `frozen` (not `params`), so the trained encoder gets gradient only through `cls_vector`.
+  `frozen` (not `params`), so the trained encoder gets gradient only through `cls_vector`. `copy` and
+  `total`: a block of a batch's rows, as `terms.mlm_term`'s.
   """
   k_mask, k_drop = jax.random.split(key)
-  masked_ids, labels, weights = masked_copy(batch, k_mask, nets, config.infocse.mask_prob)
+  masked_ids, labels, weights = copy if copy is not None else masked_copy(batch, k_mask, nets, config.infocse.mask_prob)
   lower = frozen[FROZEN_KEY]
   out = nets.infocse.lower.apply({"params": lower}, masked_ids, batch["attention_mask"],
                                  batch["token_type_ids"], deterministic=True)
@@ -123,7 +124,7 @@ def infocse_term(params, frozen, batch, cls_vector, key, nets, config, weight=No
   embeddings = jax.lax.stop_gradient(whole_on(table, nets.infocse.lower.policy.table_mesh))
   logits = nets.infocse.auxiliary.apply({"params": params[PARAMS_KEY]}, hidden, batch["attention_mask"],
                                         embeddings, deterministic=False, rngs={"dropout": k_drop})
-  loss = mlm_loss(logits, labels, weights)
+  loss = mlm_loss(logits, labels, weights, total)
   weight = config.infocse.weight if weight is None else weight
   return weight * loss, {"infocse_mlm": loss}
 

@@ -28,6 +28,7 @@ from micse_jax.augmentation.training_views import SECOND_VIEWS, encode_views, to
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
 from micse_jax.training import (
   data_parallel,
+  grad_cache,
   infocse,
   non_finite,
   optim,
@@ -107,6 +108,7 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
   (`training/non_finite.py`): a member's while it is stopped or its loss or gradient norm is not finite,
   a solo run's only a float16 step the loss scale skips."""
   loss_fn = make_loss_fn(config, nets, mesh)
+  map_rows = data_parallel.rows_per_device(mesh)
   mesh_config = config.get("mesh", {})
   sharded = mesh_config.get("shard_state", False)
   whole = lambda tree: state_placement.gathered_for_compute(tree, mesh, sharded)  # FSDP: gather where used
@@ -114,6 +116,7 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
       tree, mesh, mesh_config.get("shard_update", False) and not sharded,
       mesh_config.get("shard_min_elements", state_placement.MIN_SHARDED_ELEMENTS))
   inner, max_norm = optim.adamw(config, schedule), optim.clip_norm(config)
+  devices = 1 if mesh is None else mesh.size  # the devices a step's rows are split over
 
   def train_step(state: TrainState, batch: dict, hyper: dict | None = None,
                  alive: jax.Array | None = None) -> tuple[TrainState, dict]:
@@ -122,16 +125,24 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
     queue = None if state.queue is None else state.queue.replace(embeddings=whole(state.queue.embeddings))
     copies = whole(state.compute_weights)  # half precision: the kernels cast once per update, not per forward
 
+    blocks = grad_cache.blocks_per_device(config, batch["input_ids"].shape[0], devices)  # `chunk_size`
+
     def loss_on_copies(params, *args):
       return loss_fn(weight_copies.read_through(params, copies), *args)
-    grad_fn = precision.value_and_unscaled_grad(loss_on_copies, state.loss_scale, config.model.loss_scale_period)
+    if blocks > 1:  # GradCache: the same loss and gradient, in the memory of one block of rows
+      grad_fn = grad_cache.value_and_unscaled_grad(config, nets, lambda p: weight_copies.read_through(p, copies),
+                                                   state.loss_scale, blocks, devices, map_rows)
+    else:
+      grad_fn = precision.value_and_unscaled_grad(loss_on_copies, state.loss_scale, config.model.loss_scale_period)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
                                      state.step, hyper)
     new = state.replace(step=state.step + 1)
     if state.queue is not None:
       with jax.named_scope("momentum_forward"):
         ema_params = weight_copies.substituted(whole(state.ema_params), copies.get(weight_copies.EMA))
-        embeddings = momentum_embeddings(nets, ema_params, whole(state.params["head"]), batch, keys["momentum"])
+        head = whole(state.params["head"])
+        embeddings = (grad_cache.momentum_embeddings(nets, ema_params, head, batch, keys["momentum"], blocks, devices)
+                      if blocks > 1 else momentum_embeddings(nets, ema_params, head, batch, keys["momentum"]))
       with jax.named_scope("enqueue"):  # padding rows are never enqueued
         new = new.replace(queue=state.queue.push(embeddings, batch[SENTENCE_IDS_KEY], batch.get(ROW_MASK_KEY)))
     mask = non_finite.update_mask(alive, loss, loss_scaling=bool(state.loss_scale))  # which updates are skipped

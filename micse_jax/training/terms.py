@@ -43,18 +43,23 @@ def contrastive_term(z1, z2, queue: Queue | None, config, anchor_ids=None, row_m
   return loss, dict(metrics, infonce=loss)
 
 
-def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=all_rows_here, weight=None):
+def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=all_rows_here, weight=None,
+             row_ids=None, totals=None, selection=None):
   """-λ·AMI between the views' attention (miCSE Eq. 5); `ami.variant` picks paper/official.
   Each sentence is sampled where `map_rows` puts it (per device on a mesh); padding rows
-  (`row_mask` 0) are left out. λ is `ami.weight`, or `weight` (a member's, traced) when given."""
+  (`row_mask` 0) are left out. λ is `ami.weight`, or `weight` (a member's, traced) when given.
+  For a block of a batch's rows (`training/grad_cache.py`): the rows' indices in the batch `row_ids`,
+  the batch's denominators `totals` and (official) its `selection` at the block's rows; the term is
+  then the block's share."""
   a = config.ami
   weight = a.weight if weight is None else weight
   if a.variant == "official":
     return official_ami_loss(att1, att2, key, weight=weight, num_samples=a.num_samples,
-                             row_mask=row_mask, map_rows=map_rows)
+                             row_mask=row_mask, map_rows=map_rows, selection=selection, totals=totals)
   return ami_loss(att1, att2, attention_mask, key, weight=weight, num_samples=a.num_samples,
                   heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
-                  require_positive=a.require_positive, row_mask=row_mask, map_rows=map_rows)
+                  require_positive=a.require_positive, row_mask=row_mask, map_rows=map_rows,
+                  row_ids=row_ids, totals=totals)
 
 
 def reconstruction_term(z1, z2, config, row_mask=None):
@@ -74,12 +79,16 @@ def masked_copy(batch, key, nets, prob):
   return ids, labels, weights
 
 
-def mlm_term(params, batch, key, nets, config):
-  """SimCSE's `do_mlm`: β·MLM loss of the online encoder + BERT MLM head on a masked *copy*."""
+def mlm_term(params, batch, key, nets, config, copy=None, total=None):
+  """SimCSE's `do_mlm`: β·MLM loss of the online encoder + BERT MLM head on a masked *copy*.
+
+  For a block of a batch's rows (`models/row_block.py`), `copy` is the batch's masked copy (`masked_copy`
+  with the first of `key`'s two halves) at the block's rows and `total` its Σ weights: the term is the
+  block's share of the batch's."""
   k_mask, k_drop = jax.random.split(key)
-  masked_ids, labels, weights = masked_copy(batch, k_mask, nets, config.mlm.prob)
+  masked_ids, labels, weights = copy if copy is not None else masked_copy(batch, k_mask, nets, config.mlm.prob)
   variables = {"params": {**params["encoder"], "cls": params["mlm_head"]}}
   out = nets.with_mlm_head.apply(variables, masked_ids, batch["attention_mask"], batch["token_type_ids"],
                                  deterministic=False, rngs={"dropout": k_drop})
-  loss = mlm_loss(out.mlm_logits, labels, weights)
+  loss = mlm_loss(out.mlm_logits, labels, weights, total)
   return config.mlm.weight * loss, {"mlm": loss}

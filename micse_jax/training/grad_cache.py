@@ -1,0 +1,249 @@
+"""GradCache: the train step's loss and gradient over a batch taken in blocks of rows (`chunk_size`),
+in the memory of one block, equal to the whole batch's step to float rounding.
+
+Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup" (GradCache,
+Alg. 1): the contrastive terms couple a batch's rows only through their embeddings z = (z¹, z²), so
+
+    ∂L/∂θ = Σ_rows (∂L/∂z_row) · (∂z_row/∂θ),
+
+and the step runs in three passes (`value_and_unscaled_grad`):
+
+1. every block's forward, both views, without keeping activations: z, and the counts the
+   per-sentence terms divide by (`_counts`);
+2. the terms of z alone on the whole batch — InfoNCE with in-batch and queue negatives (or the
+   positive-only alignment) and InforMin-CL's reconstruction, global across devices as in the
+   unblocked step — and their gradient g = ∂L/∂z;
+3. every block's forward again, now differentiated: the pull-back of ⟨g_block, z_block⟩, plus the
+   block's share of the per-sentence terms (AMI on its own attention maps, SimCSE's MLM, InfoCSE's
+   auxiliary network), the blocks' gradients added up.
+
+The per-sentence terms are sums over rows divided by batch-wide counts that carry no gradient (Σ of
+AMI's pair weights and the official variant's kept slices, the masked tokens): pass 1 collects them,
+and a block's term is its rows' sum over the batch's count, the shares adding up to the term
+(`losses/ami.Totals`, `mlm_loss(total=...)`).
+
+Every random draw is the whole batch's at the block's rows, in both forward passes: the dropout masks
+(`models/row_block.py`, read by the dropout sites and the dropout-attention kernels), AMI's samples
+(keyed by the row's index in the batch), and the draws over token batches — SimCSE's MLM and InfoCSE's
+masking, Mirror-BERT's span — made once over the whole batch and cut to the block. Attention-Driven
+Dropout's view runs the encoder, so it is made per block (a deterministic forward, the same in both
+passes). On a data-parallel mesh each device's rows are cut into blocks of its own (`row_block.Block`):
+no row moves, and the negatives stay global. The momentum encoder's forward runs by blocks too
+(`momentum_embeddings`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from micse_jax.augmentation.training_views import SECOND_VIEWS, encode_views, tokens_of
+from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
+from micse_jax.losses.ami import Totals, attention_mutual_information, official_cells, official_selection
+from micse_jax.models import row_block
+from micse_jax.training import infocse, precision, terms
+from micse_jax.training import momentum as momentum_queue
+from micse_jax.training.networks import Networks
+
+OFF = "0"                # `chunk_size` of the unblocked step
+VIEWS_BY_BLOCK = ("add",)  # second views that run the encoder: made per block, not over the whole batch
+
+
+def chunk_rows(value) -> int:
+  """`chunk_size` as rows per block (0: the whole batch); "auto" must have been resolved before."""
+  text = str(value).strip()
+  if not text.isdigit():
+    raise ValueError(f"chunk_size must be resolved to an integer before the step is built, got {value!r}")
+  return int(text)
+
+
+def blocks_per_device(config: ml_collections.ConfigDict, rows: int, devices: int) -> int:
+  """How many blocks each device cuts its rows into: the step's `rows` (the padded global batch) over
+  `chunk_size` (global rows per block, a multiple of `devices`); 1 when `chunk_size` is 0 or the batch."""
+  size = chunk_rows(config.get("chunk_size", OFF))
+  if size == 0 or size == rows:
+    return 1
+  if rows % size or size % devices:
+    raise ValueError(f"chunk_size={size} must divide the batch of {rows} rows and be a multiple of the "
+                     f"{devices} devices")
+  return rows // size
+
+
+def by_blocks(fn: Callable, count: int, devices: int):
+  """`fn(block)` for each of the `count` blocks per device (`row_block.Block`), one loop iteration each,
+  its outputs (arrays over the block's rows) put back in the whole batch's row order."""
+  def body(carry, index):
+    return carry, fn(row_block.Block(index, count, devices))
+  _, stacked = jax.lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))
+  return jax.tree.map(lambda x: row_block.whole_of(x, devices), stacked)
+
+
+def momentum_embeddings(nets: Networks, ema_params, head_params, batch: dict, key, count: int, devices: int):
+  """`momentum.momentum_embeddings` of the whole batch, by blocks of rows (the same dropout masks)."""
+  def block_embeddings(block):
+    with row_block.applied(block):
+      return momentum_queue.momentum_embeddings(nets, ema_params, head_params, row_block.of_tree(block, batch), key)
+  return by_blocks(block_embeddings, count, devices)
+
+
+def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, read: Callable, loss_scale: dict,
+                            count: int, devices: int, map_rows: Callable) -> Callable:
+  """The blocked counterpart of `precision.value_and_unscaled_grad(loss_fn, loss_scale, ...)` on the
+  step's `loss_fn` (`training/step.make_loss_fn`): a function (params, frozen, batch, queue, keys, step,
+  hyper) -> ((loss, metrics), ∂loss/∂params), computed in `count` blocks per device (module
+  docstring). `read(params)` gives the weights the forward reads (`weight_copies.read_through`)."""
+  kind, encode = config.view.kind, encode_views(config)
+  second_view = SECOND_VIEWS[kind]
+  head_b = "head_b" if config.ct.enabled else "head"
+  period = config.model.loss_scale_period
+
+  def project(weights, head_name, hidden):
+    return nets.head.apply({"params": weights[head_name]}, hidden[:, 0]).astype(jnp.float32)
+
+  def run(params, frozen, batch, queue, keys, step, hyper=None):
+    hyper = hyper or {}
+    whole_view2 = None if kind in VIEWS_BY_BLOCK else second_view(read(params), batch, keys["view"], nets, config)
+    row_mask = batch.get(ROW_MASK_KEY)
+    row_ids = jnp.arange(batch["input_ids"].shape[0], dtype=jnp.int32)
+
+    def forward(weights, block):
+      """The block's rows, their encoding and embeddings (z¹, z²), its dropout the batch's at its rows."""
+      rows = row_block.of_tree(block, batch)
+      with row_block.applied(block):
+        view2 = (second_view(weights, rows, keys["view"], nets, config) if whole_view2 is None
+                 else row_block.of_tree(block, whole_view2))
+        enc = encode(weights, tokens_of(rows), view2, keys["drop"], nets)
+      return rows, enc, project(weights, "head", enc.hidden1), project(weights, head_b, enc.hidden2)
+
+    def embed(block):
+      rows, enc, z1, z2 = forward(read(params), block)
+      return z1, z2, _counts(enc, rows, keys["ami"], config, map_rows, block.of_whole(row_ids))
+
+    z1, z2, counts = by_blocks(embed, count, devices)
+    ami_totals, selection = _ami_totals(counts, row_mask, config,
+                                        _official_cells_per_slice(nets, batch["input_ids"].shape[1]))
+
+    def batch_terms(z1, z2):
+      """The terms of the embeddings alone, on the whole batch (as `step.make_loss_fn` computes them)."""
+      parts = [terms.contrastive_term(z1, z2, queue, config, anchor_ids=batch.get(SENTENCE_IDS_KEY),
+                                      row_mask=row_mask)]
+      if config.reconstruction.enabled:
+        parts.append(terms.reconstruction_term(z1, z2, config, row_mask=row_mask))
+      return sum(p[0] for p in parts), {k: v for _, m in parts for k, v in m.items()}
+
+    (loss, metrics), (g1, g2) = jax.value_and_grad(batch_terms, argnums=(0, 1), has_aux=True)(z1, z2)
+    copies = _masked_copies(batch, keys, nets, config)
+    pretraining = (step < config.infocse.pretrain_steps) if config.infocse.enabled else jnp.asarray(False)
+
+    def block_objective(params, block):
+      """⟨g, z⟩ of the block plus its shares of the per-sentence terms; InfoCSE's pre-training phase
+      (§3.1) keeps its term alone, as `infocse.add_to_loss` does."""
+      weights = read(params)
+      rows, enc, b1, b2 = forward(weights, block)
+      pulled = jnp.sum(block.of_whole(g1) * b1) + jnp.sum(block.of_whole(g2) * b2)
+      parts = []
+      if config.ami.enabled:
+        with jax.named_scope("loss/ami"):
+          parts.append(_ami_share(enc, rows, keys["ami"], config, map_rows, block, ami_totals, selection,
+                                  hyper.get("ami_weight")))
+      if config.mlm.enabled:
+        with jax.named_scope("loss/mlm"), row_block.applied(block):
+          copy, total = copies["mlm"]
+          parts.append(terms.mlm_term(weights, rows, keys["mlm"], nets, config, copy=row_block.of_tree(block, copy),
+                                      total=total))
+      extra = sum((p[0] for p in parts), jnp.zeros((), jnp.float32))
+      shares = {k: v for _, m in parts for k, v in m.items()}
+      objective = pulled + extra
+      if config.infocse.enabled:
+        with jax.named_scope("loss/infocse"), row_block.applied(block):
+          cls = enc.hidden1[:, 0]
+          copy, total = copies["infocse"]
+          term, term_metrics = infocse.infocse_term(
+              weights, frozen, rows, jnp.where(pretraining, jax.lax.stop_gradient(cls), cls), keys["infocse"], nets,
+              config, copy=row_block.of_tree(block, copy), total=total)
+        shares.update(term_metrics)
+        objective = jnp.where(pretraining, term_metrics["infocse_mlm"], objective + term)
+        extra = extra + term
+      return objective, (extra, shares)
+
+    block_grad = precision.value_and_unscaled_grad(block_objective, loss_scale, period)
+
+    def backprop(total, index):
+      (_, aux), grads = block_grad(params, row_block.Block(index, count, devices))
+      return jax.tree.map(jnp.add, total, (grads, aux)), None
+
+    first = jax.eval_shape(lambda: block_grad(params, row_block.Block(jnp.int32(0), count, devices)))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (first[1], first[0][1]))
+    (grads, (extra, shares)), _ = jax.lax.scan(backprop, zeros, jnp.arange(count, dtype=jnp.int32))
+    metrics = {**metrics, **shares, **_batch_constants(selection)}
+    loss = loss + extra
+    if config.infocse.enabled:
+      loss = jnp.where(pretraining, shares["infocse_mlm"], loss)
+    return (loss, metrics), grads
+
+  return run
+
+
+def _counts(enc, rows, key, config, map_rows, row_ids):
+  """What the AMI term divides by, from a block's attention maps: Σ of its pair weights (paper
+  variant), or each slice's valid cells `[rows, S]` (official); {} without AMI."""
+  if not config.ami.enabled:
+    return {}
+  if config.ami.variant == "official":
+    valid, _, _ = official_cells(enc.att1, enc.att2)
+    return {"num_valid": jnp.sum(valid, axis=-1).astype(jnp.int32)}
+  a = config.ami
+  res = attention_mutual_information(enc.att1, enc.att2, rows["attention_mask"], key, num_samples=a.num_samples,
+                                     heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
+                                     require_positive=a.require_positive, row_mask=rows.get(ROW_MASK_KEY),
+                                     map_rows=map_rows, row_ids=row_ids)
+  return {"pairs": jnp.sum(res.weight, axis=-1)}  # per row: a row's output, put back in the batch's order
+
+
+def _ami_totals(counts: dict, row_mask, config, cells: int):
+  """(the batch's AMI denominators `Totals`, the official variant's `OfficialSelection` or None)."""
+  if not config.ami.enabled:
+    return None, None
+  some = next(iter(counts.values()))
+  rows = jnp.asarray(some.shape[0], jnp.float32) if row_mask is None else jnp.sum(row_mask.astype(jnp.float32))
+  if config.ami.variant == "official":
+    num_valid = counts["num_valid"]
+    selection = official_selection(num_valid, row_mask, config.ami.num_samples, cells)
+    return Totals(pairs=jnp.sum(selection.weight), rows=rows), selection
+  return Totals(pairs=jnp.sum(counts["pairs"]), rows=rows), None
+
+
+def _official_cells_per_slice(nets: Networks, length: int) -> int:
+  """C, the cells of an official slice (`official_cells`): the AMI layers of one parity, T² each."""
+  return len(nets.ami_layers) // 2 * length * length
+
+
+def _ami_share(enc, rows, key, config, map_rows, block, totals, selection, weight):
+  """The block's share of the AMI term and its metrics (`terms.ami_term` on the block's rows)."""
+  row_ids = block.of_whole(jnp.arange(block.whole_rows(rows["input_ids"].shape[0]), dtype=jnp.int32))
+  if selection is not None:
+    selection = selection._replace(weight=block.of_whole(selection.weight), num_valid=block.of_whole(
+        selection.num_valid), row_ids=row_ids)
+  return terms.ami_term(enc.att1, enc.att2, rows["attention_mask"], key, config, row_mask=rows.get(ROW_MASK_KEY),
+                        map_rows=map_rows, weight=weight, row_ids=row_ids, totals=totals, selection=selection)
+
+
+def _batch_constants(selection) -> dict:
+  """The official AMI metrics that are the batch's, not sums over its rows (a block reports them whole)."""
+  if selection is None:
+    return {}
+  return {"ami_samples": selection.num_used.astype(jnp.float32), "ami_scale": selection.scale}
+
+
+def _masked_copies(batch, keys, nets, config) -> dict:
+  """The MLM and InfoCSE masked copies of the whole batch (their draws are over the whole batch), each
+  with its Σ weights."""
+  out = {}
+  for name, enabled, prob in (("mlm", config.mlm.enabled, config.mlm.get("prob")),
+                              ("infocse", config.infocse.enabled, config.infocse.get("mask_prob"))):
+    if enabled:
+      copy = terms.masked_copy(batch, jax.random.split(keys[name])[0], nets, prob)
+      out[name] = (copy, jnp.sum(copy[2]))
+  return out
