@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from micse_jax.losses import ami
+from micse_jax.losses import ami_official
 
 torch = pytest.importorskip("torch")
 
@@ -66,7 +66,7 @@ def _torch_official(att1, att2, cells_of_row, weight=LAMBDA):
 
 def _jax_official(att1, att2, mask, key, num_samples):
   del mask  # the official variant needs none: padding keys are exact zeros
-  fn = lambda a1, a2: ami.official_ami_loss(a1, a2, key, weight=LAMBDA, num_samples=num_samples)[0]
+  fn = lambda a1, a2: ami_official.official_ami_loss(a1, a2, key, weight=LAMBDA, num_samples=num_samples)[0]
   loss, grads = jax.value_and_grad(fn, argnums=(0, 1))(att1, att2)
   return float(loss), np.asarray(grads[0]), np.asarray(grads[1])
 
@@ -127,7 +127,7 @@ def test_gradient_matches_torch_on_the_returned_random_sample():
   att2 = np.where(rng.random(att2.shape) < 0.1, 0.0, att2 / 0.9).astype(np.float32)
   att1[1, 1, 0] = 0.0  # sentence 1, head 0, parity 1: layer 1 all zero, 24 cells left -> dropped
   key = jax.random.PRNGKey(7)
-  res = ami.official_attention_mutual_information(att1, att2, key, num_samples=m)
+  res = ami_official.official_attention_mutual_information(att1, att2, key, num_samples=m)
   x, y = (r.detach().numpy() for r in _official_rows(torch.tensor(att1), torch.tensor(att2)))
   counts = ((x > 0) & (y > 0)).sum(1)
   assert counts.min() < m <= counts.max()

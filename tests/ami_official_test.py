@@ -6,15 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from micse_jax.losses import ami
+from micse_jax.losses import ami, ami_official
 
 LAMBDA = 2.5e-3
 _loss = jax.jit(ami.ami_loss, static_argnames=('num_samples', 'heads_per_slice',
                                                 'pool_layers', 'require_positive', 'min_valid'))
-_official_loss = jax.jit(ami.official_ami_loss, static_argnames=('num_samples',))
+_official_loss = jax.jit(ami_official.official_ami_loss, static_argnames=('num_samples',))
 _paper_ami = jax.jit(ami.attention_mutual_information,
                      static_argnames=('num_samples', 'heads_per_slice', 'pool_layers', 'min_valid'))
-_official = jax.jit(ami.official_attention_mutual_information, static_argnames=('num_samples',))
+_official = jax.jit(ami_official.official_attention_mutual_information, static_argnames=('num_samples',))
 
 
 def _attention(rng, num_layers, lengths, heads, length):

@@ -41,12 +41,12 @@ def _blocked(config, size: int):
   return config
 
 
-def _gradients(config, steps_done: int = 0):
+def _gradients(config, devices=None):
   """(loss, metrics, gradient) of the program's loss at its step-0 state, by the step's own grad
-  function (blocked or not, as `chunk_size` says), on the first batch."""
+  function (blocked or not, as `chunk_size` says), on the first batch, on `devices` (default: all)."""
+  from micse_jax.training import data_parallel, weight_copies
   from micse_jax.training import step as step_module
-  from micse_jax.training import weight_copies
-  prog, runs = prepared_program(config)
+  prog, runs = prepared_program(config, devices)
   state = prog.initial_state(runs)
   batch = prog.place_batch([r.batches.batch(0) for r in runs])
   loss_fn = step_module.make_loss_fn(prog.config, prog.nets, prog.mesh)
@@ -59,16 +59,16 @@ def _gradients(config, steps_done: int = 0):
     blocks = grad_cache.blocks_per_device(prog.config, batch["input_ids"].shape[0], prog.mesh.size)
     if blocks > 1:
       fn = grad_cache.value_and_unscaled_grad(prog.config, prog.nets, read, {}, blocks, prog.mesh.size,
-                                              lambda fn, rows, shared: fn(*rows, *shared))
+                                              data_parallel.rows_per_device(prog.mesh))
     else:
       fn = jax.value_and_grad(lambda p, *a: loss_fn(read(p), *a), has_aux=True)
     return fn(state.params, state.frozen_params, batch, state.queue, keys, state.step)
   return jax.device_get(jax.jit(run)(state, batch))
 
 
-def _compare_gradients(config):
-  (loss, metrics), grads = _gradients(config)
-  (b_loss, b_metrics), b_grads = _gradients(_blocked(config, 4))
+def _compare_gradients(config, devices=None):
+  (loss, metrics), grads = _gradients(config, devices)
+  (b_loss, b_metrics), b_grads = _gradients(_blocked(config, 4), devices)
   _close(b_loss, loss, "loss")
   assert sorted(b_metrics) == sorted(metrics)
   for name in metrics:
@@ -173,3 +173,87 @@ def test_chunk_size_that_does_not_divide_the_batch_is_refused(tmp_path, minilm_d
     grad_cache.blocks_per_device(_blocked(config, 5), 16, 1)
   assert grad_cache.blocks_per_device(_blocked(config, 16), 16, 1) == 1
   assert grad_cache.blocks_per_device(_blocked(config, 4), 16, 2) == 4
+
+
+def test_a_blocks_dropout_attention_kernel_draws_the_whole_batchs_bits_at_its_rows():
+  """The Pallas kernels (interpreted) on a block of 2 rows of 8: the whole batch's context at those rows,
+  the whole batch's Bernoulli draw (`reference`) deciding its dropout."""
+  from micse_jax.kernels import dropout_attention as da
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  heads, length, head_dim, rate = 2, 16, 32, 0.3
+  projection = jax.random.normal(keys[0], (8, length, 3 * heads * head_dim), jnp.float32)
+  biases = tuple(jax.random.normal(k, (heads * head_dim,)) for k in jax.random.split(keys[1], 3))
+  key_mask = jnp.arange(length)[None, :] < jnp.array([16, 9, 3, 16, 12, 1, 16, 7])[:, None]
+  words = jax.random.key_data(jax.random.PRNGKey(11))
+  whole = da.reference(projection, biases, key_mask, words, rate, heads)
+  for index in range(4):
+    rows = slice(2 * index, 2 * index + 2)
+    part = da.dropout_attention(projection[rows], biases, key_mask[rows], words, rate, heads, interpret=True,
+                                rows=(jnp.int32(index), 4))
+    _close(part, whole[rows], f"block {index}", rtol=1e-5, atol=1e-5)
+
+
+def test_the_loss_scaled_blocked_gradient_is_the_unscaled_one(tmp_path, minilm_dir):
+  """float16's loss scaling (`precision.value_and_unscaled_grad` per block): with a scale of 2^10 the
+  blocked gradient is the one without scaling (float32: a power of two scales exactly)."""
+  from micse_jax.training import weight_copies
+  config = _blocked(_variant_config(tmp_path, minilm_dir, "simcse"), 4)
+  prog, runs = prepared_program(config)
+  state = prog.initial_state(runs)
+  packed = prog.place_batch([r.batches.batch(0) for r in runs])
+  from micse_jax.training import step as step_module
+  keys = step_module.step_keys(state.rng, state.step)
+  scale = {"scale": jnp.float32(2.0 ** 10), "counter": jnp.int32(0), "skipped_steps": jnp.int32(0)}
+
+  def grads(scale_state):
+    def run(state, packed):
+      read = lambda p: weight_copies.read_through(p, state.compute_weights)
+      fn = grad_cache.value_and_unscaled_grad(prog.config, prog.nets, read, scale_state, 4, 1,
+                                              lambda fn, rows, shared: fn(*rows, *shared))
+      return fn(state.params, state.frozen_params, prog.layout.unpack(packed[0]), state.queue, keys, state.step)
+    return jax.device_get(jax.jit(run)(state, packed))
+  (loss, _), plain = grads({})
+  (scaled_loss, _), scaled = grads(scale)
+  _close(scaled_loss, loss, "loss")
+  for g, s in zip(jax.tree.leaves(plain), jax.tree.leaves(scaled)):
+    _close(s, g, "gradient", rtol=1e-6)
+
+
+@pytest.mark.slow  # ~60 s: a population of two, blocked and not; the blocked step is vmapped like any step
+def test_a_population_blocked_trains_the_members_of_the_unblocked_population(tmp_path, minilm_dir):
+  from tests.population_utils import run_population
+  config = _variant_config(tmp_path, minilm_dir, "micse")
+  config.population.seeds, config.population.ami_weights = (1, 2), (0.0, 0.3)
+  plain, plain_history = run_population(config, 2)
+  blocked, blocked_history = run_population(_blocked(config, 4), 2)
+  for h, b in zip(plain_history, blocked_history):
+    for name in ("loss", "grad_norm", "infonce", "ami"):
+      _close(b[name], h[name], name, rtol=1e-4)
+  for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(plain.members.params),
+                               jax.tree_util.tree_leaves_with_path(blocked.members.params)):
+    _close(y, x, jax.tree_util.keystr(path), rtol=1e-4, atol=1e-6)
+
+
+RELATIVES = {
+    "remat_full": ("micse", {"model.remat": "full"}),
+    "ct": ("ct", {}),
+    "add": ("add", {"model.init_mlm_head": True}),
+    "mirror": ("mirror", {}),
+    "positive_only": ("ami_positive_only", {}),
+    "informin": ("informin", {}),
+}
+
+
+@pytest.mark.slow  # ~25 s each; the default run checks the blocked step on miCSE, SimCSE, the official AMI, MLM, InfoCSE
+@pytest.mark.parametrize("name", sorted(RELATIVES))
+def test_the_relatives_blocked_give_the_whole_batchs_loss_and_gradient(tmp_path, minilm_dir, name):
+  variant, overrides = RELATIVES[name]
+  _compare_gradients(_config(tmp_path, minilm_dir, variant, **overrides))
+
+
+def test_on_four_devices_each_device_blocks_its_own_rows_and_the_step_is_unchanged(tmp_path, minilm_dir):
+  from tests.helpers import run_device_worker
+  out = run_device_worker("tests.grad_cache_devices_worker", tmp_path, minilm_dir, devices=4)
+  assert out["micse"] == out["simcse"] == out["official_ami"] == "equal"
+  assert out["kernel_block_difference"] < 1e-5
+  assert out["state_difference"] < 1e-5

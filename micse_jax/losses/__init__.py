@@ -6,11 +6,10 @@ from micse_jax.losses.ami import (
     attention_mutual_information,
     fold_layer_parity,
     mi_from_samples,
-    official_ami_loss,
-    official_attention_mutual_information,
     sample_cells,
     slice_attention,
 )
+from micse_jax.losses.ami_official import official_ami_loss, official_attention_mutual_information
 from micse_jax.losses.infonce import info_nce_loss
 
 __all__ = [

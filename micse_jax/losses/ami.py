@@ -19,7 +19,7 @@ Two variants (`ami.variant`; `AMI_VARIANTS`), one function each:
   cells are (real query, real key) pairs, optionally only those > 0 in both
   views; a (sentence, slice) pair counts when it has >= `min_valid` valid
   samples; loss = -lambda * mean MI.
-* "official" (`official_ami_loss`): what SAP-samples/acl2023-micse (`model/models.py`, `cl_forward`)
+* "official" (`losses/ami_official.py`: `official_ami_loss`): what SAP-samples/acl2023-micse (`model/models.py`, `cl_forward`)
   computes. It differs from the paper variant in four ways:
   1. slicing: one slice per (sentence, head, layer parity), pooling the chosen
      layers of equal parity (`fold_layer_parity`, `heads_per_slice=1`,
@@ -89,7 +89,7 @@ class AMIResult(NamedTuple):
   sample_weight: jax.Array
 
 
-def _safe_log(x: jax.Array, sample_weight: jax.Array, eps: float) -> jax.Array:
+def safe_log(x: jax.Array, sample_weight: jax.Array, eps: float) -> jax.Array:
   """log(max(x, eps)) on weighted samples, 0 elsewhere; finite values and gradients.
 
   Zero-weight slots are replaced by 1 *before* the log, so whatever they hold
@@ -149,8 +149,8 @@ def mi_from_samples(x1: jax.Array, x2: jax.Array, sample_weight: jax.Array, *,
     (mi, rho, pair_weight, num_valid), each `[...]`.
   """
   w = sample_weight.astype(jnp.float32)
-  u = _safe_log(x1, w, log_eps)
-  v = _safe_log(x2, w, log_eps)
+  u = safe_log(x1, w, log_eps)
+  v = safe_log(x2, w, log_eps)
   rho, defined = weighted_pearson(u, v, w)
   num_valid = jnp.sum(w, axis=-1)
   pair_weight = ((num_valid >= min_valid) & defined).astype(jnp.float32)
@@ -165,7 +165,8 @@ def attention_mutual_information(att1: jax.Array, att2: jax.Array,
                                  log_eps: float = 1e-12, rho2_eps: float = 1e-4,
                                  min_valid: int = 3, row_mask: jax.Array | None = None,
                                  map_rows: Callable = all_rows_here,
-                                 row_ids: jax.Array | None = None) -> AMIResult:
+                                 row_ids: jax.Array | None = None,
+                                 samples: tuple[jax.Array, jax.Array] | None = None) -> AMIResult:
   """Per-(sentence, slice) AMI between two views' attention (Alg. 1, Eq. 3-4).
 
   Args:
@@ -185,37 +186,44 @@ def attention_mutual_information(att1: jax.Array, att2: jax.Array,
       the rows; `all_rows_here` on one device, `shard_map` per device on a mesh.
     row_ids: `[B]` the rows' indices in the whole batch (their sampling keys); `arange(B)` when
       None, other indices for a block of a batch's rows (`models/row_block.py`).
+    samples: (indices, sample_weight) `[B, S, m]` of an earlier call on the same maps (the same
+      draw): the cells are taken from there, not sampled again (`rng` and `row_ids` unused).
 
   Returns:
     An `AMIResult` of `[B, S]` arrays (and the `[B, S, m]` samples).
   """
-  valid = cell_validity(att1, att2, attention_mask, heads_per_slice=heads_per_slice,
-                        pool_layers=pool_layers, require_positive=require_positive)
   slices1 = slice_attention(att1, heads_per_slice, pool_layers)
   slices2 = slice_attention(att2, heads_per_slice, pool_layers)
+  mi_of = lambda x1, x2, w: mi_from_samples(x1, x2, w, log_eps=log_eps, rho2_eps=rho2_eps, min_valid=min_valid)
 
   def per_sentence(valid, slices1, slices2, row_ids, rng):
-    noise = row_gumbel_noise(rng, row_ids, valid.shape[1:])
-    indices, sample_weight = top_k_cells(valid, noise, num_samples)
-    x1 = jnp.take_along_axis(slices1, indices, -1)
-    x2 = jnp.take_along_axis(slices2, indices, -1)
-    mi, rho, weight, num_valid = mi_from_samples(
-        x1, x2, sample_weight, log_eps=log_eps, rho2_eps=rho2_eps, min_valid=min_valid)
-    return mi, rho, weight, num_valid, indices, sample_weight
+    indices, sample_weight = top_k_cells(valid, row_gumbel_noise(rng, row_ids, valid.shape[1:]), num_samples)
+    x1, x2 = (jnp.take_along_axis(x, indices, -1) for x in (slices1, slices2))
+    return *mi_of(x1, x2, sample_weight), indices, sample_weight
 
-  row_ids = _row_ids(row_ids, valid.shape[0])
-  mi, rho, weight, num_valid, indices, sample_weight = map_rows(
-      per_sentence, (valid, slices1, slices2, row_ids), (rng,))
+  def per_sentence_sampled(slices1, slices2, indices, sample_weight):
+    x1, x2 = (jnp.take_along_axis(x, indices, -1) for x in (slices1, slices2))
+    return *mi_of(x1, x2, sample_weight), indices, sample_weight
+
+  if samples is not None:
+    mi, rho, weight, num_valid, indices, sample_weight = map_rows(
+        per_sentence_sampled, (slices1, slices2, *samples), ())
+  else:
+    valid = cell_validity(att1, att2, attention_mask, heads_per_slice=heads_per_slice,
+                          pool_layers=pool_layers, require_positive=require_positive)
+    mi, rho, weight, num_valid, indices, sample_weight = map_rows(
+        per_sentence, (valid, slices1, slices2, batch_row_ids(row_ids, valid.shape[0])), (rng,))
   if row_mask is not None:
     weight = weight * row_mask.astype(weight.dtype)[:, None]
   return AMIResult(mi, rho, weight, num_valid, indices, sample_weight)
 
 
-def _row_ids(row_ids: jax.Array | None, rows: int) -> jax.Array:
+def batch_row_ids(row_ids: jax.Array | None, rows: int) -> jax.Array:
+  """The rows' indices in the batch (their sampling keys): `row_ids`, or `arange(rows)` when None."""
   return jnp.arange(rows, dtype=jnp.int32) if row_ids is None else row_ids.astype(jnp.int32)
 
 
-def _weighted_mean(x: jax.Array, w: jax.Array, total: jax.Array | None = None) -> jax.Array:
+def weighted_mean(x: jax.Array, w: jax.Array, total: jax.Array | None = None) -> jax.Array:
   """Σ w·x / max(Σ w, 1); with `total`, Σ w·x / max(total, 1): a block's share of the batch's mean."""
   return jnp.sum(w * x) / jnp.maximum(jnp.sum(w) if total is None else total, 1.0)
 
@@ -225,126 +233,10 @@ def _real_row_mean(x: jax.Array, row_mask: jax.Array | None) -> jax.Array:
   if row_mask is None:
     return jnp.mean(x)
   rows = jnp.broadcast_to(row_mask.astype(x.dtype)[:, None], x.shape)
-  return _weighted_mean(x, rows)
+  return weighted_mean(x, rows)
 
 
-AMI_VARIANTS = ('paper', 'official')  # `ami.variant`: `ami_loss`, `official_ami_loss`
-_OFFICIAL_SCALE_EPS = 1e-6
-
-
-class OfficialAMIResult(NamedTuple):
-  """Output of `official_attention_mutual_information`.
-
-  Attributes:
-    mi: `[B, S]` MI per (sentence, slice); 0 where the view is constant.
-    rho: `[B, S]` Pearson correlation of the sampled log-values.
-    weight: `[B, S]` 1.0 for the slices the official recipe keeps.
-    num_valid: `[B, S]` valid (> 0 in both views) cells per slice.
-    num_used: scalar int, samples per kept slice (m, or the batch's smallest
-      count when no slice reaches m).
-    scale: scalar, (fraction of valid cells over the kept slices)^2 + 1e-6.
-    indices: `[B, S, m]` sampled cell indices (first `num_used` are used).
-    sample_weight: `[B, S, m]` 1.0 for the samples that enter the MI.
-  """
-  mi: jax.Array
-  rho: jax.Array
-  weight: jax.Array
-  num_valid: jax.Array
-  num_used: jax.Array
-  scale: jax.Array
-  indices: jax.Array
-  sample_weight: jax.Array
-
-
-def official_attention_mutual_information(att1: jax.Array, att2: jax.Array, rng: jax.Array, *,
-                                          num_samples: int = 150,
-                                          rho2_eps: float = 1e-4,
-                                          row_mask: jax.Array | None = None,
-                                          map_rows: Callable = all_rows_here) -> OfficialAMIResult:
-  """AMI as the official miCSE code computes it (see the module docstring, "official").
-
-  Args:
-    att1: `[L, B, H, T, T]` attention of view 1 on the chosen layers (L even;
-      the public recipe uses layers 7-10).
-    att2: the same for view 2.
-    rng: PRNG key for the cell sampling (sentence b samples with `fold_in(rng, b)`).
-    num_samples: m (150 in the public code).
-    rho2_eps: rho^2 is clamped to <= 1 - rho2_eps.
-    row_mask: optional `[B]`, 0 for padding rows: never kept, and left out of the batch's
-      smallest count and of the valid-cell fraction.
-    map_rows: see `attention_mutual_information`.
-
-  Returns:
-    An `OfficialAMIResult`; slices are (head, layer parity), `[B, 2H]`.
-  """
-  valid, x1, x2 = official_cells(att1, att2)
-  selection = official_selection(jnp.sum(valid, axis=-1).astype(jnp.int32), row_mask, num_samples,
-                                 valid.shape[-1])
-  mi, rho, indices, sample_weight = official_mi(valid, x1, x2, selection, rng, num_samples=num_samples,
-                                                rho2_eps=rho2_eps, map_rows=map_rows)
-  return OfficialAMIResult(mi, rho, selection.weight, selection.num_valid, selection.num_used, selection.scale,
-                           indices, sample_weight)
-
-
-def official_cells(att1: jax.Array, att2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(valid `[B, S, C]`: > 0 in both views, view 1's and view 2's slices `[B, S, C]`) of the official
-  slicing (head, layer parity); padding rows are not masked."""
-  x1 = slice_attention(fold_layer_parity(att1), heads_per_slice=1, pool_layers=True)
-  x2 = slice_attention(fold_layer_parity(att2), heads_per_slice=1, pool_layers=True)
-  return (x1 > 0) & (x2 > 0), x1, x2
-
-
-class OfficialSelection(NamedTuple):
-  """Which slices the official recipe keeps, from the whole batch's valid counts (no gradient):
-  `weight` `[B, S]`, `num_valid` `[B, S]`, `num_used` (m or the fallback), `scale` (fraction² + 1e-6).
-  `row_ids` (`[B]`, None for `arange(B)`) are the rows' indices in the batch, their sampling keys."""
-  weight: jax.Array
-  num_valid: jax.Array
-  num_used: jax.Array
-  scale: jax.Array
-  row_ids: jax.Array | None = None
-
-
-def official_selection(num_valid: jax.Array, row_mask: jax.Array | None, num_samples: int,
-                       cells: int) -> OfficialSelection:
-  """The batch's kept slices (rules 3 and 4 of the module docstring) from each slice's valid count
-  `[B, S]` and the slices' size `cells`; padding rows (`row_mask` 0) are never kept and left out of
-  the smallest count and of the valid-cell fraction."""
-  real = (jnp.ones(num_valid.shape[:1], bool) if row_mask is None
-          else row_mask.astype(bool))[:, None]
-  k = min(num_samples, cells)
-  reaches = (num_valid >= num_samples) & real
-  any_reaches = jnp.any(reaches)
-  # Fallback of the public code: no slice reaches m -> all slices, m = min count.
-  smallest = jnp.min(jnp.where(real, num_valid, k))
-  num_used = jnp.where(any_reaches, k, jnp.minimum(smallest, k))
-  weight = (jnp.where(any_reaches, reaches, num_used > 0) & real).astype(jnp.float32)
-  cells_kept = jnp.maximum(jnp.sum(weight) * cells, 1.0)
-  fraction = jnp.sum(weight * num_valid) / cells_kept
-  scale = jax.lax.stop_gradient(jnp.square(fraction) + _OFFICIAL_SCALE_EPS)
-  return OfficialSelection(weight, num_valid, num_used, scale)
-
-
-def official_mi(valid: jax.Array, x1: jax.Array, x2: jax.Array, selection: OfficialSelection, rng: jax.Array, *,
-                num_samples: int, rho2_eps: float = 1e-4, map_rows: Callable = all_rows_here):
-  """(mi, rho `[B, S]`, indices, sample_weight `[B, S, k]`) of the slices `official_cells` cut, each kept
-  slice (`selection.weight`) sampling k = min(m, C) cells with `fold_in(rng, row id)`, of which its
-  first `num_used` are used."""
-  k = min(num_samples, valid.shape[-1])
-
-  def per_sentence(valid, x1, x2, weight, row_ids, num_used, rng):
-    indices, picked = top_k_cells(valid, row_gumbel_noise(rng, row_ids, valid.shape[1:]), k)
-    # Gumbel top-k is sorted, so its first num_used picks are a uniform subset too.
-    sample_weight = picked * (jnp.arange(k) < num_used).astype(jnp.float32) * weight[..., None]
-    u = _safe_log(jnp.take_along_axis(x1, indices, -1), sample_weight, 1e-30)
-    v = _safe_log(jnp.take_along_axis(x2, indices, -1), sample_weight, 1e-30)
-    rho, _ = weighted_pearson(u, v, sample_weight)
-    return gaussian_mi(rho, rho2_eps), rho, indices, sample_weight
-
-  row_ids = _row_ids(selection.row_ids, valid.shape[0])
-  return map_rows(per_sentence, (valid, x1, x2, selection.weight, row_ids), (selection.num_used, rng))
-
-
+AMI_VARIANTS = ('paper', 'official')  # `ami.variant`: `ami_loss`, `ami_official.official_ami_loss`
 class Totals(NamedTuple):
   """The whole batch's denominators, given to a block of its rows (`models/row_block.py`) so that the
   block's term and metrics are its shares of the batch's, which add up over the blocks to them:
@@ -353,53 +245,12 @@ class Totals(NamedTuple):
   rows: jax.Array
 
 
-def _row_share(weight: jax.Array, row_mask: jax.Array | None, rows: jax.Array | None) -> jax.Array:
+def row_share(weight: jax.Array, row_mask: jax.Array | None, rows: jax.Array | None) -> jax.Array:
   """The fraction of the batch's (real row, slice) pairs that count: Σ w / (real rows · S), or the
   block's share of it with the batch's `rows`."""
   if rows is None:
     return _real_row_mean(weight, row_mask)
   return jnp.sum(weight) / jnp.maximum(rows * weight.shape[-1], 1.0)
-
-
-def official_ami_loss(att1: jax.Array, att2: jax.Array, rng: jax.Array, *, weight: float = 2.5e-3,
-                      num_samples: int = 150, rho2_eps: float = 1e-4, row_mask: jax.Array | None = None,
-                      map_rows: Callable = all_rows_here, selection: OfficialSelection | None = None,
-                      totals: Totals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The AMI term as the official miCSE code computes it (module docstring, "official"):
-  loss = -weight * ((fraction of valid cells)^2 + 1e-6) * mean MI over the kept slices (0 when
-  none is kept). Its slices are (head, layer parity), so `att1`/`att2` hold an even number of
-  layers; padding keys are exact zeros, so it needs no attention mask.
-
-  For a block of a batch's rows, `selection` is the batch's `official_selection` at the block's rows
-  (with their `row_ids`) and `totals` its denominators (`pairs`: Σ of its weight): the loss and the
-  metrics are then the block's shares.
-
-  Returns:
-    (loss, metrics) with the metrics of `ami_loss` (`ami_samples`: samples per kept slice)
-    plus `ami_scale`.
-  """
-  if selection is None:
-    res = official_attention_mutual_information(att1, att2, rng, num_samples=num_samples,
-                                                rho2_eps=rho2_eps, row_mask=row_mask,
-                                                map_rows=map_rows)
-    kept, num_used, scale, mi, rho = res.weight, res.num_used, res.scale, res.mi, res.rho
-  else:
-    valid, x1, x2 = official_cells(att1, att2)
-    mi, rho, _, _ = official_mi(valid, x1, x2, selection, rng, num_samples=num_samples, rho2_eps=rho2_eps,
-                                map_rows=map_rows)
-    kept, num_used, scale = selection.weight, selection.num_used, selection.scale
-  pairs = None if totals is None else totals.pairs
-  mean_mi = _weighted_mean(mi, kept, pairs)
-  loss = -weight * scale * mean_mi
-  metrics = {
-      'ami': loss,
-      'ami_mi': mean_mi,
-      'ami_rho': _weighted_mean(rho, kept, pairs),
-      'ami_pairs': _row_share(kept, row_mask, None if totals is None else totals.rows),
-      'ami_samples': num_used.astype(jnp.float32),
-      'ami_scale': scale,
-  }
-  return loss, metrics
 
 
 def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: jax.Array, *,
@@ -408,7 +259,8 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
              log_eps: float = 1e-12, rho2_eps: float = 1e-4,
              min_valid: int = 3, row_mask: jax.Array | None = None,
              map_rows: Callable = all_rows_here, row_ids: jax.Array | None = None,
-             totals: Totals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+             totals: Totals | None = None,
+             samples: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """AMI term of the miCSE objective (Eq. 5), the paper's variant: loss = -weight * mean MI.
 
   The mean runs over (sentence, slice) pairs with at least `min_valid` valid samples (0 when
@@ -418,7 +270,8 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
   `row_mask` (`[B]`, 0 for the padding rows of a padded batch) leaves those rows out of the
   term and of every metric; `map_rows` runs the per-sentence work per device (see
   `attention_mutual_information`). For a block of a batch's rows, `row_ids` are the rows' indices in
-  the batch and `totals` the batch's denominators: the loss and metrics are the block's shares.
+  the batch and `totals` the batch's denominators: the loss and metrics are the block's shares;
+  `samples`: the cells an earlier call drew (`attention_mutual_information`).
 
   Returns:
     (loss, metrics) with metrics `ami` (the loss), `ami_mi` (mean MI), `ami_rho`
@@ -429,16 +282,16 @@ def ami_loss(att1: jax.Array, att2: jax.Array, attention_mask: jax.Array, rng: j
       att1, att2, attention_mask, rng, num_samples=num_samples,
       heads_per_slice=heads_per_slice, pool_layers=pool_layers,
       require_positive=require_positive, log_eps=log_eps, rho2_eps=rho2_eps,
-      min_valid=min_valid, row_mask=row_mask, map_rows=map_rows, row_ids=row_ids)
+      min_valid=min_valid, row_mask=row_mask, map_rows=map_rows, row_ids=row_ids, samples=samples)
   pairs = None if totals is None else totals.pairs
-  mean_mi = _weighted_mean(res.mi, res.weight, pairs)
+  mean_mi = weighted_mean(res.mi, res.weight, pairs)
   loss = -weight * mean_mi
   metrics = {
       'ami': loss,
       'ami_mi': mean_mi,
-      'ami_rho': _weighted_mean(res.rho, res.weight, pairs),
-      'ami_pairs': _row_share(res.weight, row_mask, None if totals is None else totals.rows),
-      'ami_samples': _weighted_mean(res.num_valid, res.weight, pairs),
+      'ami_rho': weighted_mean(res.rho, res.weight, pairs),
+      'ami_pairs': row_share(res.weight, row_mask, None if totals is None else totals.rows),
+      'ami_samples': weighted_mean(res.num_valid, res.weight, pairs),
   }
   return loss, metrics
 

@@ -33,7 +33,8 @@ no row moves, and the negatives stay global. The momentum encoder's forward runs
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,8 @@ import ml_collections
 
 from micse_jax.augmentation.training_views import SECOND_VIEWS, encode_views, tokens_of
 from micse_jax.data.pipeline import ROW_MASK_KEY, SENTENCE_IDS_KEY
-from micse_jax.losses.ami import Totals, attention_mutual_information, official_cells, official_selection
+from micse_jax.losses.ami import Totals, attention_mutual_information
+from micse_jax.losses.ami_official import official_cells, official_selection
 from micse_jax.models import row_block
 from micse_jax.training import infocse, precision, terms
 from micse_jax.training import momentum as momentum_queue
@@ -94,96 +96,137 @@ def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, r
   step's `loss_fn` (`training/step.make_loss_fn`): a function (params, frozen, batch, queue, keys, step,
   hyper) -> ((loss, metrics), ∂loss/∂params), computed in `count` blocks per device (module
   docstring). `read(params)` gives the weights the forward reads (`weight_copies.read_through`)."""
-  kind, encode = config.view.kind, encode_views(config)
-  second_view = SECOND_VIEWS[kind]
-  head_b = "head_b" if config.ct.enabled else "head"
-  period = config.model.loss_scale_period
-
-  def project(weights, head_name, hidden):
-    return nets.head.apply({"params": weights[head_name]}, hidden[:, 0]).astype(jnp.float32)
-
   def run(params, frozen, batch, queue, keys, step, hyper=None):
-    hyper = hyper or {}
-    whole_view2 = None if kind in VIEWS_BY_BLOCK else second_view(read(params), batch, keys["view"], nets, config)
-    row_mask = batch.get(ROW_MASK_KEY)
-    row_ids = jnp.arange(batch["input_ids"].shape[0], dtype=jnp.int32)
-
-    def forward(weights, block):
-      """The block's rows, their encoding and embeddings (z¹, z²), its dropout the batch's at its rows."""
-      rows = row_block.of_tree(block, batch)
-      with row_block.applied(block):
-        view2 = (second_view(weights, rows, keys["view"], nets, config) if whole_view2 is None
-                 else row_block.of_tree(block, whole_view2))
-        enc = encode(weights, tokens_of(rows), view2, keys["drop"], nets)
-      return rows, enc, project(weights, "head", enc.hidden1), project(weights, head_b, enc.hidden2)
-
-    def embed(block):
-      rows, enc, z1, z2 = forward(read(params), block)
-      return z1, z2, _counts(enc, rows, keys["ami"], config, map_rows, block.of_whole(row_ids))
-
-    z1, z2, counts = by_blocks(embed, count, devices)
-    ami_totals, selection = _ami_totals(counts, row_mask, config,
-                                        _official_cells_per_slice(nets, batch["input_ids"].shape[1]))
-
-    def batch_terms(z1, z2):
-      """The terms of the embeddings alone, on the whole batch (as `step.make_loss_fn` computes them)."""
-      parts = [terms.contrastive_term(z1, z2, queue, config, anchor_ids=batch.get(SENTENCE_IDS_KEY),
-                                      row_mask=row_mask)]
-      if config.reconstruction.enabled:
-        parts.append(terms.reconstruction_term(z1, z2, config, row_mask=row_mask))
-      return sum(p[0] for p in parts), {k: v for _, m in parts for k, v in m.items()}
-
-    (loss, metrics), (g1, g2) = jax.value_and_grad(batch_terms, argnums=(0, 1), has_aux=True)(z1, z2)
-    copies = _masked_copies(batch, keys, nets, config)
+    blocks = _Blocks(config=config, nets=nets, read=read, count=count, devices=devices, map_rows=map_rows,
+                     batch=batch, keys=keys, frozen=frozen, hyper=hyper or {})
+    blocks = dataclasses.replace(blocks, whole_view2=blocks.whole_second_view(params))
+    with jax.named_scope("embed_blocks"):  # pass 1: no activations kept
+      z1, z2, counts = by_blocks(lambda block: blocks.embed(params, block), count, devices)
+    ami = _ami_totals(counts, batch.get(ROW_MASK_KEY), config, _official_cells_per_slice(nets, blocks.length))
+    with jax.named_scope("loss/contrastive"):  # pass 2: the terms of z on the whole batch, and ∂L/∂z
+      (loss, metrics), dz = jax.value_and_grad(blocks.batch_terms, argnums=(0, 1), has_aux=True)(z1, z2, queue)
     pretraining = (step < config.infocse.pretrain_steps) if config.infocse.enabled else jnp.asarray(False)
+    pulled = _Pulled(dz=dz, ami=ami, copies=_masked_copies(batch, keys, nets, config), pretraining=pretraining)
+    def objective(p, block, so_far):
+      value, aux = blocks.objective(p, block, pulled)
+      return value + _carried(p, so_far), aux
+    block_grad = precision.value_and_unscaled_grad(objective, loss_scale, config.model.loss_scale_period)
 
-    def block_objective(params, block):
-      """⟨g, z⟩ of the block plus its shares of the per-sentence terms; InfoCSE's pre-training phase
-      (§3.1) keeps its term alone, as `infocse.add_to_loss` does."""
-      weights = read(params)
-      rows, enc, b1, b2 = forward(weights, block)
-      pulled = jnp.sum(block.of_whole(g1) * b1) + jnp.sum(block.of_whole(g2) * b2)
-      parts = []
-      if config.ami.enabled:
-        with jax.named_scope("loss/ami"):
-          parts.append(_ami_share(enc, rows, keys["ami"], config, map_rows, block, ami_totals, selection,
-                                  hyper.get("ami_weight")))
-      if config.mlm.enabled:
-        with jax.named_scope("loss/mlm"), row_block.applied(block):
-          copy, total = copies["mlm"]
-          parts.append(terms.mlm_term(weights, rows, keys["mlm"], nets, config, copy=row_block.of_tree(block, copy),
-                                      total=total))
-      extra = sum((p[0] for p in parts), jnp.zeros((), jnp.float32))
-      shares = {k: v for _, m in parts for k, v in m.items()}
-      objective = pulled + extra
-      if config.infocse.enabled:
-        with jax.named_scope("loss/infocse"), row_block.applied(block):
-          cls = enc.hidden1[:, 0]
-          copy, total = copies["infocse"]
-          term, term_metrics = infocse.infocse_term(
-              weights, frozen, rows, jnp.where(pretraining, jax.lax.stop_gradient(cls), cls), keys["infocse"], nets,
-              config, copy=row_block.of_tree(block, copy), total=total)
-        shares.update(term_metrics)
-        objective = jnp.where(pretraining, term_metrics["infocse_mlm"], objective + term)
-        extra = extra + term
-      return objective, (extra, shares)
-
-    block_grad = precision.value_and_unscaled_grad(block_objective, loss_scale, period)
-
-    def backprop(total, index):
-      (_, aux), grads = block_grad(params, row_block.Block(index, count, devices))
-      return jax.tree.map(jnp.add, total, (grads, aux)), None
-
-    first = jax.eval_shape(lambda: block_grad(params, row_block.Block(jnp.int32(0), count, devices)))
+    def backprop(total, index):  # pass 3: each block's gradient, added up
+      so_far, aux_so_far = total
+      (_, aux), grads = block_grad(params, row_block.Block(index, count, devices), so_far)
+      return (grads, jax.tree.map(jnp.add, aux_so_far, aux)), None
+    first = jax.eval_shape(lambda: block_grad(params, row_block.Block(jnp.int32(0), count, devices), params))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (first[1], first[0][1]))
     (grads, (extra, shares)), _ = jax.lax.scan(backprop, zeros, jnp.arange(count, dtype=jnp.int32))
-    metrics = {**metrics, **shares, **_batch_constants(selection)}
+    metrics = {**metrics, **shares, **_batch_constants(config, ami[1])}
     loss = loss + extra
-    if config.infocse.enabled:
+    if config.infocse.enabled:  # the pre-training phase's loss is InfoCSE's term alone (`infocse.add_to_loss`)
       loss = jnp.where(pretraining, shares["infocse_mlm"], loss)
     return (loss, metrics), grads
 
   return run
+
+
+def _carried(params, so_far):
+  """Σ ⟨so_far, θ⟩ over the leaves, with no gradient into `so_far`: its gradient is `so_far`, so a block's
+  gradient comes out with the blocks' before it added where autodiff sums each weight's gradient (XLA
+  may fold it into the kernel that writes the weight's gradient) instead of in a pass of its own."""
+  terms_ = [jnp.vdot(jax.lax.stop_gradient(s).astype(jnp.float32), p.astype(jnp.float32))
+            for s, p in zip(jax.tree.leaves(so_far), jax.tree.leaves(params))]
+  return sum(terms_, jnp.zeros((), jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pulled:
+  """What pass 3 reads of passes 1 and 2: ∂L/∂(z¹, z²) of the whole batch, AMI's batch counts (`Totals`,
+  the official selection), the masked copies with their Σ weights, InfoCSE's pre-training flag."""
+  dz: tuple
+  ami: tuple
+  copies: dict
+  pretraining: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Blocks:
+  """One blocked step's inputs, and the passes over its blocks."""
+  config: ml_collections.ConfigDict
+  nets: Networks
+  read: Callable
+  count: int
+  devices: int
+  map_rows: Callable
+  batch: dict
+  keys: dict
+  frozen: Any
+  hyper: dict
+  whole_view2: dict | None = None  # the second view drawn over the whole batch, unless it runs the encoder
+
+  @property
+  def length(self) -> int:
+    return self.batch["input_ids"].shape[1]
+
+  def whole_second_view(self, params) -> dict | None:
+    """The second view of the whole batch (its draws are the batch's), or None for a view made per block."""
+    if self.config.view.kind in VIEWS_BY_BLOCK:
+      return None
+    return SECOND_VIEWS[self.config.view.kind](self.read(params), self.batch, self.keys["view"], self.nets,
+                                               self.config)
+
+  def forward(self, weights, block: row_block.Block):
+    """The block's rows, their encoding and embeddings (z¹, z²), its draws the batch's at its rows."""
+    c, rows = self.config, row_block.of_tree(block, self.batch)
+    with row_block.applied(block):
+      with jax.named_scope("views"):
+        view2 = (SECOND_VIEWS[c.view.kind](weights, rows, self.keys["view"], self.nets, c)
+                 if self.whole_view2 is None else row_block.of_tree(block, self.whole_view2))
+      with jax.named_scope("encode"):
+        enc = encode_views(c)(weights, tokens_of(rows), view2, self.keys["drop"], self.nets)
+        project = lambda name, hidden: self.nets.head.apply({"params": weights[name]}, hidden[:, 0]).astype(jnp.float32)
+        return rows, enc, project("head", enc.hidden1), project("head_b" if c.ct.enabled else "head", enc.hidden2)
+
+  def embed(self, params, block: row_block.Block):
+    """Pass 1 on a block: its (z¹, z²) and the counts the per-sentence terms divide by."""
+    rows, enc, z1, z2 = self.forward(self.read(params), block)
+    row_ids = block.of_whole(jnp.arange(block.whole_rows(z1.shape[0]), dtype=jnp.int32))
+    return z1, z2, _counts(enc, rows, self.keys["ami"], self.config, self.map_rows, row_ids)
+
+  def batch_terms(self, z1, z2, queue):
+    """The terms of the embeddings alone, on the whole batch (as `step.make_loss_fn` computes them)."""
+    c, row_mask = self.config, self.batch.get(ROW_MASK_KEY)
+    parts = [terms.contrastive_term(z1, z2, queue, c, anchor_ids=self.batch.get(SENTENCE_IDS_KEY), row_mask=row_mask)]
+    if c.reconstruction.enabled:
+      parts.append(terms.reconstruction_term(z1, z2, c, row_mask=row_mask))
+    return sum(p[0] for p in parts), {k: v for _, m in parts for k, v in m.items()}
+
+  def objective(self, params, block: row_block.Block, pulled: _Pulled):
+    """Pass 3 on a block: ⟨∂L/∂z, z⟩ of its rows plus its shares of the per-sentence terms (InfoCSE's
+    pre-training phase, §3.1: its term alone, as `infocse.add_to_loss`); (objective, (extra, shares))."""
+    c, weights = self.config, self.read(params)
+    rows, enc, z1, z2 = self.forward(weights, block)
+    objective = jnp.sum(block.of_whole(pulled.dz[0]) * z1) + jnp.sum(block.of_whole(pulled.dz[1]) * z2)
+    parts = []
+    if c.ami.enabled:
+      with jax.named_scope("loss/ami"):
+        parts.append(_ami_share(enc, rows, self.keys["ami"], c, self.map_rows, block, *pulled.ami,
+                                self.hyper.get("ami_weight")))
+    if c.mlm.enabled:
+      copy, total = pulled.copies["mlm"]
+      with jax.named_scope("loss/mlm"), row_block.applied(block):
+        parts.append(terms.mlm_term(weights, rows, self.keys["mlm"], self.nets, c,
+                                    copy=row_block.of_tree(block, copy), total=total))
+    extra = sum((p[0] for p in parts), jnp.zeros((), jnp.float32))
+    shares = {k: v for _, m in parts for k, v in m.items()}
+    if not c.infocse.enabled:
+      return objective + extra, (extra, shares)
+    copy, total = pulled.copies["infocse"]
+    cls = enc.hidden1[:, 0]
+    with jax.named_scope("loss/infocse"), row_block.applied(block):
+      term, term_metrics = infocse.infocse_term(
+          weights, self.frozen, rows, jnp.where(pulled.pretraining, jax.lax.stop_gradient(cls), cls),
+          self.keys["infocse"], self.nets, c, copy=row_block.of_tree(block, copy), total=total)
+    objective = jnp.where(pulled.pretraining, term_metrics["infocse_mlm"], objective + extra + term)
+    return objective, (extra + term, {**shares, **term_metrics})
 
 
 def _counts(enc, rows, key, config, map_rows, row_ids):
@@ -199,11 +242,13 @@ def _counts(enc, rows, key, config, map_rows, row_ids):
                                      heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
                                      require_positive=a.require_positive, row_mask=rows.get(ROW_MASK_KEY),
                                      map_rows=map_rows, row_ids=row_ids)
-  return {"pairs": jnp.sum(res.weight, axis=-1)}  # per row: a row's output, put back in the batch's order
+  # per row, put back in the batch's order: the pairs that count, and the cells drawn (pass 3 takes them)
+  return {"pairs": jnp.sum(res.weight, axis=-1), "indices": res.indices, "sample_weight": res.sample_weight}
 
 
 def _ami_totals(counts: dict, row_mask, config, cells: int):
-  """(the batch's AMI denominators `Totals`, the official variant's `OfficialSelection` or None)."""
+  """(the batch's AMI denominators `Totals`, the official variant's `OfficialSelection` or the paper
+  variant's cells drawn in pass 1, (indices, sample_weight) `[B, S, m]`), or (None, None) without AMI."""
   if not config.ami.enabled:
     return None, None
   some = next(iter(counts.values()))
@@ -212,7 +257,7 @@ def _ami_totals(counts: dict, row_mask, config, cells: int):
     num_valid = counts["num_valid"]
     selection = official_selection(num_valid, row_mask, config.ami.num_samples, cells)
     return Totals(pairs=jnp.sum(selection.weight), rows=rows), selection
-  return Totals(pairs=jnp.sum(counts["pairs"]), rows=rows), None
+  return Totals(pairs=jnp.sum(counts["pairs"]), rows=rows), (counts["indices"], counts["sample_weight"])
 
 
 def _official_cells_per_slice(nets: Networks, length: int) -> int:
@@ -220,19 +265,24 @@ def _official_cells_per_slice(nets: Networks, length: int) -> int:
   return len(nets.ami_layers) // 2 * length * length
 
 
-def _ami_share(enc, rows, key, config, map_rows, block, totals, selection, weight):
-  """The block's share of the AMI term and its metrics (`terms.ami_term` on the block's rows)."""
+def _ami_share(enc, rows, key, config, map_rows, block, totals, drawn, weight):
+  """The block's share of the AMI term and its metrics (`terms.ami_term` on the block's rows), from what
+  pass 1 `drawn` (`_ami_totals`) at the block's rows."""
   row_ids = block.of_whole(jnp.arange(block.whole_rows(rows["input_ids"].shape[0]), dtype=jnp.int32))
-  if selection is not None:
-    selection = selection._replace(weight=block.of_whole(selection.weight), num_valid=block.of_whole(
-        selection.num_valid), row_ids=row_ids)
+  selection = samples = None
+  if config.ami.variant == "official":
+    selection = drawn._replace(weight=block.of_whole(drawn.weight), num_valid=block.of_whole(drawn.num_valid),
+                               row_ids=row_ids)
+  else:
+    samples = tuple(block.of_whole(x) for x in drawn)
   return terms.ami_term(enc.att1, enc.att2, rows["attention_mask"], key, config, row_mask=rows.get(ROW_MASK_KEY),
-                        map_rows=map_rows, weight=weight, row_ids=row_ids, totals=totals, selection=selection)
+                        map_rows=map_rows, weight=weight, row_ids=row_ids, totals=totals, selection=selection,
+                        samples=samples)
 
 
-def _batch_constants(selection) -> dict:
+def _batch_constants(config, selection) -> dict:
   """The official AMI metrics that are the batch's, not sums over its rows (a block reports them whole)."""
-  if selection is None:
+  if not config.ami.enabled or config.ami.variant != "official":
     return {}
   return {"ami_samples": selection.num_used.astype(jnp.float32), "ami_scale": selection.scale}
 

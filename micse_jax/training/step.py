@@ -97,6 +97,18 @@ def make_loss_fn(config: ml_collections.ConfigDict, nets: Networks, mesh: Mesh |
   return loss_fn
 
 
+def gradient_function(config, nets: Networks, loss_fn: Callable, copies: dict, loss_scale: dict, blocks: int,
+                      devices: int, map_rows: Callable) -> Callable:
+  """(params, frozen, batch, queue, keys, step, hyper) -> ((loss, metrics), gradient), the forward reading
+  the half-precision `copies`: the whole batch at once, or in `blocks` blocks of rows per device (GradCache,
+  `training/grad_cache.py`: the same loss and gradient, in the memory of one block)."""
+  read = lambda params: weight_copies.read_through(params, copies)
+  if blocks > 1:
+    return grad_cache.value_and_unscaled_grad(config, nets, read, loss_scale, blocks, devices, map_rows)
+  return precision.value_and_unscaled_grad(lambda params, *args: loss_fn(read(params), *args), loss_scale,
+                                           config.model.loss_scale_period)
+
+
 def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule: Callable[[Any], Any],
                     mesh: Mesh | None = None) -> Callable[..., tuple[TrainState, dict]]:
   """Returns the pure (un-jitted) step (state, batch, hyper=None, alive=None) → (state, metrics);
@@ -126,14 +138,7 @@ def make_train_step(config: ml_collections.ConfigDict, nets: Networks, schedule:
     copies = whole(state.compute_weights)  # half precision: the kernels cast once per update, not per forward
 
     blocks = grad_cache.blocks_per_device(config, batch["input_ids"].shape[0], devices)  # `chunk_size`
-
-    def loss_on_copies(params, *args):
-      return loss_fn(weight_copies.read_through(params, copies), *args)
-    if blocks > 1:  # GradCache: the same loss and gradient, in the memory of one block of rows
-      grad_fn = grad_cache.value_and_unscaled_grad(config, nets, lambda p: weight_copies.read_through(p, copies),
-                                                   state.loss_scale, blocks, devices, map_rows)
-    else:
-      grad_fn = precision.value_and_unscaled_grad(loss_on_copies, state.loss_scale, config.model.loss_scale_period)
+    grad_fn = gradient_function(config, nets, loss_fn, copies, state.loss_scale, blocks, devices, map_rows)
     (loss, metrics), grads = grad_fn(whole(state.params), whole(state.frozen_params), batch, queue, keys,
                                      state.step, hyper)
     new = state.replace(step=state.step + 1)

@@ -20,8 +20,9 @@ from micse_jax.augmentation import mlm_mask
 from micse_jax.augmentation.training_views import special_mask
 from micse_jax.data.pipeline import ROW_MASK_KEY
 from micse_jax.losses.alignment import positive_only_loss
-from micse_jax.losses.ami import ami_loss, official_ami_loss
+from micse_jax.losses.ami import ami_loss
 from micse_jax.losses.ami_cells import all_rows_here
+from micse_jax.losses.ami_official import official_ami_loss
 from micse_jax.losses.infonce import info_nce_loss, l2_normalize, row_mean
 from micse_jax.losses.mlm import mlm_loss
 from micse_jax.losses.reconstruction import reconstruction_loss
@@ -44,13 +45,13 @@ def contrastive_term(z1, z2, queue: Queue | None, config, anchor_ids=None, row_m
 
 
 def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=all_rows_here, weight=None,
-             row_ids=None, totals=None, selection=None):
+             row_ids=None, totals=None, selection=None, samples=None):
   """-λ·AMI between the views' attention (miCSE Eq. 5); `ami.variant` picks paper/official.
   Each sentence is sampled where `map_rows` puts it (per device on a mesh); padding rows
   (`row_mask` 0) are left out. λ is `ami.weight`, or `weight` (a member's, traced) when given.
   For a block of a batch's rows (`training/grad_cache.py`): the rows' indices in the batch `row_ids`,
-  the batch's denominators `totals` and (official) its `selection` at the block's rows; the term is
-  then the block's share."""
+  the batch's denominators `totals` and (official) its `selection` at the block's rows, or (paper) the
+  cells the first pass drew, `samples`; the term is then the block's share."""
   a = config.ami
   weight = a.weight if weight is None else weight
   if a.variant == "official":
@@ -59,7 +60,7 @@ def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=al
   return ami_loss(att1, att2, attention_mask, key, weight=weight, num_samples=a.num_samples,
                   heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
                   require_positive=a.require_positive, row_mask=row_mask, map_rows=map_rows,
-                  row_ids=row_ids, totals=totals)
+                  row_ids=row_ids, totals=totals, samples=samples)
 
 
 def reconstruction_term(z1, z2, config, row_mask=None):
