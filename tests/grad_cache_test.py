@@ -7,6 +7,8 @@ bit for bit against the whole batch's: the dropout masks of a block (`models/row
 rows of `flax.linen.Dropout`'s draw over the batch, and AMI's samples of a block against the samples of
 the batch's rows.
 """
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -100,12 +102,14 @@ def test_blocks_of_four_rows_give_the_whole_batchs_loss_metrics_and_gradient(tmp
     assert float(metrics["ami_pairs"]) > 0  # the AMI term had pairs to count
 
 
+@pytest.mark.slow  # ~25 s; InfoCSE's blocked step (after pre-training) is in the default run
 def test_infocse_pretraining_phase_blocked_is_its_term_alone(tmp_path, minilm_dir):
   config = _variant_config(tmp_path, minilm_dir, "infocse")
   config.infocse.pretrain_steps = 5
   _compare_gradients(config)
 
 
+@pytest.mark.slow  # ~50 s: two programs, 3 steps each; the default run compares the gradient and every metric
 def test_blocked_steps_train_the_same_state(tmp_path, minilm_dir):
   config = _variant_config(tmp_path, minilm_dir, "micse")
   runs = {}
@@ -193,6 +197,7 @@ def test_a_blocks_dropout_attention_kernel_draws_the_whole_batchs_bits_at_its_ro
     _close(part, whole[rows], f"block {index}", rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # ~40 s: two blocked programs
 def test_the_loss_scaled_blocked_gradient_is_the_unscaled_one(tmp_path, minilm_dir):
   """float16's loss scaling (`precision.value_and_unscaled_grad` per block): with a scale of 2^10 the
   blocked gradient is the one without scaling (float32: a power of two scales exactly)."""
@@ -251,9 +256,25 @@ def test_the_relatives_blocked_give_the_whole_batchs_loss_and_gradient(tmp_path,
   _compare_gradients(_config(tmp_path, minilm_dir, variant, **overrides))
 
 
+@pytest.mark.slow  # ~3 min: 8 programs on 4 fake devices; the default run checks one device
 def test_on_four_devices_each_device_blocks_its_own_rows_and_the_step_is_unchanged(tmp_path, minilm_dir):
   from tests.helpers import run_device_worker
   out = run_device_worker("tests.grad_cache_devices_worker", tmp_path, minilm_dir, devices=4)
   assert out["micse"] == out["simcse"] == out["official_ami"] == "equal"
   assert out["kernel_block_difference"] < 1e-5
   assert out["state_difference"] < 1e-5
+
+
+def test_a_checkpoint_knows_nothing_of_blocks(tmp_path, minilm_dir):
+  """The blocked program's train state is the unblocked one's, leaf for leaf, and a workdir resumes
+  under another `chunk_size` (one written before the field existed too) without a difference named."""
+  from micse_jax import resume_checks
+  config = _config(tmp_path, minilm_dir, "micse")
+  shapes = [jax.tree.map(lambda s: (s.shape, s.dtype), prepared_program(_blocked(config, size))[0].abstract_state)
+            for size in (0, 4)]
+  assert shapes[0] == shapes[1]
+  saved = json.loads(json.dumps(config.to_dict()))  # as the workdir's config.json holds it
+  assert resume_checks.config_differences(saved, _blocked(config, 8).to_dict()) == []
+  del saved["chunk_size"]
+  assert resume_checks.config_differences(saved, _blocked(config, 4).to_dict()) == []
+  assert resume_checks.config_differences(saved, dict(config.to_dict(), batch_size=32)) != []
