@@ -107,6 +107,7 @@ def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, r
       (loss, metrics), dz = jax.value_and_grad(blocks.batch_terms, argnums=(0, 1), has_aux=True)(z1, z2, queue)
     pretraining = (step < config.infocse.pretrain_steps) if config.infocse.enabled else jnp.asarray(False)
     pulled = _Pulled(dz=dz, ami=ami, copies=_masked_copies(batch, keys, nets, config), pretraining=pretraining)
+
     def objective(p, block, so_far):
       value, aux = blocks.objective(p, block, pulled)
       return value + _carried(p, so_far), aux
