@@ -133,7 +133,7 @@ def test_slurm_dry_run_prints_the_plan_cost_and_sbatch(tmp_path):
   big = [c for c in commands if "--config.batch_size=4096" in c]
   assert len(big) == 6 and all("--config.chunk_size=128" in c and "--config.num_train_steps=250" in c for c in big)
   lines = [line.strip() for line in out.splitlines()]
-  assert "#SBATCH --array=0-41%64" in lines and "#SBATCH --gpus-per-node=1" in lines
+  assert "#SBATCH --array=0-41%42" in lines  # at most --max_parallel (64) at once: all 42 and "#SBATCH --gpus-per-node=1" in lines
   with open(tmp_path / "sw" / "sweep.sbatch", encoding="utf-8") as f:
     assert f.read().strip() in out
 
@@ -203,3 +203,11 @@ def test_few_shot_figures_still_drawn_for_a_size_sweep(tmp_path):
            "scores": {"sts_avg": {"mean": 60.0 + n / 64, "std": None}}} for m in ("simcse", "micse") for n in (64, 512)]
   assert [os.path.basename(p) for p in plots.write_plots(rows, str(tmp_path))] == [
       "fewshot_curve.png", "ablation_deltas.png"]
+
+
+def test_report_without_a_population_plan_reports_every_run_alone(tmp_path):
+  """A sweep launched with --population_size 1 leaves no chosen sizes: `--report` (auto) gets {} and
+  reports each run from its own workdir."""
+  runs = spec.expand(spec.load_config_file(f"{SWEEP_FILE}:smoke"), str(tmp_path / "sw"))
+  launched, reported = spec.group_populations(runs, {}, str(tmp_path / "sw"))
+  assert launched == runs and reported == runs

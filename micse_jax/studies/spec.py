@@ -337,7 +337,7 @@ def group_populations(runs: list[RunSpec], size, sweep_dir: str) -> tuple[list[R
   `--population_size auto` chooses per group); a reported run's workdir becomes its member folder
   `<population workdir>/members/<i>`. `size` 1: unchanged."""
   sizes = size if isinstance(size, dict) else None
-  for k in (sizes or {"": size}).values():
+  for k in (sizes if sizes is not None else {"": size}).values():  # {}: no group sized (a report, nothing launched)
     if k < 1:
       raise SweepError(f"--population_size must be >= 1, got {k}")
   if size == 1:
