@@ -37,7 +37,8 @@ flags.DEFINE_multi_string("setup", [], "SLURM: extra shell lines before the run 
 flags.DEFINE_bool("report", False, "Only aggregate finished runs into tables and figures.")
 flags.DEFINE_bool("dry_run", False, "Print the plan (write the sbatch script for SLURM); run nothing.")
 flags.DEFINE_float("step_ms", None, "Dry run: milliseconds per training step for the GPU-hours estimate "
-                   "(default: the sweep config's step_ms, an assumption stated there).")
+                   "(default: the sweep config's step_ms, an assumption stated there); at the sweep's step_ms_batch "
+                   "when it sets one, scaled by each run's batch.")
 flags.DEFINE_string("population_size", "auto", "Train runs that differ only in their seeds as populations of up "
                     "to K members, one program each (docs/population.md); 1: one program per run; auto: per group "
                     "the largest K whose compiled step fits --population_memory_use of the device memory (this "
@@ -77,11 +78,13 @@ def _print_cost(sweep, todo) -> None:
   sizes = sorted({spec.population_size_of(run) for run in todo} - {1})
   k = sizes[-1] if sizes else 1
   measured = {k: FLAGS.population_step_ms} if FLAGS.population_step_ms is not None and sizes else {}
+  per_batch = sweep.get("step_ms_batch")
   try:
-    steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus, done, measured)
-  except spec.SweepError as e:  # a step_ms <= 0 in the sweep config
+    steps, hours = spec.estimated_gpu_hours(todo, step_ms, gpus, done, measured, per_batch)
+  except spec.SweepError as e:  # a step_ms (or step_ms_batch) <= 0 in the sweep config
     cli.fail(str(e), cli.USAGE_EXIT)
   source = "--step_ms" if FLAGS.step_ms is not None else sweep.get("step_ms_note") or "the sweep config"
+  at_batch = f" at batch {per_batch} (× each run's batch / {per_batch})" if per_batch is not None else ""
   members = sum(spec.population_size_of(run) for run in todo)
   others = ", ".join(f"{j} × {step_ms:g} ms" for j in sizes[:-1])
   population = "" if not sizes else (
@@ -89,7 +92,7 @@ def _print_cost(sweep, todo) -> None:
       + (f"{FLAGS.population_step_ms:g} ms (--population_step_ms)" if measured else f"{k} × {step_ms:g} ms (no "
          "speed-up assumed; pass --population_step_ms with a measured figure)")
       + (f", smaller populations at {others}" if others else ""))
-  print(f"[sweep] expected cost: {len(todo)} runs, {steps:,} training steps × {step_ms:g} ms/step × {gpus} GPU/run "
+  print(f"[sweep] expected cost: {len(todo)} runs, {steps:,} training steps × {step_ms:g} ms/step{at_batch} × {gpus} GPU/run "
         f"= {hours:,.1f} GPU-hours (training steps only; evaluations not counted). Step time: {source}{population}")
 
 

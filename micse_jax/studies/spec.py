@@ -9,6 +9,8 @@ A sweep config (`configs/sweeps/*.py`, `get_config(arg)`) is an ml_collections C
     num_train_steps  held constant across sizes (the paper's protocol); an axis may override it
     eval_tasks       `eval.final_tasks` of every run ("sts", "all", "STSBenchmark,...")
     step_ms          optional: assumed milliseconds per training step, for `--dry_run`'s GPU-hours
+    step_ms_batch    optional: the batch `step_ms` is for; each run's step then takes step_ms × its
+                     batch_size / step_ms_batch (a sweep over the batch size)
     step_ms_note     optional: where that figure comes from (printed with the estimate)
 
 Axis keys: `method` (a packaged config's name, e.g. `simcse`, or `path.py[:variant]`), `seed` (sets `seed`
@@ -272,23 +274,29 @@ def main_command(run: RunSpec, python: str = sys.executable) -> list[str]:
 
 
 def estimated_gpu_hours(runs: list[RunSpec], step_ms: float, gpus_per_run: int = 1,
-                        done_steps: dict | None = None, population_step_ms: dict | None = None) -> tuple[int, float]:
+                        done_steps: dict | None = None, population_step_ms: dict | None = None,
+                        step_ms_batch: int | None = None) -> tuple[int, float]:
   """(training steps left, GPU-hours) of `runs` at `step_ms` milliseconds per step.
 
   GPU-hours = Σ_runs (num_train_steps - steps already checkpointed, from `done_steps` by run
   name) × step_ms / 3.6e6 × gpus_per_run: training steps only (the STS-B dev evaluations every
   `eval_every` steps and the final STS suite are not counted). A population of K members
   (`population_size_of`) takes `population_step_ms[K]` per step when given (a measured
-  figure), else K × `step_ms` (no speed-up assumed).
+  figure), else K × `step_ms` (no speed-up assumed). With `step_ms_batch`, those figures are for
+  that batch and a run's step takes them × its `batch_size` / `step_ms_batch` (a step's work is
+  linear in its rows).
   """
   if step_ms <= 0:
     raise SweepError(f"step time must be > 0 ms, got {step_ms}")
+  if step_ms_batch is not None and step_ms_batch <= 0:
+    raise SweepError(f"step_ms_batch must be > 0, got {step_ms_batch}")
   done_steps, population_step_ms = done_steps or {}, population_step_ms or {}
   steps, ms = 0, 0.0
   for run in runs:
     k, left = population_size_of(run), max(int(run.override("num_train_steps")) - done_steps.get(run.name, 0), 0)
+    scale = 1.0 if step_ms_batch is None else int(run.override("batch_size")) / step_ms_batch
     steps += left
-    ms += left * (step_ms if k == 1 else population_step_ms.get(k, k * step_ms))
+    ms += left * scale * (step_ms if k == 1 else population_step_ms.get(k, k * step_ms))
   return steps, ms / 3.6e6 * gpus_per_run
 
 
@@ -329,7 +337,7 @@ def group_populations(runs: list[RunSpec], size, sweep_dir: str) -> tuple[list[R
   `--population_size auto` chooses per group); a reported run's workdir becomes its member folder
   `<population workdir>/members/<i>`. `size` 1: unchanged."""
   sizes = size if isinstance(size, dict) else None
-  for k in (sizes or {"": size}).values():
+  for k in (sizes if sizes is not None else {"": size}).values():  # {}: no group sized (a report, nothing launched)
     if k < 1:
       raise SweepError(f"--population_size must be >= 1, got {k}")
   if size == 1:
