@@ -43,34 +43,33 @@ def _blocked(config, size: int):
   return config
 
 
-def _gradients(config, devices=None):
-  """(loss, metrics, gradient) of the program's loss at its step-0 state, by the step's own grad
-  function (blocked or not, as `chunk_size` says), on the first batch, on `devices` (default: all)."""
-  from micse_jax.training import data_parallel, weight_copies
+def _gradients(config, sizes=(0, 4), devices=None):
+  """[(loss, metrics), gradient] of the program's loss at its step-0 state, for each `chunk_size` of
+  `sizes`, by the step's own grad function (`step.gradient_function`: unblocked for 0, else blocked), on
+  the first batch, on `devices` (default: all); one program prepared, one compile for all sizes."""
+  from micse_jax.training import data_parallel
   from micse_jax.training import step as step_module
   prog, runs = prepared_program(config, devices)
   state = prog.initial_state(runs)
-  batch = prog.place_batch([r.batches.batch(0) for r in runs])
+  packed = prog.place_batch([r.batches.batch(0) for r in runs])
   loss_fn = step_module.make_loss_fn(prog.config, prog.nets, prog.mesh)
   keys = step_module.step_keys(state.rng, state.step)
+  rows, devices = prog.rows, prog.mesh.size
 
   def run(state, packed):
-    batch = prog.layout.unpack(packed[0])
-    copies = state.compute_weights
-    read = lambda p: weight_copies.read_through(p, copies)
-    blocks = grad_cache.blocks_per_device(prog.config, batch["input_ids"].shape[0], prog.mesh.size)
-    if blocks > 1:
-      fn = grad_cache.value_and_unscaled_grad(prog.config, prog.nets, read, {}, blocks, prog.mesh.size,
-                                              data_parallel.rows_per_device(prog.mesh))
-    else:
-      fn = jax.value_and_grad(lambda p, *a: loss_fn(read(p), *a), has_aux=True)
-    return fn(state.params, state.frozen_params, batch, state.queue, keys, state.step)
-  return jax.device_get(jax.jit(run)(state, batch))
+    batch, out = prog.layout.unpack(packed[0]), []
+    for size in sizes:
+      blocked = _blocked(prog.config, size)
+      fn = step_module.gradient_function(blocked, prog.nets, loss_fn, state.compute_weights, {},
+                                         grad_cache.blocks_per_device(blocked, rows, devices), devices,
+                                         data_parallel.rows_per_device(prog.mesh))
+      out.append(fn(state.params, state.frozen_params, batch, state.queue, keys, state.step))
+    return out
+  return jax.device_get(jax.jit(run)(state, packed))
 
 
 def _compare_gradients(config, devices=None):
-  (loss, metrics), grads = _gradients(config, devices)
-  (b_loss, b_metrics), b_grads = _gradients(_blocked(config, 4), devices)
+  ((loss, metrics), grads), ((b_loss, b_metrics), b_grads) = _gradients(config, (0, 4), devices)
   _close(b_loss, loss, "loss")
   assert sorted(b_metrics) == sorted(metrics)
   for name in metrics:
@@ -201,24 +200,24 @@ def test_a_blocks_dropout_attention_kernel_draws_the_whole_batchs_bits_at_its_ro
 def test_the_loss_scaled_blocked_gradient_is_the_unscaled_one(tmp_path, minilm_dir):
   """float16's loss scaling (`precision.value_and_unscaled_grad` per block): with a scale of 2^10 the
   blocked gradient is the one without scaling (float32: a power of two scales exactly)."""
-  from micse_jax.training import weight_copies
+  from micse_jax.training import data_parallel
+  from micse_jax.training import step as step_module
   config = _blocked(_variant_config(tmp_path, minilm_dir, "simcse"), 4)
   prog, runs = prepared_program(config)
   state = prog.initial_state(runs)
   packed = prog.place_batch([r.batches.batch(0) for r in runs])
-  from micse_jax.training import step as step_module
   keys = step_module.step_keys(state.rng, state.step)
+  loss_fn = step_module.make_loss_fn(prog.config, prog.nets, prog.mesh)
   scale = {"scale": jnp.float32(2.0 ** 10), "counter": jnp.int32(0), "skipped_steps": jnp.int32(0)}
 
-  def grads(scale_state):
-    def run(state, packed):
-      read = lambda p: weight_copies.read_through(p, state.compute_weights)
-      fn = grad_cache.value_and_unscaled_grad(prog.config, prog.nets, read, scale_state, 4, 1,
-                                              lambda fn, rows, shared: fn(*rows, *shared))
-      return fn(state.params, state.frozen_params, prog.layout.unpack(packed[0]), state.queue, keys, state.step)
-    return jax.device_get(jax.jit(run)(state, packed))
-  (loss, _), plain = grads({})
-  (scaled_loss, _), scaled = grads(scale)
+  def run(state, packed):
+    out = []
+    for scale_state in ({}, scale):
+      fn = step_module.gradient_function(prog.config, prog.nets, loss_fn, state.compute_weights, scale_state, 4, 1,
+                                         data_parallel.rows_per_device(prog.mesh))
+      out.append(fn(state.params, state.frozen_params, prog.layout.unpack(packed[0]), state.queue, keys, state.step))
+    return out
+  ((loss, _), plain), ((scaled_loss, _), scaled) = jax.device_get(jax.jit(run)(state, packed))
   _close(scaled_loss, loss, "loss")
   for g, s in zip(jax.tree.leaves(plain), jax.tree.leaves(scaled)):
     _close(s, g, "gradient", rtol=1e-6)
