@@ -196,7 +196,6 @@ def test_a_blocks_dropout_attention_kernel_draws_the_whole_batchs_bits_at_its_ro
     _close(part, whole[rows], f"block {index}", rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # ~40 s: two blocked programs
 def test_the_loss_scaled_blocked_gradient_is_the_unscaled_one(tmp_path, minilm_dir):
   """float16's loss scaling (`precision.value_and_unscaled_grad` per block): with a scale of 2^10 the
   blocked gradient is the one without scaling (float32: a power of two scales exactly)."""
