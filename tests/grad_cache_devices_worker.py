@@ -20,21 +20,16 @@ def kernel_blocks_on_the_mesh() -> float:
   """Largest |block − whole| of the interpreted kernels on 4 devices, 2 blocks of 1 row per device."""
   from micse_jax.kernels import dropout_attention as da
   from micse_jax.training import data_parallel
+  from tests.grad_cache_test import KERNEL_HEADS, KERNEL_RATE, kernel_inputs
   mesh = data_parallel.data_mesh()
-  keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  heads, length, head_dim, rate = 2, 16, 32, 0.3
-  projection = jax.random.normal(keys[0], (8, length, 3 * heads * head_dim), jnp.float32)
-  biases = tuple(jax.random.normal(k, (heads * head_dim,)) for k in jax.random.split(keys[1], 3))
-  key_mask = jnp.arange(length)[None, :] < jnp.array([16, 9, 3, 16, 12, 1, 16, 7])[:, None]
-  words = jax.random.key_data(jax.random.PRNGKey(11))
-  whole = np.asarray(da.reference(projection, biases, key_mask, words, rate, heads))
+  (projection, biases, key_mask, words), whole = kernel_inputs()
   rows = np.arange(8).reshape(4, 2, 1)  # device d holds rows 2d, 2d+1: block i is row 2d+i of each
   worst = 0.0
   for index in range(2):
     picked = rows[:, index].reshape(-1)
     placed = jax.device_put((projection[picked], key_mask[picked]), data_parallel.batch_sharded(mesh))
-    part = jax.jit(lambda p, m, i=index: da.dropout_attention(p, biases, m, words, rate, heads, interpret=True,
-                                                              mesh=mesh, rows=(jnp.int32(i), 2)))(*placed)
+    part = jax.jit(lambda p, m, i=index: da.dropout_attention(p, biases, m, words, KERNEL_RATE, KERNEL_HEADS,
+                                                              interpret=True, mesh=mesh, rows=(jnp.int32(i), 2)))(*placed)
     worst = max(worst, float(np.max(np.abs(np.asarray(part) - whole[picked]))))
   return worst
 

@@ -178,21 +178,32 @@ def test_chunk_size_that_does_not_divide_the_batch_is_refused(tmp_path, minilm_d
   assert grad_cache.blocks_per_device(_blocked(config, 4), 16, 2) == 4
 
 
+KERNEL_HEADS, KERNEL_RATE = 2, 0.3
+
+
+def kernel_inputs():
+  """(projection `[8, 16, 3·heads·32]`, biases, key mask, key words) of 8 sentences of varied lengths, and
+  the whole batch's context by `reference` (the explicit path, `jax.random.bernoulli`'s draw)."""
+  from micse_jax.kernels import dropout_attention as da
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  length, head_dim = 16, 32
+  projection = jax.random.normal(keys[0], (8, length, 3 * KERNEL_HEADS * head_dim), jnp.float32)
+  biases = tuple(jax.random.normal(k, (KERNEL_HEADS * head_dim,)) for k in jax.random.split(keys[1], 3))
+  key_mask = jnp.arange(length)[None, :] < jnp.array([16, 9, 3, 16, 12, 1, 16, 7])[:, None]
+  words = jax.random.key_data(jax.random.PRNGKey(11))
+  inputs = (projection, biases, key_mask, words)
+  return inputs, np.asarray(da.reference(*inputs, KERNEL_RATE, KERNEL_HEADS))
+
+
 def test_a_blocks_dropout_attention_kernel_draws_the_whole_batchs_bits_at_its_rows():
   """The Pallas kernels (interpreted) on a block of 2 rows of 8: the whole batch's context at those rows,
   the whole batch's Bernoulli draw (`reference`) deciding its dropout."""
   from micse_jax.kernels import dropout_attention as da
-  keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  heads, length, head_dim, rate = 2, 16, 32, 0.3
-  projection = jax.random.normal(keys[0], (8, length, 3 * heads * head_dim), jnp.float32)
-  biases = tuple(jax.random.normal(k, (heads * head_dim,)) for k in jax.random.split(keys[1], 3))
-  key_mask = jnp.arange(length)[None, :] < jnp.array([16, 9, 3, 16, 12, 1, 16, 7])[:, None]
-  words = jax.random.key_data(jax.random.PRNGKey(11))
-  whole = da.reference(projection, biases, key_mask, words, rate, heads)
+  (projection, biases, key_mask, words), whole = kernel_inputs()
   for index in range(4):
     rows = slice(2 * index, 2 * index + 2)
-    part = da.dropout_attention(projection[rows], biases, key_mask[rows], words, rate, heads, interpret=True,
-                                rows=(jnp.int32(index), 4))
+    part = da.dropout_attention(projection[rows], biases, key_mask[rows], words, KERNEL_RATE, KERNEL_HEADS,
+                                interpret=True, rows=(jnp.int32(index), 4))
     _close(part, whole[rows], f"block {index}", rtol=1e-5, atol=1e-5)
 
 
