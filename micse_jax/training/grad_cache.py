@@ -9,13 +9,14 @@ Alg. 1): the contrastive terms couple a batch's rows only through their embeddin
 and the step runs in three passes (`value_and_unscaled_grad`):
 
 1. every block's forward, both views, without keeping activations: z, and the counts the
-   per-sentence terms divide by (`_counts`);
+   per-sentence terms divide by, with the cells AMI draws (`_counts`);
 2. the terms of z alone on the whole batch — InfoNCE with in-batch and queue negatives (or the
    positive-only alignment) and InforMin-CL's reconstruction, global across devices as in the
    unblocked step — and their gradient g = ∂L/∂z;
 3. every block's forward again, now differentiated: the pull-back of ⟨g_block, z_block⟩, plus the
    block's share of the per-sentence terms (AMI on its own attention maps, SimCSE's MLM, InfoCSE's
-   auxiliary network), the blocks' gradients added up.
+   auxiliary network), the blocks' gradients added up (each block's backward adds the sum so far,
+   `_carried`).
 
 The per-sentence terms are sums over rows divided by batch-wide counts that carry no gradient (Σ of
 AMI's pair weights and the official variant's kept slices, the masked tokens): pass 1 collects them,
