@@ -142,6 +142,9 @@ MAIN_CASES = {  # name: (config changes as a function of the fixture paths, expe
     "value_dropout_one": (lambda b: {"momentum.dropout": 1.0}, ["momentum.dropout"]),
     "value_eval_every_negative": (lambda b: {"eval_every": -1}, ["eval_every"]),
     "value_ami_layers_out_of_range": (lambda b: {"ami.layers": (0, 9)}, ["ami.layers", "2-layer"]),
+    "value_chunk_size_negative": (lambda b: {"chunk_size": "-8"}, ["chunk_size", "auto or an integer >= 0"]),
+    "value_chunk_size_not_dividing_the_batch": (lambda b: {"chunk_size": "3"},
+                                                ["chunk_size=3 must divide the padded global batch of 8 rows"]),
     "value_unknown_final_task": (lambda b: {"eval.final_tasks": "STS99"}, ["eval.final_tasks", "STS99"]),
     "senteval_dir_missing": (lambda b: {"eval_every": 2, "eval.senteval_dir": f"{b['root']}/nope"},
                              ["eval.senteval_dir", "nope"]),
@@ -344,7 +347,10 @@ def test_convert_program_workdir_without_checkpoint(base, tmp_path):
     # a spurious kernel fallback) or written (--output, --rows)
     (["--aot", "h100", "--model", "tiny", "--batch_size", "8", "--max_length", "1000"], 1,
      "--model tiny --max_length 1000: model.max_length 1000 exceeds the 512 positions the model has"),
-    (["--model", "tiny", "--max_length", "513", "--no_torch"], 1, "exceeds the 512 positions")])
+    (["--model", "tiny", "--max_length", "513", "--no_torch"], 1, "exceeds the 512 positions"),
+    (["--chunk_size", "-4"], 2, "argument --chunk_size: must be auto or an integer >= 0, got '-4'"),
+    (["--model", "tiny", "--batch_size", "8", "--chunk_size", "3", "--no_torch"], 1,
+     "chunk_size=3 must divide the padded global batch of 8 rows")])
 def test_bench_bad_input_is_one_error_line(argv, status, fragment, tmp_path, capsys):
   from micse_jax.bench import __main__ as bench
   written = [str(tmp_path / "out.json"), str(tmp_path / "rows.jsonl")]
