@@ -257,6 +257,66 @@ def test_a_call_of_k_steps_is_priced_per_step_with_the_host_paid_once_per_call()
     assert p["predicted_host_ms"] == pytest.approx(1e3 * host / trips)
 
 
+def _nested_loops(steps: int, blocks: int) -> str:
+  """The GradCache step's shape: a step loop of `steps` known trips (`chunk_loop.repeated`) whose body runs
+  five negations of a [1024, 256] array, then a block loop of `blocks` known trips (`grad_cache.by_blocks`'s
+  scan) of six more, then its counter."""
+  shape = "f32[1024,256]{1,0}"
+  carry = f"(s32[], {shape})"
+  text = f"%fneg (p.0: f32[1024,256]) -> f32[1024,256] {{\n  %p.0 = {shape} parameter(0)\n" \
+         f"  ROOT %n.0 = {shape} negate(%p.0)\n}}\n"
+
+  def loop(name: str, trips: int, body_lines: list[str], first: str) -> str:
+    """The body and condition computations of loop `name` (counter at index 0, array at 1)."""
+    body = [f"  %{name}_p = {carry} parameter(0)", f"  %{name}_i = s32[] get-tuple-element(%{name}_p), index=0",
+            f"  %{first} = {shape} get-tuple-element(%{name}_p), index=1", *body_lines,
+            f"  %{name}_one = s32[] constant(1)", f"  %{name}_i1 = s32[] add(%{name}_i, %{name}_one)",
+            f"  ROOT %{name}_t = {carry} tuple(%{name}_i1, %{name}_out)"]
+    cond = [f"  %{name}_cp = {carry} parameter(0)", f"  %{name}_ci = s32[] get-tuple-element(%{name}_cp), index=0",
+            f"  %{name}_n = s32[] constant({trips})", f"  ROOT %{name}_lt = pred[] compare(%{name}_ci, %{name}_n), "
+            "direction=LT"]
+    return (f"%{name}_body ({name}_p: {carry}) -> {carry} {{\n" + "\n".join(body) + "\n}\n"
+            f"%{name}_cond ({name}_cp: {carry}) -> pred[] {{\n" + "\n".join(cond) + "\n}\n")
+
+  def negations(prefix: str, count: int, start: str) -> list[str]:
+    names = [start] + [f"{prefix}{k}" for k in range(1, count + 1)]
+    return [f"  %{names[k + 1]} = {shape} fusion(%{names[k]}), kind=kLoop, calls=%fneg" for k in range(count)]
+
+  def run_loop(name: str, trips: int, start: str) -> list[str]:
+    return [f"  %{name}_zero = s32[] constant(0)", f"  %{name}_init = {carry} tuple(%{name}_zero, %{start})",
+            f"  %{name}_w = {carry} while(%{name}_init), condition=%{name}_cond, body=%{name}_body, "
+            f'backend_config={{"known_trip_count":{{"n":"{trips}"}}}}']
+
+  block_body = negations("b", 6, "b0") + [f"  %block_out = {shape} copy(%b6)"]
+  step_body = (negations("s", 5, "s0") + run_loop("block", blocks, "s5")
+               + [f"  %step_out = {shape} get-tuple-element(%block_w), index=1"])
+  text += loop("block", blocks, block_body, "b0") + loop("step", steps, step_body, "s0")
+  entry = "\n".join([f"  %x = {shape} parameter(0)", *run_loop("step", steps, "x"),
+                     f"  ROOT %y = {shape} get-tuple-element(%step_w), index=1"])
+  return _module(text, "x: f32[1024,256]", entry)
+
+
+def test_a_loop_inside_the_step_runs_its_kernels_and_its_cuda_graph_once_per_trip():
+  """GradCache's block loop inside the step loop: its kernels run `blocks` times a step, and the host
+  launches its CUDA graph once per trip: XLA's default command buffers (FUSION, CUBLAS, CUBLASLT,
+  CUSTOM_CALL, CUDNN; no WHILE) leave a `while` to the host, whose `WhileThunk` runs the body's thunks,
+  each command buffer a launch, once per known trip. Per step: the step body's five negations, its
+  counter's add and its condition's compare; `blocks` x (six negations, a copy, add, compare)."""
+  bandwidth = H100_BANDWIDTH * MEMORY_EFFICIENCY
+  array = 2 * 1024 * 256 * 4 / bandwidth  # a negation or a copy reads and writes the array
+  counter = 2 * LAUNCH_S + (3 * 4 + 2 * 4 + 1) / bandwidth  # add: 2 int32 in, 1 out; compare: 2 in, a pred
+  for steps, blocks in ((1, 4), (2, 4), (1, 1)):
+    p = time_model.predict(parse(_nested_loops(steps, blocks)), "h100", cuda_graphs="kernels")
+    assert p["steps_per_call"] == steps and p["kernels_per_step"] == pytest.approx(7 + 9 * blocks)
+    assert p["predicted_device_ms"] == pytest.approx(
+        1e3 * (5 * (LAUNCH_S + array) + counter + blocks * (7 * (LAUNCH_S + array) + counter)))
+    # graphs: [step's compare, five negations], [block's compare, six negations, copy, add]; the step's add alone
+    assert p["host_per_call"] == {"arrays": 2, "graph_updates": 2, "graph_launches": steps + steps * blocks,
+                                  "launches": steps, "recaptures": 0, "library_calls_launched": 0}
+    host = _host(arrays=2, updates=2, graph_launches=steps * (1 + blocks), launches=steps)
+    assert p["predicted_host_ms"] == pytest.approx(1e3 * host / steps)
+
+
 def test_a_deviceless_program_has_the_library_calls_its_gpu_would_autotune_to():
   """No cuBLAS call in a GPU program: plain GEMM fusions are taken as the autotuner's library calls
   in their measured share, spread evenly; a program with cuBLAS calls keeps its own."""

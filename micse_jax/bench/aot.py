@@ -110,7 +110,7 @@ def report_lines(r: dict) -> list[str]:
            f"(compiled deviceless, jax {r['jax_version']})",
            f"  train step compile time      {r['compile_s']:.1f} s   ({r['steps_per_dispatch']} step(s) per call; "
            "figures below are per training step)",
-           f"  chunk_size                   {chunk_line(r)}",
+           *([f"  chunk_size                   {chunk_line(r)}"] if "chunk_size_resolved" in r else []),
            f"  train state                  {r['state_layout']}"
            + ("   (FSDP: mesh.shard_state)" if r["state_layout"] == "sharded" else ""),
            f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "
