@@ -22,13 +22,14 @@ from micse_jax.configs import population_fields
 from micse_jax.errors import ConfigError
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
-# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state;
+# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state, GradCache's
+# blocks (`chunk_size`: the unblocked step to float rounding; a checkpoint knows nothing of blocks);
 # where the caches live; the dropout generator, which the train state's threefry key seeds whatever
 # it is); any other difference would silently continue a different run. A missing field of an old
 # config.json is such a difference unless it is listed here.
 RESUMABLE_CHANGES = ("num_train_steps", "log_every", "checkpoint_every", "keep_checkpoints",
                      "eval_every", "steps_per_dispatch", "eval.", "data.prefetch", "model.remat", "model.attention", "mesh.",
-                     "cache.", "model.rng_impl")
+                     "cache.", "model.rng_impl", "chunk_size")
 # Fields added after workdirs were first written, each with the value that does what the versions
 # before it did: an old config.json without the field resumes when the config holds that value
 # (any other value is a different run, refused like any difference).
