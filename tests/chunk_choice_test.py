@@ -49,34 +49,38 @@ def test_block_sizes_are_the_batch_then_its_divisors_on_the_devices_largest_firs
   assert chunk_choice.block_sizes(5, 1) == [5, 1]
 
 
-def _linear_peak(fixed, per_row, whole_extra=0):
-  """A step's peak of a block size: `fixed` + `per_row` bytes per row of the block (the whole batch's
-  `whole_extra` less: no GradCache buffers); the sizes asked, in order, kept."""
+def _peaks(fixed, per_row, whole_extra=0, rows=64):
+  """A step's peak of a block size: `fixed` + `per_row` bytes per row of the block, the whole batch's
+  `whole_extra` more (its own program); `peak_of` as `choose` takes it, and the sizes it was asked for."""
   asked = []
 
   def peak_of(size):
     asked.append(size)
-    return fixed + per_row * size - (whole_extra if size == 64 else 0)
+    return fixed + per_row * size + (whole_extra if size == rows else 0), fixed
   return peak_of, asked
 
 
-@pytest.mark.parametrize("limit,expected", [(4_200, 64), (4_000, 32), (2_000, 16), (1_500, 8), (1_300, 4),
-                                            (1_150, 2), (1_060, 1)])
-def test_choose_takes_the_largest_block_that_fits(limit, expected):
-  # peaks 1000 + 50 rows: 64 -> 4200, 32 -> 2600, 16 -> 1800, 8 -> 1400, 4 -> 1200, 2 -> 1100, 1 -> 1050
-  sizes = chunk_choice.block_sizes(64, 1)
-  peak_of, asked = _linear_peak(1000, 50)
-  size, peak, tried = chunk_choice.choose(sizes, peak_of, limit)
-  fitting = [s for s in sizes if 1000 + 50 * s <= limit]
-  assert size == expected == fitting[0] and peak == 1000 + 50 * expected
-  assert asked[0] == 64 and len(asked) <= 4, asked  # the line through two blocked tries skips the rest
+SIZES = chunk_choice.block_sizes(64, 1)  # 64, 32, 16, 8, 4, 2, 1
+
+
+@pytest.mark.parametrize("whole_extra", [0, 2_000, -1_500])  # the whole batch's peak on the line, above, below
+@pytest.mark.parametrize("limit", [4_200, 4_000, 2_000, 1_500, 1_300, 1_150, 1_060])
+def test_choose_takes_the_largest_block_that_fits(limit, whole_extra):
+  # blocked peaks 1000 + 50 per row: 32 -> 2600, 16 -> 1800, 8 -> 1400, 4 -> 1200, 2 -> 1100, 1 -> 1050
+  peak_of, asked = _peaks(1000, 50, whole_extra)
+  size, peak, tried = chunk_choice.choose(SIZES, peak_of, limit)
+  expected = next(s for s in SIZES if 1000 + 50 * s + (whole_extra if s == 64 else 0) <= limit)  # by brute force
+  assert size == expected and peak == 1000 + 50 * size + (whole_extra if size == 64 else 0)
+  assert asked[0] == 64 and len(asked) == len(set(asked)) == len(tried)
+  assert SIZES.index(size) == 0 or SIZES[SIZES.index(size) - 1] in tried  # the next larger one was shown not to fit
+  assert len(asked) <= 4, asked  # the lines skip the sizes between
 
 
 def test_choose_says_when_nothing_fits():
-  peak_of, asked = _linear_peak(1000, 50)
+  peak_of, asked = _peaks(1000, 50)
   with pytest.raises(LookupError) as e:
-    chunk_choice.choose(chunk_choice.block_sizes(64, 1), peak_of, 1_000)
-  assert 1 in e.value.args[0] and e.value.args[0][1] == 1050
+    chunk_choice.choose(SIZES, peak_of, 1_000)
+  assert e.value.args[0][1] == 1050 and asked[-1] == 1
 
 
 def test_a_cpu_has_no_limit_so_auto_takes_the_whole_batch_without_compiling(caplog):
@@ -135,7 +139,7 @@ def test_auto_resolves_once_in_the_build_to_the_largest_block_under_a_fake_limit
 
   def memory(executable):
     size = int(asked[-1].config.chunk_size) or 8
-    return {"peak": 100 + 10 * size}
+    return {"peak": 100 + 10 * size, "arguments": 100, "outputs": 0, "aliased": 0}
   monkeypatch.setattr(aot_compile, "memory", memory)
   real_build = program.build
 
@@ -146,11 +150,12 @@ def test_auto_resolves_once_in_the_build_to_the_largest_block_under_a_fake_limit
   monkeypatch.setattr(program, "build", build)
   with caplog.at_level("INFO"):
     prog = program.build(config, bert_config, encoder, jax.devices()[:1])
-  # the whole batch tried, then the first block that fits; the program returned is the one tried at 4
+  # the whole batch tried, then the block the line through it says fits; the program returned is the one
+  # tried at 4
   assert [p.config.chunk_size for p in asked] == ["0", "4", "4"] and prog is asked[1]
   assert prog.config.chunk_size == "4" and prog.rows == 8
   assert prog.rebuild(prog.target, 1).config.chunk_size == "4"  # a rebuild keeps the number: no second search
-  assert "chunk_size=auto: 4 rows per block, peak 0.00 GiB of 0.00 GiB" in caplog.text
+  assert "chunk_size=auto: 4 rows per block, peak 0.00 GiB of 0.00 GiB (a fake limit; tried 8 rows" in caplog.text
 
 
 def test_auto_with_no_block_that_fits_is_one_config_error(tiny, monkeypatch):
@@ -161,7 +166,8 @@ def test_auto_with_no_block_that_fits_is_one_config_error(tiny, monkeypatch):
   config.chunk_size = "auto"
   monkeypatch.setattr(chunk_choice, "memory_limit", lambda device: (50, "a fake limit"))
   monkeypatch.setattr(program, "compiled", lambda prog, run_once=False: prog)
-  monkeypatch.setattr(aot_compile, "memory", lambda executable: {"peak": 2 ** 30})
+  monkeypatch.setattr(aot_compile, "memory", lambda executable: {"peak": 2 ** 30, "arguments": 2 ** 20, "outputs": 0,
+                                                                 "aliased": 0})
   with pytest.raises(ConfigError) as e:
     program.build(config, bert_config, encoder, jax.devices()[:1])
   assert "\n" not in str(e.value) and "chunk_size=auto: no block of the 8-row batch fits" in str(e.value)

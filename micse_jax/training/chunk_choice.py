@@ -6,10 +6,11 @@ The blocks a batch can be cut into (`block_sizes`): the whole padded batch first
 (each device cuts its own rows), largest first. Each try is a compile of the whole step (`program.build`
 at that `chunk_size`, `program.compiled`), its peak the compiler's (`aot/compile.memory`: arguments +
 outputs − aliased + temporaries per device, what `compiled.memory_analysis()` says), against the device's
-memory (`memory_limit`). A step's peak grows about linearly with its block's rows (a block's activations),
-so after two blocked tries the search skips the sizes a line through them says cannot fit (`choose`): a
-few compiles, not one per divisor. The first that fits is taken; none fitting is one `ConfigError`, raised
-while the program is built, before the trainer writes anything.
+memory (`memory_limit`). A step's peak grows about linearly with its block's rows (a block's activations
+over the state's fixed bytes), so a try that does not fit skips the sizes a line through the tries says
+cannot fit either, and a fit below sizes not tried is checked upwards (`choose`): a few compiles, not one
+per divisor. None fitting is one `ConfigError`, raised while the program is built, before the trainer
+writes anything.
 
 The memory: a GPU's own allocator limit (`device.memory_stats()["bytes_limit"]`, JAX's
 `XLA_PYTHON_CLIENT_MEM_FRACTION` of the card); a device that is not here (a deviceless `--aot` target,
@@ -71,26 +72,43 @@ def memory_limit(device) -> tuple[int | None, str]:
   return int(datasheet * fraction), f"{fraction:.0%} of {device.device_kind}'s {datasheet / 2 ** 30:.0f} GiB"
 
 
-def choose(sizes: list[int], peak_of: Callable[[int], int], limit: int) -> tuple[int, int, dict]:
-  """(size, its peak, {size: peak} of every try): the first of `sizes` (largest first, the whole batch's
-  the first) whose `peak_of` is at most `limit`, skipping the sizes a line through the last two blocked
-  tries puts above it. `LookupError` (holding the tries) when none fits."""
+def _next_try(sizes: list[int], i: int, tried: dict, fixed: int, limit: int) -> int:
+  """The index of the next size to try after `sizes[i]` did not fit: the largest smaller one that a line
+  says fits — through the two smallest blocked tries, else through the last try and (0 rows, `fixed`),
+  the bytes that do not grow with the block (the state, in and out) — and at least the next one."""
+  blocked = sorted(s for s in tried if s != sizes[0])
+  if len(blocked) >= 2:
+    (x0, x1) = blocked[:2]
+    y0, y1 = tried[x0], tried[x1]
+  else:
+    x0, y0, x1, y1 = 0, fixed, sizes[i], tried[sizes[i]]
+  slope = (y1 - y0) / (x1 - x0)
+  if slope <= 0:
+    return i + 1
+  most = x0 + (limit - y0) / slope
+  return next((j for j in range(i + 1, len(sizes)) if sizes[j] <= most), len(sizes) - 1)
+
+
+def choose(sizes: list[int], peak_of: Callable[[int], tuple[int, int]], limit: int) -> tuple[int, int, dict]:
+  """(size, its peak, {size: peak} of every try): the largest of `sizes` (largest first, the whole batch
+  first) whose peak is at most `limit`. `peak_of(size)` compiles: (the step's peak, the bytes of it that do
+  not grow with the block). A failed try skips to the size a line through the tries says fits
+  (`_next_try`); a fit below a size not tried is tried upwards, one size at a time, until the next larger
+  one does not fit. `LookupError` (holding the tries) when even the smallest does not fit."""
   tried, i = {}, 0
-  while i < len(sizes):
-    size = sizes[i]
-    tried[size] = peak_of(size)
-    if tried[size] <= limit:
-      return size, tried[size], tried
-    i += 1
-    blocked = [s for s in tried if s != sizes[0]]
-    if len(blocked) >= 2:
-      small, large = sorted(blocked)[:2]
-      slope = (tried[large] - tried[small]) / (large - small)
-      if slope > 0:  # the largest size the line lets fit, with the sizes above it skipped
-        most = small + (limit - tried[small]) / slope
-        while i < len(sizes) - 1 and sizes[i] > most:
-          i += 1
-  raise LookupError(tried)
+  while True:
+    tried[sizes[i]], fixed = peak_of(sizes[i])
+    if tried[sizes[i]] <= limit:
+      break
+    if i == len(sizes) - 1:
+      raise LookupError(tried)
+    i = _next_try(sizes, i, tried, fixed, limit)
+  while i > 0 and sizes[i - 1] not in tried:  # a size skipped above the fit: the largest must be shown
+    tried[sizes[i - 1]], _ = peak_of(sizes[i - 1])
+    if tried[sizes[i - 1]] > limit:
+      break
+    i -= 1
+  return sizes[i], tried[sizes[i]], tried
 
 
 def _gib(n: float) -> str:
@@ -98,9 +116,9 @@ def _gib(n: float) -> str:
 
 
 def resolve(config: ml_collections.ConfigDict, rows: int, row_devices: int, device,
-            peak_of: Callable[[int], int]) -> str:
+            peak_of: Callable[[int], tuple[int, int]]) -> str:
   """`chunk_size` for `config` (as text): a number as it is; "auto" the largest block of the `rows` of the
-  padded global batch split over `row_devices` whose step's peak (`peak_of(size)`, a compile) fits
+  padded global batch split over `row_devices` whose step's peak (`peak_of(size)`: a compile, `choose`) fits
   `device`'s memory (`memory_limit`), "0" for the whole batch; said in one log line. `ConfigError` when
   even the smallest block does not fit."""
   if not is_auto(config):
@@ -118,6 +136,6 @@ def resolve(config: ml_collections.ConfigDict, rows: int, row_devices: int, devi
                       f"even blocks of {smallest} row(s) peak at {_gib(e.args[0][smallest])} per device; lower "
                       "batch_size or model.max_length, or set model.remat=full") from None
   what = f"the whole batch ({rows} rows) in one block" if size == rows else f"{size} rows per block"
-  logging.info("chunk_size=auto: %s, peak %s of %s (%s; %d compile(s))", what, _gib(peak), _gib(limit), source,
-               len(tried))
+  logging.info("chunk_size=auto: %s, peak %s of %s (%s; tried %s)", what, _gib(peak), _gib(limit), source,
+               ", ".join(f"{s} rows {_gib(p)}" for s, p in tried.items()))
   return WHOLE if size == rows else str(size)

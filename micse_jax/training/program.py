@@ -261,10 +261,11 @@ def _with_chunk_chosen(config: ml_collections.ConfigDict, bert_config: BertConfi
     fixed.chunk_size = chunk_choice.WHOLE if size == rows else str(size)
     return build(fixed, bert_config, encoder, devices, tokens, target, steps)
 
-  def peak_of(size: int) -> int:
+  def peak_of(size: int) -> tuple[int, int]:
     from micse_jax.aot.compile import memory  # the compiler's figures, as `bench --aot` reports them
     tried[size] = compiled(at(size))
-    return memory(tried[size].executable)["peak"]
+    m = memory(tried[size].executable)
+    return m["peak"], m["arguments"] + m["outputs"] - m["aliased"]
 
   size = int(chunk_choice.resolve(config, rows, row_devices, devices[0], peak_of)) or rows
   return tried[size] if size in tried else at(size)
