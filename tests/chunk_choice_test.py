@@ -105,7 +105,7 @@ def test_a_deviceless_gpu_gets_its_datasheet_memory_at_jaxs_fraction(monkeypatch
     def memory_stats(self):
       raise RuntimeError("MemoryStats is only supported for addressable PjRt devices.")
   limit, source = chunk_choice.memory_limit(Deviceless())
-  assert limit == int(0.75 * 16 * 2 ** 30) and "V100" in source  # the design's 16 GB V100
+  assert limit == int(0.75 * 16 * 2 ** 30) and source == "75% of the v100 datasheet's 16 GiB"  # the design's 16 GB V100
   tpu = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite", memory_stats=lambda: None)
   assert chunk_choice.memory_limit(tpu)[0] == 16 * 2 ** 30
   gpu_here = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",

@@ -68,12 +68,6 @@ def target_of(device) -> str | None:
   return next((t for t, kinds in TPU_DEVICE_KINDS.items() if kind in kinds), None)
 
 
-def memory_of(device) -> int | None:
-  """A target device's memory in bytes (`DATASHEET_MEMORY_GIB`); None for a device of no known target."""
-  target = target_of(device)
-  return DATASHEET_MEMORY_GIB[target] * 2 ** 30 if target else None
-
-
 def _require_cuda_plugin(target: str) -> None:
   """The CUDA plugin that compiles for `target`, at the installed jax's version: CUDA 13's (extra
   `aot`), or CUDA 12's (extra `aot-v100`), the only one for a V100 (CUDA 13's ptxas dropped sm_70)."""

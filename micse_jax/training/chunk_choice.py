@@ -55,7 +55,7 @@ def _gpu_fraction() -> float:
 def memory_limit(device) -> tuple[int | None, str]:
   """(bytes a step may use on `device`, where the figure comes from); (None, why) where none is known
   (a CPU). A device here: its allocator's limit; a deviceless target's: its datasheet memory
-  (`aot/topology.memory_of`), a GPU's at JAX's allocator fraction."""
+  (`aot/topology.DATASHEET_MEMORY_GIB`), a GPU's at JAX's allocator fraction."""
   try:
     stats = device.memory_stats()
   except Exception:  # noqa: BLE001  (a deviceless topology's device has no allocator to ask)
@@ -63,13 +63,14 @@ def memory_limit(device) -> tuple[int | None, str]:
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"]), f"{device.device_kind}'s allocator limit"
   from micse_jax.aot import topology
-  datasheet = topology.memory_of(device)
-  if datasheet is None:
+  target = topology.target_of(device)
+  if target is None:
     return None, f"no memory limit known for a {device.platform} device"
+  gib = topology.DATASHEET_MEMORY_GIB[target]
   if device.platform == "tpu":
-    return datasheet, f"{device.device_kind}'s {datasheet / 2 ** 30:.0f} GiB"
+    return gib * 2 ** 30, f"the {target} datasheet's {gib} GiB"
   fraction = _gpu_fraction()
-  return int(datasheet * fraction), f"{fraction:.0%} of {device.device_kind}'s {datasheet / 2 ** 30:.0f} GiB"
+  return int(gib * 2 ** 30 * fraction), f"{fraction:.0%} of the {target} datasheet's {gib} GiB"
 
 
 def _next_try(sizes: list[int], i: int, tried: dict, fixed: int, limit: int) -> int:
