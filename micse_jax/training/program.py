@@ -267,7 +267,9 @@ def _with_chunk_chosen(config: ml_collections.ConfigDict, bert_config: BertConfi
     m = memory(tried[size].executable)
     return m["peak"], m["arguments"] + m["outputs"] - m["aliased"]
 
-  size = int(chunk_choice.resolve(config, rows, row_devices, devices[0], peak_of)) or rows
+  # this process's device: every host reads its own GPU's limit (another host's device has no stats here)
+  local = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+  size = int(chunk_choice.resolve(config, rows, row_devices, local, peak_of)) or rows
   return tried[size] if size in tried else at(size)
 
 
