@@ -170,6 +170,24 @@ def test_main_bad_input(case, base, minilm_dir, tmp_path, capsys):
   assert _snapshot(workdir) == before
 
 
+def test_main_auto_chunk_size_with_no_block_that_fits(base, minilm_dir, tmp_path, capsys, monkeypatch):
+  """`chunk_size=auto` where even one-row blocks exceed the memory (the limit and the compiler's peaks
+  faked: no compile): one line, before the workdir is touched (its checkpoint folder included)."""
+  from micse_jax import main
+  from micse_jax.aot import compile as aot_compile
+  from micse_jax.training import chunk_choice, program
+  monkeypatch.setattr(chunk_choice, "memory_limit", lambda device: (2 ** 20, "a fake 1 MiB"))
+  monkeypatch.setattr(program, "compiled", lambda prog, run_once=False: prog)
+  monkeypatch.setattr(aot_compile, "memory", lambda executable: {"peak": 2 ** 30, "arguments": 2 ** 29,
+                                                                 "outputs": 0, "aliased": 0})
+  config = _config(base, minilm_dir, chunk_size="auto")
+  workdir = _existing_workdir(tmp_path)
+  before = _snapshot(workdir)
+  _exits_with_one_line(capsys, lambda: main.train(config, workdir), "chunk_size=auto: no block of the 8-row batch "
+                       "fits the memory (0.00 GiB, a fake 1 MiB): even blocks of 1 row(s) peak at 1.00 GiB")
+  assert _snapshot(workdir) == before
+
+
 def test_main_workdir_is_a_file(base, minilm_dir, tmp_path, capsys):
   from micse_jax import main
   path = tmp_path / "a_file"

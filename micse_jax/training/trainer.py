@@ -86,8 +86,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   devices = distributed.devices_for(config)
   session.info["compilation_cache"], cache_notes = caches.open_for_run(config)
   runs = run_inputs.prepare_runs(config, devices)
+  prog = program.of_runs(config, runs, devices)  # chunk_size=auto chosen here: the last input check
   _say_checked(dtype_line, cache_notes, config, runs)
-  prog = program.of_runs(config, runs, devices)  # chunk_size=auto chosen here: an input error, before any write
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
   compiling = _compile_ahead(config, prog, rolling.latest_step() or 0)
   with session.phase("load"):
