@@ -215,9 +215,10 @@ def test_library_calls_between_cuda_graphs_cost_the_gpu_a_gap_and_inside_them_th
   assert slow_host["predicted_host_ms"] == pytest.approx(1e3 * _host(arrays, updates=1, graph_launches=1))
 
 
-def _loop(trips: int, kernels: int) -> str:
+def _loop(trips: int, kernels: int, annotated: bool = True) -> str:
   """A program whose entry runs `kernels` negations of a [1024, 256] array in a `while` of `trips`
-  known trips (the step loop of `training/chunk_loop.repeated`), then one more outside it."""
+  known trips (the step loop of `training/chunk_loop.repeated`), then one more outside it; not
+  `annotated`: without XLA's `known_trip_count` (as XLA:TPU writes its loops), the counter copied in."""
   shape = "f32[1024,256]{1,0}"
   fused = f"%fneg (p.0: f32[1024,256]) -> f32[1024,256] {{\n  %p.0 = {shape} parameter(0)\n" \
           f"  ROOT %n.0 = {shape} negate(%p.0)\n}}\n"
@@ -231,10 +232,12 @@ def _loop(trips: int, kernels: int) -> str:
           f"  %n = s32[] constant({trips})", "  ROOT %lt = pred[] compare(%ci, %n), direction=LT"]
   fused += "%body (bp: (s32[], f32[1024,256])) -> (s32[], f32[1024,256]) {\n" + "\n".join(body) + "\n}\n"
   fused += "%cond (cp: (s32[], f32[1024,256])) -> pred[] {\n" + "\n".join(cond) + "\n}\n"
+  annotation = f', backend_config={{"known_trip_count":{{"n":"{trips}"}}}}' if annotated else ""
+  start = "%zero" if annotated else "%start"  # XLA:TPU copies the counter's initial constant in
   entry = (f"  %x = {shape} parameter(0)\n  %zero = s32[] constant(0)\n"
-           f"  %init = (s32[], {shape}) tuple(%zero, %x)\n"
-           f"  %w = (s32[], {shape}) while(%init), condition=%cond, body=%body, "
-           f'backend_config={{"known_trip_count":{{"n":"{trips}"}}}}\n'
+           + ("" if annotated else "  %start = s32[] copy(%zero)\n")
+           + f"  %init = (s32[], {shape}) tuple({start}, %x)\n"
+           f"  %w = (s32[], {shape}) while(%init), condition=%cond, body=%body{annotation}\n"
            f"  %y = {shape} get-tuple-element(%w), index=1\n"
            f"  ROOT %last = {shape} fusion(%y), kind=kLoop, calls=%fneg")
   return _module(fused, "x: f32[1024,256]", entry)
@@ -255,6 +258,21 @@ def test_a_call_of_k_steps_is_priced_per_step_with_the_host_paid_once_per_call()
     assert p["host_per_call"] == {"arrays": 2, "graph_updates": 1, "graph_launches": trips, "launches": 1,
                                   "recaptures": 0, "library_calls_launched": 0}
     assert p["predicted_host_ms"] == pytest.approx(1e3 * host / trips)
+
+
+def test_a_loop_without_xlas_trip_count_is_counted_from_its_bounds():
+  """XLA:TPU annotates no loop: a counted loop's trips are its condition's bound less its counter's first
+  value (through the copy), so the step is priced as the annotated one, the counter's copy besides."""
+  copy = LAUNCH_S + 2 * 4 / (H100_BANDWIDTH * MEMORY_EFFICIENCY)  # a 4-byte copy: read and written
+  for trips in (1, 4):
+    annotated = time_model.predict(parse(_loop(trips, 6)), "h100", cuda_graphs="kernels")
+    counted = time_model.predict(parse(_loop(trips, 6, annotated=False)), "h100", cuda_graphs="kernels")
+    assert counted["steps_per_call"] == annotated["steps_per_call"] == trips
+    assert counted["kernels_per_step"] == pytest.approx(annotated["kernels_per_step"] + 1 / trips)
+    assert counted["predicted_device_ms"] == pytest.approx(annotated["predicted_device_ms"] + 1e3 * copy / trips)
+  module = parse(_loop(4, 6, annotated=False))
+  loop = module.by_name["w"]
+  assert hlo.trip_count(loop) == 1 and hlo.trip_count(loop, module) == hlo.counted_trips(loop, module) == 4
 
 
 def _nested_loops(steps: int, blocks: int) -> str:
