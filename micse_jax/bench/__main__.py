@@ -69,7 +69,8 @@ def parse_args(argv):
                       "(torch.compile, SDPA outside AMI's layers, fused AdamW, foreach EMA)")
   p.add_argument("--no_breakdown", action="store_true", help="skip the breakdown by phase (a profile)")
   p.add_argument("--encode", action=argparse.BooleanOptionalAction, default=True,
-                 help="compare encode throughput with sentence-transformers (default on)")
+                 help="compare encode throughput with sentence-transformers (default on); with --aot: compile the "
+                      "encode program beside the step")
   p.add_argument("--encode_batch_size", type=int, default=128)
   p.add_argument("--encode_sentences", type=int, default=1024)
   p.add_argument("--encode_corpus", default=None,
@@ -290,7 +291,7 @@ def run_aot(args) -> dict:
   jax.config.update("jax_platforms", "cpu")  # the target is not here; compile on the host
   with cli.input_errors_as_one_line():
     result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype,
-                     encode=not args.population, population=args.population, cuda_graphs=args.cuda_graphs,
+                     encode=args.encode and not args.population, population=args.population, cuda_graphs=args.cuda_graphs,
                      steps=args.steps_per_dispatch, chunk_size=args.chunk_size)
   print("\n".join(aot.report_lines(result)))
   if args.output:
