@@ -7,7 +7,8 @@ packages. The sweep runs it for every run before any starts. `check_run(config, 
 it once more with the file-system checks: the SentEval directory when dev selection is on, a
 writable workdir, and, for a workdir that already holds checkpoints, a `config.json` compatible
 with the new config (`resume_checks.py`: which fields may change on resume, and the line a change
-that alters the steps left says). `micse-train` adds `check_command_line` (a member field given on the command
+that alters the steps left says). `check_chunk_size` needs the devices: `training/run_inputs.prepare_runs`
+and `training/program.build` run it. `micse-train` adds `check_command_line` (a member field given on the command
 line that the population replaces). The checks that need the checkpoint run in
 `training/run_inputs.prepare`. Every failure is a `ConfigError`: one line, nothing written.
 
@@ -83,6 +84,12 @@ def _auto_or_positive(v):
   return None if text == "auto" or text.isdigit() and int(text) >= 1 else f"must be auto or an integer >= 1, got {v!r}"
 
 
+def _auto_or_count(v):
+  """"auto" or an integer >= 0, as text (`--config.chunk_size=128` gives "128") or an int."""
+  text = str(v)
+  return None if text == "auto" or text.isdigit() else f"must be auto or an integer >= 0, got {v!r}"
+
+
 def _choice(*allowed):
   return lambda v: None if v in allowed else f"must be one of {', '.join(allowed)}, got {v!r}"
 
@@ -96,6 +103,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "keep_checkpoints": _int(1),
     "eval_every": _int(0),
     "steps_per_dispatch": _auto_or_positive,  # training/dispatch.py
+    "chunk_size": _auto_or_count,  # training/grad_cache.py (0: the whole batch), training/chunk_choice.py (auto)
     "model.name_or_path": _text,
     "model.max_length": _int(2),  # [CLS] and [SEP]
     "model.dtype": _choice(*DTYPES),
@@ -273,6 +281,24 @@ def check_senteval(config: ml_collections.ConfigDict) -> None:
     senteval_data.validate_tasks(directory, list(dict.fromkeys(tasks)))
   except senteval_data.SentEvalDataError as e:
     raise ConfigError(f"eval.senteval_dir: {e}") from e
+
+
+def check_chunk_size(value, rows: int, row_devices: int) -> None:
+  """A numeric `chunk_size` (GradCache's global rows per block; 0 and `rows` are the whole batch) must
+  divide the `rows` of the padded global batch (`data_parallel.padded_batch_size`) and be a multiple of
+  the `row_devices` its rows are split over (`population_placement.row_devices`): each device cuts its
+  own rows into blocks of the same size. "auto" is chosen later, for the devices' memory."""
+  text = str(value).strip()
+  if text == "auto" or not text.isdigit():
+    return
+  size = int(text)
+  if size in (0, rows) or (size < rows and rows % size == 0 and size % row_devices == 0):
+    return
+  fits = [str(d) for d in range(row_devices, rows, row_devices) if rows % d == 0]
+  shown = ", ".join(["0"] + (fits if len(fits) <= 12 else fits[:6] + ["..."] + fits[-5:]))
+  raise ConfigError(f"chunk_size={size} must divide the padded global batch of {rows} rows and be a multiple of "
+                    f"the {row_devices} device(s) its rows are split over; choose one of {shown} (0: the whole "
+                    "batch) or auto")
 
 
 def check_workdir_writable(workdir: str) -> None:

@@ -22,7 +22,8 @@ from micse_jax.configs import population_fields
 from micse_jax.errors import ConfigError
 
 # Fields that may change when a run is resumed (how long it runs, how often it logs, evaluates
-# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state, GradCache blocks;
+# and saves; how the same step is laid out in memory: remat, attention kernel, sharded state, GradCache's
+# blocks (`chunk_size`: the unblocked step to float rounding; a checkpoint knows nothing of blocks);
 # where the caches live; the dropout generator, which the train state's threefry key seeds whatever
 # it is); any other difference would silently continue a different run. A missing field of an old
 # config.json is such a difference unless it is listed here.

@@ -118,3 +118,19 @@ def test_unknown_target_is_a_config_error():
   from micse_jax.errors import ConfigError
   with pytest.raises(ConfigError):
     topology.target_devices("tpu-v9")
+
+
+def test_h100_blocked_step_reports_its_blocks_and_auto_takes_what_fits(h100, monkeypatch):
+  """`--chunk_size 4` at batch 8: the block loops run the encoder's kernels once per block in each pass, so
+  more kernels a step (the extra forward pass); `auto` under the whole step's peak takes the whole batch
+  (tried first: one compile)."""
+  from micse_jax.training import chunk_choice
+  jax.config.update("jax_platforms", "cpu")
+  blocked = aot.run("h100", 1, "tiny", 8, 16, "bfloat16", encode=False, chunk_size="4")
+  assert blocked["chunk_size"] == "4" and blocked["chunk_size_resolved"] == 4 and h100["chunk_size_resolved"] == 0
+  assert blocked["kernels_per_step"] > h100["kernels_per_step"]
+  whole = h100["peak_bytes_per_device"]
+  monkeypatch.setattr(chunk_choice, "memory_limit", lambda device: (whole, "the whole step's peak"))
+  chosen = aot.run("h100", 1, "tiny", 8, 16, "bfloat16", encode=False, chunk_size="auto")
+  assert chosen["chunk_size"] == "auto" and chosen["chunk_size_resolved"] == 0
+  assert chosen["peak_bytes_per_device"] == whole and chosen["kernels_per_step"] == h100["kernels_per_step"]

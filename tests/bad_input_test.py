@@ -142,6 +142,9 @@ MAIN_CASES = {  # name: (config changes as a function of the fixture paths, expe
     "value_dropout_one": (lambda b: {"momentum.dropout": 1.0}, ["momentum.dropout"]),
     "value_eval_every_negative": (lambda b: {"eval_every": -1}, ["eval_every"]),
     "value_ami_layers_out_of_range": (lambda b: {"ami.layers": (0, 9)}, ["ami.layers", "2-layer"]),
+    "value_chunk_size_negative": (lambda b: {"chunk_size": "-8"}, ["chunk_size", "auto or an integer >= 0"]),
+    "value_chunk_size_not_dividing_the_batch": (lambda b: {"chunk_size": "3"},
+                                                ["chunk_size=3 must divide the padded global batch of 8 rows"]),
     "value_unknown_final_task": (lambda b: {"eval.final_tasks": "STS99"}, ["eval.final_tasks", "STS99"]),
     "senteval_dir_missing": (lambda b: {"eval_every": 2, "eval.senteval_dir": f"{b['root']}/nope"},
                              ["eval.senteval_dir", "nope"]),
@@ -164,6 +167,24 @@ def test_main_bad_input(case, base, minilm_dir, tmp_path, capsys):
   workdir = _existing_workdir(tmp_path)
   before = _snapshot(workdir)
   _exits_with_one_line(capsys, lambda: main.train(config, workdir), *fragments)
+  assert _snapshot(workdir) == before
+
+
+def test_main_auto_chunk_size_with_no_block_that_fits(base, minilm_dir, tmp_path, capsys, monkeypatch):
+  """`chunk_size=auto` where even one-row blocks exceed the memory (the limit and the compiler's peaks
+  faked: no compile): one line, before the workdir is touched (its checkpoint folder included)."""
+  from micse_jax import main
+  from micse_jax.aot import compile as aot_compile
+  from micse_jax.training import chunk_choice, program
+  monkeypatch.setattr(chunk_choice, "memory_limit", lambda device: (2 ** 20, "a fake 1 MiB"))
+  monkeypatch.setattr(program, "compiled", lambda prog, run_once=False: prog)
+  monkeypatch.setattr(aot_compile, "memory", lambda executable: {"peak": 2 ** 30, "arguments": 2 ** 29,
+                                                                 "outputs": 0, "aliased": 0})
+  config = _config(base, minilm_dir, chunk_size="auto")
+  workdir = _existing_workdir(tmp_path)
+  before = _snapshot(workdir)
+  _exits_with_one_line(capsys, lambda: main.train(config, workdir), "chunk_size=auto: no block of the 8-row batch "
+                       "fits the memory (0.00 GiB, a fake 1 MiB): even blocks of 1 row(s) peak at 1.00 GiB")
   assert _snapshot(workdir) == before
 
 
@@ -344,7 +365,10 @@ def test_convert_program_workdir_without_checkpoint(base, tmp_path):
     # a spurious kernel fallback) or written (--output, --rows)
     (["--aot", "h100", "--model", "tiny", "--batch_size", "8", "--max_length", "1000"], 1,
      "--model tiny --max_length 1000: model.max_length 1000 exceeds the 512 positions the model has"),
-    (["--model", "tiny", "--max_length", "513", "--no_torch"], 1, "exceeds the 512 positions")])
+    (["--model", "tiny", "--max_length", "513", "--no_torch"], 1, "exceeds the 512 positions"),
+    (["--chunk_size", "-4"], 2, "argument --chunk_size: must be auto or an integer >= 0, got '-4'"),
+    (["--model", "tiny", "--batch_size", "8", "--chunk_size", "3", "--no_torch"], 1,
+     "chunk_size=3 must divide the padded global batch of 8 rows")])
 def test_bench_bad_input_is_one_error_line(argv, status, fragment, tmp_path, capsys):
   from micse_jax.bench import __main__ as bench
   written = [str(tmp_path / "out.json"), str(tmp_path / "rows.jsonl")]

@@ -155,6 +155,17 @@ def test_a_workdir_resumes_across_rng_impl_with_one_line_saying_so(tmp_path):
   assert resume_checks.resume_notes(saved, _config().to_dict()) == []
 
 
+def test_any_chunk_size_resumes_any_run(tmp_path):
+  """GradCache's blocks (`chunk_size`) are how the step is laid out in memory, the unblocked step to float
+  rounding: a workdir resumes with another block size, or from before the field existed, without a line."""
+  saved = json.loads(json.dumps(_config(chunk_size="0").to_dict()))
+  for size in ("4", "auto", "0"):
+    assert config_checks.config_differences(saved, _config(chunk_size=size).to_dict()) == []
+    assert resume_checks.resume_notes(saved, _config(chunk_size=size).to_dict()) == []
+  del saved["chunk_size"]
+  assert config_checks.config_differences(saved, _config(chunk_size="8").to_dict()) == []
+
+
 def test_a_longer_run_resumes_with_one_line_on_its_learning_rate():
   """num_train_steps may change on resume, but the learning rate decays linearly to 0 at num_train_steps
   (`optim.learning_rate_schedule`), so the steps left take other rates: one line says where the decay now

@@ -6,9 +6,9 @@ from micse_jax.training import trainer
 from tests.train_utils import set_up_calls, tiny_training_config
 
 # The steps' modules in `trainer._train_and_evaluate`'s documented order (config, devices, caches, data,
-# the workdir's checkpoints, program, state, runs' folders).
+# program (its `chunk_size=auto` the last input check), the workdir's checkpoints, state, runs' folders).
 ORDER = ["training.precision", "config_checks", "training.distributed", "caches", "training.run_inputs",
-         "workdir", "training.program", "training.checkpoint", "training.run_slices"]
+         "training.program", "workdir", "training.checkpoint", "training.run_slices"]
 
 
 def _direct_calls_of_the_set_up(config, workdir) -> list[str]:

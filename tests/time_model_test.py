@@ -215,9 +215,10 @@ def test_library_calls_between_cuda_graphs_cost_the_gpu_a_gap_and_inside_them_th
   assert slow_host["predicted_host_ms"] == pytest.approx(1e3 * _host(arrays, updates=1, graph_launches=1))
 
 
-def _loop(trips: int, kernels: int) -> str:
+def _loop(trips: int, kernels: int, annotated: bool = True) -> str:
   """A program whose entry runs `kernels` negations of a [1024, 256] array in a `while` of `trips`
-  known trips (the step loop of `training/chunk_loop.repeated`), then one more outside it."""
+  known trips (the step loop of `training/chunk_loop.repeated`), then one more outside it; not
+  `annotated`: without XLA's `known_trip_count` (as XLA:TPU writes its loops), the counter copied in."""
   shape = "f32[1024,256]{1,0}"
   fused = f"%fneg (p.0: f32[1024,256]) -> f32[1024,256] {{\n  %p.0 = {shape} parameter(0)\n" \
           f"  ROOT %n.0 = {shape} negate(%p.0)\n}}\n"
@@ -231,10 +232,12 @@ def _loop(trips: int, kernels: int) -> str:
           f"  %n = s32[] constant({trips})", "  ROOT %lt = pred[] compare(%ci, %n), direction=LT"]
   fused += "%body (bp: (s32[], f32[1024,256])) -> (s32[], f32[1024,256]) {\n" + "\n".join(body) + "\n}\n"
   fused += "%cond (cp: (s32[], f32[1024,256])) -> pred[] {\n" + "\n".join(cond) + "\n}\n"
+  annotation = f', backend_config={{"known_trip_count":{{"n":"{trips}"}}}}' if annotated else ""
+  start = "%zero" if annotated else "%start"  # XLA:TPU copies the counter's initial constant in
   entry = (f"  %x = {shape} parameter(0)\n  %zero = s32[] constant(0)\n"
-           f"  %init = (s32[], {shape}) tuple(%zero, %x)\n"
-           f"  %w = (s32[], {shape}) while(%init), condition=%cond, body=%body, "
-           f'backend_config={{"known_trip_count":{{"n":"{trips}"}}}}\n'
+           + ("" if annotated else "  %start = s32[] copy(%zero)\n")
+           + f"  %init = (s32[], {shape}) tuple({start}, %x)\n"
+           f"  %w = (s32[], {shape}) while(%init), condition=%cond, body=%body{annotation}\n"
            f"  %y = {shape} get-tuple-element(%w), index=1\n"
            f"  ROOT %last = {shape} fusion(%y), kind=kLoop, calls=%fneg")
   return _module(fused, "x: f32[1024,256]", entry)
@@ -255,6 +258,81 @@ def test_a_call_of_k_steps_is_priced_per_step_with_the_host_paid_once_per_call()
     assert p["host_per_call"] == {"arrays": 2, "graph_updates": 1, "graph_launches": trips, "launches": 1,
                                   "recaptures": 0, "library_calls_launched": 0}
     assert p["predicted_host_ms"] == pytest.approx(1e3 * host / trips)
+
+
+def test_a_loop_without_xlas_trip_count_is_counted_from_its_bounds():
+  """XLA:TPU annotates no loop: a counted loop's trips are its condition's bound less its counter's first
+  value (through the copy), so the step is priced as the annotated one, the counter's copy besides."""
+  copy = LAUNCH_S + 2 * 4 / (H100_BANDWIDTH * MEMORY_EFFICIENCY)  # a 4-byte copy: read and written
+  for trips in (1, 4):
+    annotated = time_model.predict(parse(_loop(trips, 6)), "h100", cuda_graphs="kernels")
+    counted = time_model.predict(parse(_loop(trips, 6, annotated=False)), "h100", cuda_graphs="kernels")
+    assert counted["steps_per_call"] == annotated["steps_per_call"] == trips
+    assert counted["kernels_per_step"] == pytest.approx(annotated["kernels_per_step"] + 1 / trips)
+    assert counted["predicted_device_ms"] == pytest.approx(annotated["predicted_device_ms"] + 1e3 * copy / trips)
+  module = parse(_loop(4, 6, annotated=False))
+  loop = module.by_name["w"]
+  assert hlo.trip_count(loop) == 1 and hlo.trip_count(loop, module) == hlo.counted_trips(loop, module) == 4
+
+
+def _nested_loops(steps: int, blocks: int) -> str:
+  """The GradCache step's shape: a step loop of `steps` known trips (`chunk_loop.repeated`) whose body runs
+  five negations of a [1024, 256] array, then a block loop of `blocks` known trips (`grad_cache.by_blocks`'s
+  scan) of six more, then its counter."""
+  shape = "f32[1024,256]{1,0}"
+  carry = f"(s32[], {shape})"
+  text = f"%fneg (p.0: f32[1024,256]) -> f32[1024,256] {{\n  %p.0 = {shape} parameter(0)\n" \
+         f"  ROOT %n.0 = {shape} negate(%p.0)\n}}\n"
+
+  def loop(name: str, trips: int, body_lines: list[str], first: str) -> str:
+    """The body and condition computations of loop `name` (counter at index 0, array at 1)."""
+    body = [f"  %{name}_p = {carry} parameter(0)", f"  %{name}_i = s32[] get-tuple-element(%{name}_p), index=0",
+            f"  %{first} = {shape} get-tuple-element(%{name}_p), index=1", *body_lines,
+            f"  %{name}_one = s32[] constant(1)", f"  %{name}_i1 = s32[] add(%{name}_i, %{name}_one)",
+            f"  ROOT %{name}_t = {carry} tuple(%{name}_i1, %{name}_out)"]
+    cond = [f"  %{name}_cp = {carry} parameter(0)", f"  %{name}_ci = s32[] get-tuple-element(%{name}_cp), index=0",
+            f"  %{name}_n = s32[] constant({trips})", f"  ROOT %{name}_lt = pred[] compare(%{name}_ci, %{name}_n), "
+            "direction=LT"]
+    return (f"%{name}_body ({name}_p: {carry}) -> {carry} {{\n" + "\n".join(body) + "\n}\n"
+            f"%{name}_cond ({name}_cp: {carry}) -> pred[] {{\n" + "\n".join(cond) + "\n}\n")
+
+  def negations(prefix: str, count: int, start: str) -> list[str]:
+    names = [start] + [f"{prefix}{k}" for k in range(1, count + 1)]
+    return [f"  %{names[k + 1]} = {shape} fusion(%{names[k]}), kind=kLoop, calls=%fneg" for k in range(count)]
+
+  def run_loop(name: str, trips: int, start: str) -> list[str]:
+    return [f"  %{name}_zero = s32[] constant(0)", f"  %{name}_init = {carry} tuple(%{name}_zero, %{start})",
+            f"  %{name}_w = {carry} while(%{name}_init), condition=%{name}_cond, body=%{name}_body, "
+            f'backend_config={{"known_trip_count":{{"n":"{trips}"}}}}']
+
+  block_body = negations("b", 6, "b0") + [f"  %block_out = {shape} copy(%b6)"]
+  step_body = (negations("s", 5, "s0") + run_loop("block", blocks, "s5")
+               + [f"  %step_out = {shape} get-tuple-element(%block_w), index=1"])
+  text += loop("block", blocks, block_body, "b0") + loop("step", steps, step_body, "s0")
+  entry = "\n".join([f"  %x = {shape} parameter(0)", *run_loop("step", steps, "x"),
+                     f"  ROOT %y = {shape} get-tuple-element(%step_w), index=1"])
+  return _module(text, "x: f32[1024,256]", entry)
+
+
+def test_a_loop_inside_the_step_runs_its_kernels_and_its_cuda_graph_once_per_trip():
+  """GradCache's block loop inside the step loop: its kernels run `blocks` times a step, and the host
+  launches its CUDA graph once per trip: XLA's default command buffers (FUSION, CUBLAS, CUBLASLT,
+  CUSTOM_CALL, CUDNN; no WHILE) leave a `while` to the host, whose `WhileThunk` runs the body's thunks,
+  each command buffer a launch, once per known trip. Per step: the step body's five negations, its
+  counter's add and its condition's compare; `blocks` x (six negations, a copy, add, compare)."""
+  bandwidth = H100_BANDWIDTH * MEMORY_EFFICIENCY
+  array = 2 * 1024 * 256 * 4 / bandwidth  # a negation or a copy reads and writes the array
+  counter = 2 * LAUNCH_S + (3 * 4 + 2 * 4 + 1) / bandwidth  # add: 2 int32 in, 1 out; compare: 2 in, a pred
+  for steps, blocks in ((1, 4), (2, 4), (1, 1)):
+    p = time_model.predict(parse(_nested_loops(steps, blocks)), "h100", cuda_graphs="kernels")
+    assert p["steps_per_call"] == steps and p["kernels_per_step"] == pytest.approx(7 + 9 * blocks)
+    assert p["predicted_device_ms"] == pytest.approx(
+        1e3 * (5 * (LAUNCH_S + array) + counter + blocks * (7 * (LAUNCH_S + array) + counter)))
+    # graphs: [step's compare, five negations], [block's compare, six negations, copy, add]; the step's add alone
+    assert p["host_per_call"] == {"arrays": 2, "graph_updates": 2, "graph_launches": steps + steps * blocks,
+                                  "launches": steps, "recaptures": 0, "library_calls_launched": 0}
+    host = _host(arrays=2, updates=2, graph_launches=steps * (1 + blocks), launches=steps)
+    assert p["predicted_host_ms"] == pytest.approx(1e3 * host / steps)
 
 
 def test_a_deviceless_program_has_the_library_calls_its_gpu_would_autotune_to():

@@ -47,10 +47,13 @@ def lower_program(config: ml_collections.ConfigDict, bert_config: BertConfig, de
 
 def compiled_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
   """(program, lowering + compile seconds): `build_program`'s, compiled as the trainer compiles it
-  (`program.compiled`: our kernels, else the explicit path); its config holds the layout chosen."""
+  (`program.compiled`: our kernels, else the explicit path); its config holds the layout chosen. With
+  `chunk_size=auto` the seconds are those of every size tried (`training/chunk_choice.py`)."""
   from micse_jax.training import program
-  prog = build_program(config, bert_config, devices, tokens)
   start = time.perf_counter()
+  prog = build_program(config, bert_config, devices, tokens)
+  if prog.executable is None:  # not compiled by auto's tries: only the compile is timed
+    start = time.perf_counter()
   prog = program.compiled(prog)
   return prog, time.perf_counter() - start
 

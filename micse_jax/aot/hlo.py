@@ -46,7 +46,7 @@ _PHASE = re.compile(r"(?:^|[/(])(transpose\()?(?:jvp\()?(" + "|".join(re.escape(
 @dataclasses.dataclass(frozen=True)
 class Kernel:
   """One kernel of the compiled program: the top-level instruction's name, its kind, its phase, how
-  many times one call runs it (`runs`: the known trip counts of the `while` loops around it) and the
+  many times one call runs it (`runs`: the trip counts of the `while` loops around it, `trip_count`) and the
   innermost of those loops (`loop`, None at the entry's level)."""
   name: str
   kind: str
@@ -123,10 +123,53 @@ def _fused_phase(ins: Instruction, module: Module) -> str:
   return votes.most_common(1)[0][0] if votes else NO_PHASE
 
 
-def trip_count(ins: Instruction) -> int:
-  """How many times a `while` runs its body (XLA's `known_trip_count`; 1 when unknown)."""
+def trip_count(ins: Instruction, module: Module | None = None) -> int:
+  """How many times a `while` runs its body: XLA's `known_trip_count` (XLA:GPU writes it), else, in
+  `module`, the counted loop's own bounds (`counted_trips`; XLA:TPU writes no annotation); 1 when
+  unknown."""
   match = _TRIP_COUNT.search(ins.text)
-  return int(match.group(1)) if match else 1
+  if match:
+    return int(match.group(1))
+  counted = counted_trips(ins, module) if module is not None else None
+  return 1 if counted is None else counted
+
+
+_PASS_THROUGH = ("copy", "bitcast", "convert")
+
+
+def _source(module: Module, name: str) -> Instruction | None:
+  """The instruction behind `name`, through copies, bitcasts and converts."""
+  ins = module.by_name.get(name)
+  while ins is not None and ins.opcode in _PASS_THROUGH and ins.operands:
+    ins = module.by_name.get(ins.operands[0])
+  return ins
+
+
+def _integer_constant(ins: Instruction | None) -> int | None:
+  match = re.search(r"\bconstant\((-?\d+)\)", ins.text) if ins is not None and ins.opcode == "constant" else None
+  return int(match.group(1)) if match else None
+
+
+def counted_trips(ins: Instruction, module: Module) -> int | None:
+  """The trips of a counted `while` (a `scan` or `fori_loop`: its counter starts at a constant and
+  steps by one) from its bounds: the condition's root compares a carried element with a constant
+  (`i < N`, or `N > i`), whose initial value is a constant c: N − c. None for any other loop."""
+  condition = re.search(r"\bcondition=%?([\w.\-]+)", ins.text)
+  body = module.computations.get(condition.group(1), ()) if condition else ()
+  root = next((i for i in body if i.root), None)
+  direction = re.search(r"direction=(\w+)", root.text) if root is not None and root.opcode == "compare" else None
+  if direction is None or direction.group(1) not in ("LT", "GT") or len(root.operands) != 2 or not ins.operands:
+    return None
+  counter, bound = root.operands if direction.group(1) == "LT" else root.operands[::-1]
+  counter, limit = _source(module, counter), _integer_constant(_source(module, bound))
+  index = re.search(r"\bindex=(\d+)", counter.text) if counter is not None and counter.opcode == "get-tuple-element" \
+      else None
+  start = module.by_name.get(ins.operands[0])
+  if index is None or limit is None or start is None or start.opcode != "tuple" or \
+      int(index.group(1)) >= len(start.operands):
+    return None
+  first = _integer_constant(_source(module, start.operands[int(index.group(1))]))
+  return None if first is None else max(limit - first, 0)
 
 
 def scheduled_runs(module: Module):
@@ -143,7 +186,7 @@ def scheduled_runs(module: Module):
     seen.add(name)
     for ins in module.computations.get(name, ()):
       if ins.opcode in _CONTAINERS:
-        inner, level = (runs * trip_count(ins), ins.name) if ins.opcode == "while" else (runs, loop)
+        inner, level = (runs * trip_count(ins, module), ins.name) if ins.opcode == "while" else (runs, loop)
         for called in ins.called():
           yield from walk(called, inner, level)
       else:
@@ -162,7 +205,7 @@ def steps_per_call(module: Module) -> int:
   whose body holds the most instructions (the step, `training/chunk_loop.repeated`), 1 without one."""
   loops = [ins for ins in module.computations.get(module.entry, ()) if ins.opcode == "while"]
   size = lambda ins: len(module.called_instructions(ins))
-  return trip_count(max(loops, key=size)) if loops else 1
+  return trip_count(max(loops, key=size), module) if loops else 1
 
 
 def kernels(module: Module) -> list[Kernel]:

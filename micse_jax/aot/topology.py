@@ -46,6 +46,28 @@ def device_memory_bytes(target: str) -> int | None:
   return int(match.group(1)) if match else None
 
 
+# The device memory `chunk_size=auto` (training/chunk_choice.py) sizes blocks for on a target that is not
+# here, from the datasheets (binary GiB, as HBM is built): the V100 is the design's 16 GB part (its compiler
+# target file describes the 32 GB SXM2), the TPUs' HBM per chip (Google Cloud's system architecture pages;
+# v4's per TensorCore device, half a chip's 32 GiB).
+DATASHEET_MEMORY_GIB = {"v100": 16, "a100": 80, "h100": 80, "h200": 141, "tpu-v4": 16, "tpu-v5e": 16,
+                        "tpu-v5p": 95, "tpu-v6e": 32}
+# libtpu's device kinds of the TPU targets
+TPU_DEVICE_KINDS = {"tpu-v4": ("TPU v4",), "tpu-v5e": ("TPU v5 lite", "TPU v5e"), "tpu-v5p": ("TPU v5", "TPU v5p"),
+                    "tpu-v6e": ("TPU v6 lite", "TPU v6e")}
+
+
+def target_of(device) -> str | None:
+  """The target (`TARGETS`) a device is, by its kind: a GPU's the target file's `device_description_str`
+  (the V100's of either memory size), a TPU's libtpu's kind; None for any other."""
+  kind = getattr(device, "device_kind", "")
+  for target in GPU_TARGETS:
+    match = re.search(r'device_description_str:\s*"([^"]*)"', gpu_target_config(target))
+    if match and kind == match.group(1) or (target == "v100" and "V100" in kind):
+      return target
+  return next((t for t, kinds in TPU_DEVICE_KINDS.items() if kind in kinds), None)
+
+
 def _require_cuda_plugin(target: str) -> None:
   """The CUDA plugin that compiles for `target`, at the installed jax's version: CUDA 13's (extra
   `aot`), or CUDA 12's (extra `aot-v100`), the only one for a V100 (CUDA 13's ptxas dropped sm_70)."""

@@ -55,6 +55,10 @@ def parse_args(argv):
   p.add_argument("--batch_size", type=int, default=64, help="sentences per step (two views each)")
   p.add_argument("--max_length", type=int, default=32, help="tokens per sentence")
   p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype (params stay float32)")
+  p.add_argument("--chunk_size", default="0", type=_chunk_size, metavar="N|auto",
+                 help="chunk_size of the micse_jax step (training/grad_cache.py): global rows per block, 0 the whole "
+                      "batch (no blocks), auto the largest block whose compiled step fits the device's memory "
+                      "(training/chunk_choice.py); with --aot too")
   p.add_argument("--dropout_random_bits", type=int, default=32, choices=(32, 16),
                  help="model.dropout_random_bits of the micse_jax step (16: two draws per random word)")
   timing.add_arguments(p)
@@ -65,7 +69,8 @@ def parse_args(argv):
                       "(torch.compile, SDPA outside AMI's layers, fused AdamW, foreach EMA)")
   p.add_argument("--no_breakdown", action="store_true", help="skip the breakdown by phase (a profile)")
   p.add_argument("--encode", action=argparse.BooleanOptionalAction, default=True,
-                 help="compare encode throughput with sentence-transformers (default on)")
+                 help="compare encode throughput with sentence-transformers (default on); with --aot: compile the "
+                      "encode program beside the step")
   p.add_argument("--encode_batch_size", type=int, default=128)
   p.add_argument("--encode_sentences", type=int, default=1024)
   p.add_argument("--encode_corpus", default=None,
@@ -109,6 +114,13 @@ def parse_args(argv):
   return args
 
 
+def _chunk_size(text: str) -> str:
+  """argparse's type of --chunk_size: "auto" or an integer >= 0, kept as text (the config's)."""
+  if text == "auto" or text.isdigit():
+    return text
+  raise argparse.ArgumentTypeError(f"must be auto or an integer >= 0, got {text!r}")
+
+
 def _at_least_one(text: str) -> int:
   """An integer >= 1 (argparse's `type`: anything else is its one-line usage error, `--population 0` too,
   which the default 0, no population, would otherwise have hidden)."""
@@ -139,10 +151,12 @@ def run(args, rows: Rows | None = None) -> dict:
   def overrides(config):
     config.model.dropout_random_bits = args.dropout_random_bits
     config.mesh.cuda_graphs = args.cuda_graphs
+    config.chunk_size = args.chunk_size
   step = jax_step.JaxStep(model_dir, batch, args.dtype, overrides, steps=args.steps_per_dispatch)
   compile_s, flops = step.compile()
   kernels = hlo.summary(hlo_module.parse(step.compiled.as_text()))  # the program this machine runs (autotuned on GPU)
   rows.add("compile", compile_lines, compile_s=compile_s, step_flops=flops, model_flops=step.model_flops,
+           chunk_size=args.chunk_size, chunk_size_resolved=int(step.program.config.chunk_size),
            kernels_per_step=kernels["kernels_per_step"], update_kernels_per_step=kernels["update_kernels_per_step"])
   t = timing.measure(*timing.jax_peer(step), args.warmup, args.steps, args.rounds, step.steps)
   model_flops = step.model_flops
@@ -194,6 +208,7 @@ def compile_lines(r: dict) -> list[str]:
   """Compile time, the step's model FLOPs (training/flops.py) and XLA's own count."""
   return [f"  train step compile time      {r['compile_s']:.1f} s   "
           f"(model FLOPs/step {r['model_flops']:.3g}; XLA's count {r['step_flops'] or float('nan'):.3g})",
+          f"  chunk_size                   {aot.chunk_line(r)}",
           f"  kernels per step             {r['kernels_per_step']} (update {r['update_kernels_per_step']}; "
           "aot/hlo.py)"]
 
@@ -276,8 +291,8 @@ def run_aot(args) -> dict:
   jax.config.update("jax_platforms", "cpu")  # the target is not here; compile on the host
   with cli.input_errors_as_one_line():
     result = aot.run(args.aot, args.devices, args.model, args.batch_size, args.max_length, args.dtype,
-                     encode=not args.population, population=args.population, cuda_graphs=args.cuda_graphs,
-                     steps=args.steps_per_dispatch)
+                     encode=args.encode and not args.population, population=args.population, cuda_graphs=args.cuda_graphs,
+                     steps=args.steps_per_dispatch, chunk_size=args.chunk_size)
   print("\n".join(aot.report_lines(result)))
   if args.output:
     jsonio.write_json(args.output, result)
@@ -329,6 +344,8 @@ def main(argv=None) -> dict:
                                 cuda_graphs=args.cuda_graphs)
   if not args.encode_attention:  # the trainer's checks of the shape against the model, before anything compiles
     aot.check_shape("bert-base" if args.collectives else args.model, args.batch_size, args.max_length)
+    aot.check_chunk(args.chunk_size, args.batch_size, args.devices if args.aot else jax.device_count(),
+                    args.population)
   if args.aot:
     return run_aot(args)
   if args.encode_attention:

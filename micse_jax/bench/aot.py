@@ -51,16 +51,27 @@ def check_shape(model: str, batch_size: int, max_length: int) -> None:
     raise ConfigError(f"--model {model} --max_length {max_length}: {e}") from e
 
 
+def check_chunk(chunk_size: str, batch_size: int, num_devices: int, population: int = 0) -> None:
+  """The trainer's check of a numeric `--chunk_size` against the padded batch and the devices its rows are
+  split over (`config_checks.check_chunk_size`), before anything compiles or is written."""
+  from micse_jax.config_checks import check_chunk_size
+  from micse_jax.training import data_parallel, population_placement
+  row_devices = population_placement.row_devices(population, num_devices)
+  check_chunk_size(chunk_size, data_parallel.padded_batch_size(batch_size, row_devices), row_devices)
+
+
 def run(target: str, num_devices: int, model: str, batch_size: int, max_length: int, dtype: str,
-        encode: bool = True, population: int = 0, cuda_graphs: str = "auto", steps: str = "auto") -> dict:
+        encode: bool = True, population: int = 0, cuda_graphs: str = "auto", steps: str = "auto",
+        chunk_size: str = "0") -> dict:
   """Compiles the step (and the encode program) for `target`; returns the JSON-able report.
   `population` K > 0: the step of K stacked runs, with its kernels and memory per member-step;
   `cuda_graphs`: the step's `mesh.cuda_graphs` (compiled and priced so); `steps`: its
-  `steps_per_dispatch` (auto: as the trainer chooses for the target)."""
+  `steps_per_dispatch` (auto: as the trainer chooses for the target); `chunk_size`: its GradCache block
+  (`training/grad_cache.py`; auto: the largest that fits the target's memory, `training/chunk_choice.py`)."""
   devices = target_devices(target, num_devices)
   bert_config = bert_config_for(model)
   config = compile_config(model, bert_config, batch_size, max_length, dtype, population)
-  config.mesh.cuda_graphs, config.steps_per_dispatch = cuda_graphs, str(steps)
+  config.mesh.cuda_graphs, config.steps_per_dispatch, config.chunk_size = cuda_graphs, str(steps), str(chunk_size)
   try:
     prog, compile_s = aot_compile.compiled_program(config, bert_config, devices)
   except jax.errors.JaxRuntimeError as e:  # e.g. v100: CUDA 13's ptxas compiles nothing for sm_70
@@ -69,6 +80,7 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
   result = {"aot_target": target, "device_kind": devices[0].device_kind, "num_devices": len(devices),
             "model": model, "batch_size": batch_size, "max_length": max_length, "dtype": dtype,
             "jax_version": jax.__version__, "compile_s": compile_s, "steps_per_dispatch": prog.steps,
+            "chunk_size": str(chunk_size), "chunk_size_resolved": int(prog.config.chunk_size),
             "state_layout": "sharded" if prog.config.mesh.shard_state else "replicated",
             **aot_compile.report(prog.executable, module, len(devices), population)}
   result.update(time_model.predict(module, target, members=population or 1,
@@ -83,6 +95,13 @@ def run(target: str, num_devices: int, model: str, batch_size: int, max_length: 
   return result
 
 
+def chunk_line(r: dict) -> str:
+  """`chunk_size` as asked and as the step runs it (training/grad_cache.py; auto: training/chunk_choice.py)."""
+  size = r["chunk_size_resolved"]
+  runs = "the whole batch in one block" if size in (0, r["batch_size"]) else f"blocks of {size} rows"
+  return f"{r['chunk_size']}" + (f" -> {size}" if r["chunk_size"] != str(size) else "") + f" ({runs})"
+
+
 def report_lines(r: dict) -> list[str]:
   """The human-readable report of `run`'s result."""
   gib = lambda b: f"{b / 2 ** 30:.2f} GiB"
@@ -91,6 +110,7 @@ def report_lines(r: dict) -> list[str]:
            f"(compiled deviceless, jax {r['jax_version']})",
            f"  train step compile time      {r['compile_s']:.1f} s   ({r['steps_per_dispatch']} step(s) per call; "
            "figures below are per training step)",
+           *([f"  chunk_size                   {chunk_line(r)}"] if "chunk_size_resolved" in r else []),
            f"  train state                  {r['state_layout']}"
            + ("   (FSDP: mesh.shard_state)" if r["state_layout"] == "sharded" else ""),
            f"  kernels per step             {r['kernels_per_step']}   (update: {r['update_kernels_per_step']} = "

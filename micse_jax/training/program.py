@@ -16,6 +16,10 @@ stacked members (`training/population.make_population_step`); its call is (Popul
 `[steps, K, rows, cols]`, hyper) → (state, the last step's metrics `[K]`, stopped_at), `hyper` holding
 the members' step inputs (`configs/population_fields.PER_MEMBER`). The batch comes packed in one int32 array
 (`data/packing.py`).
+`chunk_size` (GradCache's rows per block, `training/grad_cache.py`) is checked against the padded batch and
+its devices here, and "auto" resolved once for the devices' memory (`training/chunk_choice.py`: the
+program compiled at a few block sizes), so the trainer, a population, the deviceless compile and the bench
+all run the number chosen.
 The encoder's shapes come from the checkpoint the trainer loaded (`abstract_of`) or, with no
 weights at all, from the model's init (`abstract_encoder`); the rest of the params' from the networks.
 """
@@ -33,12 +37,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from micse_jax import config_checks
 from micse_jax.configs import population_fields
 from micse_jax.data.packing import BatchLayout
 from micse_jax.data.pipeline import batch_layout
 from micse_jax.kernels import choice
 from micse_jax.models.bert import BertConfig, BertModel
 from micse_jax.training import (
+  chunk_choice,
   chunk_loop,
   data_parallel,
   dispatch,
@@ -207,6 +213,8 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
   the kernels are chosen for (default: the devices' own, `kernels/choice.target_of`), `steps` the
   training steps per call (default: `steps_per_dispatch`, `auto` resolved for the target:
   `dispatch.steps_for`)."""
+  if chunk_choice.is_auto(config):
+    return _with_chunk_chosen(config, bert_config, encoder, devices, tokens, target, steps)
   k, shared = population_fields.size(config), step_config(config)
   devices = jax.devices() if devices is None else list(devices)
   mesh = population_placement.population_mesh(k, devices) if k else data_parallel.data_mesh(devices)
@@ -227,13 +235,42 @@ def build(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, d
     steps = dispatch.steps_for(config, bert_config, target, 2 * len(jax.tree.leaves(abstract)) + 8)
   layout = batch_layout(shared.model.max_length)
   hyper = {name: np.asarray(values, np.float32) for name, values in population_fields.step_inputs(config).items()}
-  rows = data_parallel.padded_batch_size(shared.batch_size, population_placement.row_devices(k, len(devices)))
+  row_devices = population_placement.row_devices(k, len(devices))
+  rows = data_parallel.padded_batch_size(shared.batch_size, row_devices)
+  config_checks.check_chunk_size(shared.get("chunk_size", chunk_choice.WHOLE), rows, row_devices)
   return Program(
       config=shared, nets=nets, tx=tx, mesh=mesh, members=k, abstract_params=params,
       abstract_state=state_placement.placed(abstract, sharding), state_sharding=sharding, layout=layout,
       rows=rows, hyper=hyper, jitted=_jitted_step(shared, nets, mesh, sharding, layout, k), target=target,
       rebuild=lambda t, n=None: build(config, bert_config, encoder, devices, tokens, t, steps if n is None else n),
       steps=steps)
+
+
+def _with_chunk_chosen(config: ml_collections.ConfigDict, bert_config: BertConfig, encoder, devices,
+                       tokens: SpecialTokens | None, target: choice.Target | None, steps: int | None) -> Program:
+  """`build` of `config` with `chunk_size=auto` resolved (`chunk_choice.resolve`): each block size tried is
+  the program built at that size and compiled (`compiled`), its peak the compiler's; the program of the
+  size chosen is returned (compiled where it was tried), its config and `rebuild` holding the number."""
+  devices = jax.devices() if devices is None else list(devices)
+  row_devices = population_placement.row_devices(population_fields.size(config), len(devices))
+  rows = data_parallel.padded_batch_size(config.batch_size, row_devices)
+  tried = {}
+
+  def at(size: int) -> Program:
+    fixed = config.copy_and_resolve_references()
+    fixed.chunk_size = chunk_choice.WHOLE if size == rows else str(size)
+    return build(fixed, bert_config, encoder, devices, tokens, target, steps)
+
+  def peak_of(size: int) -> tuple[int, int]:
+    from micse_jax.aot.compile import memory  # the compiler's figures, as `bench --aot` reports them
+    tried[size] = compiled(at(size))
+    m = memory(tried[size].executable)
+    return m["peak"], m["arguments"] + m["outputs"] - m["aliased"]
+
+  # this process's device: every host reads its own GPU's limit (another host's device has no stats here)
+  local = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+  size = int(chunk_choice.resolve(config, rows, row_devices, local, peak_of)) or rows
+  return tried[size] if size in tried else at(size)
 
 
 def _with_state_layout(config: ml_collections.ConfigDict, mesh: Mesh, target: choice.Target,
@@ -264,6 +301,8 @@ def compiled(prog: Program, run_once: bool = False) -> Program:
   when it holds them, so that a kernel that cannot be launched here falls back the same way before the
   run's state exists (the trainer, the bench's timed steps); a kernel that hangs, or faults the device, is
   not caught (docs/reliability.md)."""
+  if prog.executable is not None and not run_once:  # compiled already (`chunk_size=auto`'s tries)
+    return prog
   lowered, stage = None, "compile"
   try:
     lowered = prog.lower()

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from micse_jax import caches, timeline
+from micse_jax import caches, config_checks, timeline
 from micse_jax.config_checks import MethodConfigError
 from micse_jax.configs import population_fields
 from micse_jax.data.pipeline import TrainBatches, build_train_batches
@@ -50,6 +50,8 @@ def prepare_runs(config: ml_collections.ConfigDict, devices=None) -> list[Run]:
   writes anything)."""
   count = len(jax.devices() if devices is None else devices)
   rows_over = population_placement.row_devices(population_fields.size(config), count)
+  config_checks.check_chunk_size(config.get("chunk_size", "0"),
+                                 data_parallel.padded_batch_size(config.batch_size, rows_over), rows_over)
   return [prepare(c, rows_over) for c in population_fields.member_configs(config) or [config]]
 
 

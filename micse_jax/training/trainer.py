@@ -75,8 +75,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
 
   1. the config: "auto" dtype resolved, then checked (ranges, SentEval, workdir, resume compatibility);
   2. the devices, and the caches opened before the first compile;
-  3. the data: each run's checkpoint, tokenizer and batches (the last input checks);
-  4. the program: networks, dtype, state layout, the jitted step, compiling in the background;
+  3. the data: `chunk_size` against the padded batch, each run's checkpoint, tokenizer and batches;
+  4. the program: networks, dtype, state layout, `chunk_size=auto` chosen for the devices' memory (the
+     last input check: a batch no block of which fits), the jitted step, compiling in the background;
   5. the state: fresh, or the newest checkpoint (older layouts converted on the way in), and its saver;
   6. the runs' folders and evaluators (their programs compiled now, not at the first evaluation);
   7. the loop, then the final evaluation."""
@@ -85,9 +86,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, session
   devices = distributed.devices_for(config)
   session.info["compilation_cache"], cache_notes = caches.open_for_run(config)
   runs = run_inputs.prepare_runs(config, devices)
+  prog = program.of_runs(config, runs, devices)  # chunk_size=auto chosen here: the last input check
   _say_checked(dtype_line, cache_notes, config, runs)
   rolling = workdir_lib.rolling_manager(workdir, config.keep_checkpoints)
-  prog = program.of_runs(config, runs, devices)
   compiling = _compile_ahead(config, prog, rolling.latest_step() or 0)
   with session.phase("load"):
     state = checkpoint.starting_state(prog, runs, rolling)
