@@ -8,6 +8,7 @@ import ml_collections
 import pytest
 
 from micse_jax import config_checks
+from micse_jax.aot import topology
 from micse_jax.errors import ConfigError
 from micse_jax.training import chunk_choice
 
@@ -104,10 +105,12 @@ def test_a_deviceless_gpu_gets_its_datasheet_memory_at_jaxs_fraction(monkeypatch
 
     def memory_stats(self):
       raise RuntimeError("MemoryStats is only supported for addressable PjRt devices.")
-  limit, source = chunk_choice.memory_limit(Deviceless())
-  assert limit == int(0.75 * 16 * 2 ** 30) and source == "75% of the v100 datasheet's 16 GiB"  # the design's 16 GB V100
   tpu = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite", memory_stats=lambda: None)
-  assert chunk_choice.memory_limit(tpu)[0] == 16 * 2 ** 30
+  assert chunk_choice.memory_limit(Deviceless())[0] is None  # outside a deviceless compile: none known
+  with chunk_choice.deviceless_memory(topology.datasheet_memory):  # as aot/compile.build_program sets it
+    limit, source = chunk_choice.memory_limit(Deviceless())
+    assert limit == int(0.75 * 16 * 2 ** 30) and source == "75% of the v100 datasheet's 16 GiB"  # the 16 GB V100
+    assert chunk_choice.memory_limit(tpu)[0] == 16 * 2 ** 30
   gpu_here = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
                                    memory_stats=lambda: {"bytes_limit": 12345})
   assert chunk_choice.memory_limit(gpu_here)[0] == 12345
@@ -128,7 +131,6 @@ def tiny(tmp_path_factory, minilm_dir):
 def test_auto_resolves_once_in_the_build_to_the_largest_block_under_a_fake_limit(tiny, monkeypatch, caplog):
   """The peaks of the tries are faked (no compile: `program.compiled` and the compiler's memory replaced):
   8 rows, peaks 100 + 10 per row: a limit of 150 fits blocks of 4 (140), not 8 (180)."""
-  from micse_jax.aot import compile as aot_compile
   from micse_jax.training import program
   config, bert_config, encoder = tiny
   config = config.copy_and_resolve_references()
@@ -140,7 +142,7 @@ def test_auto_resolves_once_in_the_build_to_the_largest_block_under_a_fake_limit
   def memory(executable):
     size = int(asked[-1].config.chunk_size) or 8
     return {"peak": 100 + 10 * size, "arguments": 100, "outputs": 0, "aliased": 0}
-  monkeypatch.setattr(aot_compile, "memory", memory)
+  monkeypatch.setattr(chunk_choice, "compiled_memory", memory)
   real_build = program.build
 
   def build(config, *args, **kwargs):
@@ -159,14 +161,13 @@ def test_auto_resolves_once_in_the_build_to_the_largest_block_under_a_fake_limit
 
 
 def test_auto_with_no_block_that_fits_is_one_config_error(tiny, monkeypatch):
-  from micse_jax.aot import compile as aot_compile
   from micse_jax.training import program
   config, bert_config, encoder = tiny
   config = config.copy_and_resolve_references()
   config.chunk_size = "auto"
   monkeypatch.setattr(chunk_choice, "memory_limit", lambda device: (50, "a fake limit"))
   monkeypatch.setattr(program, "compiled", lambda prog, run_once=False: prog)
-  monkeypatch.setattr(aot_compile, "memory", lambda executable: {"peak": 2 ** 30, "arguments": 2 ** 20, "outputs": 0,
+  monkeypatch.setattr(chunk_choice, "compiled_memory", lambda executable: {"peak": 2 ** 30, "arguments": 2 ** 20, "outputs": 0,
                                                                  "aliased": 0})
   with pytest.raises(ConfigError) as e:
     program.build(config, bert_config, encoder, jax.devices()[:1])

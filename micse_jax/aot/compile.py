@@ -34,10 +34,12 @@ from micse_jax.models.policy import Policy
 def build_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
   """The trainer's program of `config` (`training/program.py`) for `devices`, from shapes alone;
   `tokens`: the checkpoint's special token ids (`networks.SpecialTokens`), where the method reads them."""
-  from micse_jax.training import precision, program
+  from micse_jax.aot.topology import datasheet_memory
+  from micse_jax.training import chunk_choice, precision, program
   config = precision.with_resolved_dtype(config, announce=False, device=devices[0])  # "auto": the target's dtype
   encoder = program.abstract_encoder(program.step_config(config), bert_config)
-  return program.build(config, bert_config, encoder, devices, tokens)
+  with chunk_choice.deviceless_memory(datasheet_memory):  # `chunk_size=auto` against the target's datasheet
+    return program.build(config, bert_config, encoder, devices, tokens)
 
 
 def lower_program(config: ml_collections.ConfigDict, bert_config: BertConfig, devices, tokens=None):
@@ -81,11 +83,10 @@ def compile_encode(device, bert_config: BertConfig, batch_size: int, max_length:
 
 
 def memory(compiled) -> dict:
-  """The compiler's buffer sizes per device (bytes); peak = arguments + outputs − aliased + temporaries."""
-  m = compiled.memory_analysis()
-  sizes = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes}
-  return dict(sizes, peak=sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporaries"])
+  """The compiler's buffer sizes per device (bytes); peak = arguments + outputs − aliased + temporaries
+  (`training/chunk_choice.compiled_memory`, which `chunk_size=auto` reads)."""
+  from micse_jax.training.chunk_choice import compiled_memory
+  return compiled_memory(compiled)
 
 
 def report(compiled, module: Module, num_devices: int, members: int = 0) -> dict:

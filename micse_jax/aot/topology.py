@@ -116,3 +116,18 @@ def target_devices(target: str, num_devices: int = 1) -> list:
   optional.require_jax_match("libtpu", f"--aot {target}")
   shape = "x".join(str(d) for d in tpu_slice(target, num_devices))
   return list(topologies.get_topology_desc(f"{TPU_TARGETS[target][0]}:{shape}", "tpu").devices)[:num_devices]
+
+
+def datasheet_memory(device) -> tuple[int | None, str]:
+  """(bytes a step may use on a deviceless target's `device`, where the figure comes from): its datasheet
+  memory (`DATASHEET_MEMORY_GIB`), a GPU's at the share JAX's allocator would take of it
+  (`training/chunk_choice.gpu_fraction`); (None, why) for a device of no target."""
+  from micse_jax.training.chunk_choice import gpu_fraction
+  target = target_of(device)
+  if target is None:
+    return None, f"no memory limit known for a {device.platform} device"
+  gib = DATASHEET_MEMORY_GIB[target]
+  if device.platform == "tpu":
+    return gib * 2 ** 30, f"the {target} datasheet's {gib} GiB"
+  fraction = gpu_fraction()
+  return int(gib * 2 ** 30 * fraction), f"{fraction:.0%} of the {target} datasheet's {gib} GiB"

@@ -47,9 +47,8 @@ class _OneLineParser(argparse.ArgumentParser):
     cli.fail(message, cli.USAGE_EXIT)
 
 
-def parse_args(argv):
-  """The benchmark's command line (argparse)."""
-  p = _OneLineParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
+def _add_step_arguments(p) -> None:
+  """The step's shape and layout: model, batch, length, dtype, GradCache blocks, dropout bits."""
   p.add_argument("--model", default="minilm",
                  help="minilm (shipped checkpoint) | bert-base | tiny (random weights) | a HF directory")
   p.add_argument("--batch_size", type=int, default=64, help="sentences per step (two views each)")
@@ -61,6 +60,12 @@ def parse_args(argv):
                       "(training/chunk_choice.py); with --aot too")
   p.add_argument("--dropout_random_bits", type=int, default=32, choices=(32, 16),
                  help="model.dropout_random_bits of the micse_jax step (16: two draws per random word)")
+
+
+def parse_args(argv):
+  """The benchmark's command line (argparse)."""
+  p = _OneLineParser(prog="python -m micse_jax.bench", description=__doc__.splitlines()[0])
+  _add_step_arguments(p)
   timing.add_arguments(p)
   p.add_argument("--piece_steps", type=int, default=3, help="profiled full steps of the breakdown by phase")
   p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baselines")

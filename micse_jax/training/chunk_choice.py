@@ -19,8 +19,10 @@ known, so the whole batch.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from typing import Callable
 
 import ml_collections
@@ -44,7 +46,7 @@ def block_sizes(rows: int, row_devices: int) -> list[int]:
   return [rows] + [d for d in range(rows - 1, 0, -1) if rows % d == 0 and d % row_devices == 0]
 
 
-def _gpu_fraction() -> float:
+def gpu_fraction() -> float:
   """The share of a GPU's memory JAX's allocator would take (`XLA_PYTHON_CLIENT_MEM_FRACTION`)."""
   try:
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_CLIENT_FRACTION))
@@ -52,25 +54,50 @@ def _gpu_fraction() -> float:
     return GPU_CLIENT_FRACTION
 
 
+class _Deviceless(threading.local):
+  stack: list  # the datasheet readers in effect, innermost last (per thread: tracing runs on the caller's)
+
+  def __init__(self):
+    self.stack = []
+
+
+_deviceless = _Deviceless()
+
+
+@contextlib.contextmanager
+def deviceless_memory(limit_of: Callable):
+  """`limit_of(device) -> (bytes | None, source)` in effect for the devices that have no allocator to ask
+  (a deviceless compile's: `aot/topology.datasheet_memory`, set by `aot/compile.build_program`)."""
+  _deviceless.stack.append(limit_of)
+  try:
+    yield
+  finally:
+    _deviceless.stack.pop()
+
+
 def memory_limit(device) -> tuple[int | None, str]:
   """(bytes a step may use on `device`, where the figure comes from); (None, why) where none is known
-  (a CPU). A device here: its allocator's limit; a deviceless target's: its datasheet memory
-  (`aot/topology.DATASHEET_MEMORY_GIB`), a GPU's at JAX's allocator fraction."""
+  (a CPU). A device here: its allocator's limit; a deviceless target's: what the `deviceless_memory` in
+  effect says (its datasheet memory, a GPU's at JAX's allocator fraction)."""
   try:
     stats = device.memory_stats()
   except Exception:  # noqa: BLE001  (a deviceless topology's device has no allocator to ask)
     stats = None
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"]), f"{device.device_kind}'s allocator limit"
-  from micse_jax.aot import topology
-  target = topology.target_of(device)
-  if target is None:
-    return None, f"no memory limit known for a {device.platform} device"
-  gib = topology.DATASHEET_MEMORY_GIB[target]
-  if device.platform == "tpu":
-    return gib * 2 ** 30, f"the {target} datasheet's {gib} GiB"
-  fraction = _gpu_fraction()
-  return int(gib * 2 ** 30 * fraction), f"{fraction:.0%} of the {target} datasheet's {gib} GiB"
+  for limit_of in reversed(_deviceless.stack):
+    limit, source = limit_of(device)
+    if limit is not None:
+      return limit, source
+  return None, f"no memory limit known for a {device.platform} device"
+
+
+def compiled_memory(compiled) -> dict:
+  """The compiler's buffer sizes per device (bytes); peak = arguments + outputs − aliased + temporaries."""
+  m = compiled.memory_analysis()
+  sizes = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes}
+  return dict(sizes, peak=sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporaries"])
 
 
 def _next_try(sizes: list[int], i: int, tried: dict, fixed: int, limit: int) -> int:

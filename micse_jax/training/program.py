@@ -262,9 +262,8 @@ def _with_chunk_chosen(config: ml_collections.ConfigDict, bert_config: BertConfi
     return build(fixed, bert_config, encoder, devices, tokens, target, steps)
 
   def peak_of(size: int) -> tuple[int, int]:
-    from micse_jax.aot.compile import memory  # the compiler's figures, as `bench --aot` reports them
     tried[size] = compiled(at(size))
-    m = memory(tried[size].executable)
+    m = chunk_choice.compiled_memory(tried[size].executable)  # the compiler's figures, as `bench --aot` reports them
     return m["peak"], m["arguments"] + m["outputs"] - m["aliased"]
 
   # this process's device: every host reads its own GPU's limit (another host's device has no stats here)
