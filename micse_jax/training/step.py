@@ -7,6 +7,8 @@ attention maps (Eq. 3–5). The relatives are the same step with other named par
 Dropout, Mirror-BERT span masking), the encoding (one encoder, or CT's two), the contrastive
 term (InfoNCE or positive-only) and the extra terms (AMI, InforMin-CL reconstruction, MLM,
 InfoCSE's auxiliary MLM network). One jitted, donated step for all of them (`training/program.py`).
+With `chunk_size`, the loss and its gradient are computed in blocks of rows (GradCache,
+`training/grad_cache.py`, `gradient_function`): the same values in the memory of one block.
 
 Per-member hyper-parameters (a population's `configs/population_fields.PER_MEMBER` step inputs) come as
 an explicit argument `hyper` of arrays, in place of the config's constant; a solo run passes
