@@ -174,12 +174,11 @@ def test_main_auto_chunk_size_with_no_block_that_fits(base, minilm_dir, tmp_path
   """`chunk_size=auto` where even one-row blocks exceed the memory (the limit and the compiler's peaks
   faked: no compile): one line, before the workdir is touched (its checkpoint folder included)."""
   from micse_jax import main
-  from micse_jax.aot import compile as aot_compile
   from micse_jax.training import chunk_choice, program
   monkeypatch.setattr(chunk_choice, "memory_limit", lambda device: (2 ** 20, "a fake 1 MiB"))
   monkeypatch.setattr(program, "compiled", lambda prog, run_once=False: prog)
-  monkeypatch.setattr(aot_compile, "memory", lambda executable: {"peak": 2 ** 30, "arguments": 2 ** 29,
-                                                                 "outputs": 0, "aliased": 0})
+  monkeypatch.setattr(chunk_choice, "compiled_memory", lambda executable: {"peak": 2 ** 30, "arguments": 2 ** 29,
+                                                                           "outputs": 0, "aliased": 0})
   config = _config(base, minilm_dir, chunk_size="auto")
   workdir = _existing_workdir(tmp_path)
   before = _snapshot(workdir)
