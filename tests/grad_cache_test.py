@@ -127,6 +127,39 @@ def test_blocked_steps_train_the_same_state(tmp_path, minilm_dir):
       np.testing.assert_array_equal(y, x, err_msg=jax.tree_util.keystr(path))
 
 
+def _matrix_product_flops(fn, *args) -> float:
+  """The products' FLOPs of one call of the compiled `fn`, each loop's body counted for its trips
+  (`aot/kernel_cost.py`; XLA's own count takes a loop's body once)."""
+  from micse_jax.aot import hlo_module, kernel_cost
+  compiled = jax.jit(fn).lower(*args).compile()
+  return sum(c.runs * c.flops for c in kernel_cost.costs(hlo_module.parse(compiled.as_text())))
+
+
+def test_the_last_blocks_forward_runs_once(tmp_path, minilm_dir):
+  """The blocked step's products beyond the unblocked step's are the forward of all blocks but the last
+  (GradCache runs every block's forward twice; the last block's is kept from pass 1): with 4 blocks,
+  3/4 of the whole batch's forward."""
+  from micse_jax.training import data_parallel, weight_copies
+  from micse_jax.training import step as step_module
+  prog, runs = prepared_program(_config(tmp_path, minilm_dir, "simcse"))
+  state = prog.initial_state(runs)
+  packed = prog.place_batch([r.batches.batch(0) for r in runs])
+  loss_fn = step_module.make_loss_fn(prog.config, prog.nets, prog.mesh)
+  keys = step_module.step_keys(state.rng, state.step)
+  args = lambda s, p: (s.params, s.frozen_params, prog.layout.unpack(p[0]), s.queue, keys, s.step)
+  forward = _matrix_product_flops(
+      lambda s, p: loss_fn(weight_copies.read_through(s.params, s.compute_weights), *args(s, p)[1:]), state, packed)
+  step_flops = {}
+  for size in (0, 4):
+    config = _blocked(prog.config, size)
+    fn = step_module.gradient_function(config, prog.nets, loss_fn, state.compute_weights, {},
+                                       grad_cache.blocks_per_device(config, prog.rows, 1), 1,
+                                       data_parallel.rows_per_device(prog.mesh))
+    step_flops[size] = _matrix_product_flops(lambda s, p: fn(*args(s, p)), state, packed)
+  assert forward > 0
+  np.testing.assert_allclose(step_flops[4] - step_flops[0], 3 / 4 * forward, rtol=0.01)
+
+
 class _Drop(nn.Module):
   random_bits: int = 32
 

@@ -18,6 +18,10 @@ and the step runs in three passes (`value_and_unscaled_grad`):
    auxiliary network), the blocks' gradients added up (each block's backward adds the sum so far,
    `_carried`).
 
+The last block is the exception: pass 1 runs its forward keeping what its backward needs (`jax.vjp`),
+and pass 3 starts with that block's backward (`_replayed`), so its forward runs once. This costs one
+block's activations between the passes, the memory the other blocks' pass 3 needs anyway.
+
 The per-sentence terms are sums over rows divided by batch-wide counts that carry no gradient (Σ of
 AMI's pair weights and the official variant's kept slices, the masked tokens): pass 1 collects them,
 and a block's term is its rows' sum over the batch's count, the shares adding up to the term
@@ -77,9 +81,18 @@ def blocks_per_device(config: ml_collections.ConfigDict, rows: int, devices: int
 def by_blocks(fn: Callable, count: int, devices: int):
   """`fn(block)` for each of the `count` blocks per device (`row_block.Block`), one loop iteration each,
   its outputs (arrays over the block's rows) put back in the whole batch's row order."""
+  return _in_row_order(_stacked(fn, count, count, devices), devices)
+
+
+def _stacked(fn: Callable, trips: int, count: int, devices: int):
+  """`fn(block)` for the first `trips` of the `count` blocks per device, stacked `[trips, rows, ...]`."""
   def body(carry, index):
     return carry, fn(row_block.Block(index, count, devices))
-  _, stacked = jax.lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))
+  _, stacked = jax.lax.scan(body, None, jnp.arange(trips, dtype=jnp.int32))
+  return stacked
+
+
+def _in_row_order(stacked, devices: int):
   return jax.tree.map(lambda x: row_block.whole_of(x, devices), stacked)
 
 
@@ -101,8 +114,12 @@ def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, r
     blocks = _Blocks(config=config, nets=nets, read=read, count=count, devices=devices, map_rows=map_rows,
                      batch=batch, keys=keys, frozen=frozen, hyper=hyper or {})
     blocks = dataclasses.replace(blocks, whole_view2=blocks.whole_second_view(params))
-    with jax.named_scope("embed_blocks"):  # pass 1: no activations kept
-      z1, z2, counts = by_blocks(lambda block: blocks.embed(params, block), count, devices)
+    last = row_block.Block(jnp.int32(count - 1), count, devices)
+    with jax.named_scope("embed_blocks"):  # pass 1: no activations kept, but the last block's
+      stacked = _stacked(lambda block: blocks.embed(params, block), count - 1, count, devices)
+      last_embedded, kept = blocks.embed_kept(params, last)
+    z1, z2, counts = _in_row_order(jax.tree.map(lambda s, x: jnp.concatenate([s, x[None]]), stacked, last_embedded),
+                                   devices)
     ami = _ami_totals(counts, batch.get(ROW_MASK_KEY), config, _official_cells_per_slice(nets, blocks.length))
     with jax.named_scope("loss/contrastive"):  # pass 2: the terms of z on the whole batch, and ∂L/∂z
       (loss, metrics), dz = jax.value_and_grad(blocks.batch_terms, argnums=(0, 1), has_aux=True)(z1, z2, queue)
@@ -112,15 +129,18 @@ def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, r
     def objective(p, block, so_far):
       value, aux = blocks.objective(p, block, pulled)
       return value + _carried(p, so_far), aux
-    block_grad = precision.value_and_unscaled_grad(objective, loss_scale, config.model.loss_scale_period)
+    period = config.model.loss_scale_period
+    block_grad = precision.value_and_unscaled_grad(objective, loss_scale, period)
+    kept_grad = precision.value_and_unscaled_grad(lambda p: blocks.objective(p, last, pulled, kept), loss_scale,
+                                                  period)
 
     def backprop(total, index):  # pass 3: each block's gradient, added up
       so_far, aux_so_far = total
       (_, aux), grads = block_grad(params, row_block.Block(index, count, devices), so_far)
       return (grads, jax.tree.map(jnp.add, aux_so_far, aux)), None
-    first = jax.eval_shape(lambda: block_grad(params, row_block.Block(jnp.int32(0), count, devices), params))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (first[1], first[0][1]))
-    (grads, (extra, shares)), _ = jax.lax.scan(backprop, zeros, jnp.arange(count, dtype=jnp.int32))
+    (_, last_aux), last_grads = kept_grad(params)  # the last block first: its forward was kept in pass 1
+    (grads, (extra, shares)), _ = jax.lax.scan(backprop, (last_grads, last_aux),
+                                               jnp.arange(count - 1, dtype=jnp.int32))
     metrics = {**metrics, **shares, **_batch_constants(config, ami[1])}
     loss = loss + extra
     if config.infocse.enabled:  # the pre-training phase's loss is InfoCSE's term alone (`infocse.add_to_loss`)
@@ -128,6 +148,35 @@ def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, r
     return (loss, metrics), grads
 
   return run
+
+
+@jax.custom_vjp
+def _replayed(params, outputs, pull_back):
+  """`outputs`, a forward's results on `params` already computed, differentiated by that forward's
+  `pull_back` (`jax.vjp`): a block's backward in pass 3 without running its forward again."""
+  del params, pull_back
+  return outputs
+
+
+def _replayed_forward(params, outputs, pull_back):
+  del params
+  return outputs, pull_back
+
+
+def _replayed_backward(pull_back, cotangent):
+  return pull_back(cotangent)[0], None, None
+
+
+_replayed.defvjp(_replayed_forward, _replayed_backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+  """Pass 1's forward of the last block, kept for its backward: its rows, the forward's outputs (the
+  `Encoded` views, z¹, z²) and their pull-back to the parameters."""
+  rows: dict
+  outputs: tuple
+  pull_back: Callable
 
 
 def _carried(params, so_far):
@@ -190,8 +239,20 @@ class _Blocks:
   def embed(self, params, block: row_block.Block):
     """Pass 1 on a block: its (z¹, z²) and the counts the per-sentence terms divide by."""
     rows, enc, z1, z2 = self.forward(self.read(params), block)
-    row_ids = block.of_whole(jnp.arange(block.whole_rows(z1.shape[0]), dtype=jnp.int32))
-    return z1, z2, _counts(enc, rows, self.keys["ami"], self.config, self.map_rows, row_ids)
+    return z1, z2, self.counts(enc, rows, block)
+
+  def embed_kept(self, params, block: row_block.Block):
+    """Pass 1 on a block, keeping its forward for pass 3: `embed`'s results and the `_Kept` forward."""
+    def outputs(p):
+      rows, enc, z1, z2 = self.forward(self.read(p), block)
+      return (enc, z1, z2), rows
+    (enc, z1, z2), pull_back, rows = jax.vjp(outputs, params, has_aux=True)
+    return (z1, z2, self.counts(enc, rows, block)), _Kept(rows, (enc, z1, z2), pull_back)
+
+  def counts(self, enc, rows, block: row_block.Block) -> dict:
+    """`_counts` of a block's encoding, its AMI draws keyed by the rows' indices in the batch."""
+    row_ids = block.of_whole(jnp.arange(block.whole_rows(rows["input_ids"].shape[0]), dtype=jnp.int32))
+    return _counts(enc, rows, self.keys["ami"], self.config, self.map_rows, row_ids)
 
   def batch_terms(self, z1, z2, queue):
     """The terms of the embeddings alone, on the whole batch (as `step.make_loss_fn` computes them)."""
@@ -201,11 +262,15 @@ class _Blocks:
       parts.append(terms.reconstruction_term(z1, z2, c, row_mask=row_mask))
     return sum(p[0] for p in parts), {k: v for _, m in parts for k, v in m.items()}
 
-  def objective(self, params, block: row_block.Block, pulled: _Pulled):
+  def objective(self, params, block: row_block.Block, pulled: _Pulled, kept: _Kept | None = None):
     """Pass 3 on a block: ⟨∂L/∂z, z⟩ of its rows plus its shares of the per-sentence terms (InfoCSE's
-    pre-training phase, §3.1: its term alone, as `infocse.add_to_loss`); (objective, (extra, shares))."""
+    pre-training phase, §3.1: its term alone, as `infocse.add_to_loss`); (objective, (extra, shares)).
+    The block's forward runs here, or was `kept` in pass 1."""
     c, weights = self.config, self.read(params)
-    rows, enc, z1, z2 = self.forward(weights, block)
+    if kept is None:
+      rows, enc, z1, z2 = self.forward(weights, block)
+    else:
+      rows, (enc, z1, z2) = kept.rows, _replayed(params, kept.outputs, kept.pull_back)
     objective = jnp.sum(block.of_whole(pulled.dz[0]) * z1) + jnp.sum(block.of_whole(pulled.dz[1]) * z2)
     parts = []
     if c.ami.enabled:
