@@ -304,11 +304,8 @@ def _counts(enc, rows, key, config, map_rows, row_ids):
   if config.ami.variant == "official":
     valid, _, _ = official_cells(enc.att1, enc.att2)
     return {"num_valid": jnp.sum(valid, axis=-1).astype(jnp.int32)}
-  a = config.ami
-  res = attention_mutual_information(enc.att1, enc.att2, rows["attention_mask"], key, num_samples=a.num_samples,
-                                     heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
-                                     require_positive=a.require_positive, row_mask=rows.get(ROW_MASK_KEY),
-                                     map_rows=map_rows, row_ids=row_ids)
+  res = attention_mutual_information(enc.att1, enc.att2, rows["attention_mask"], key, row_mask=rows.get(ROW_MASK_KEY),
+                                     map_rows=map_rows, row_ids=row_ids, **terms.paper_ami_options(config))
   # per row, put back in the batch's order: the pairs that count, and the cells drawn (pass 3 takes them)
   return {"pairs": jnp.sum(res.weight, axis=-1), "indices": res.indices, "sample_weight": res.sample_weight}
 

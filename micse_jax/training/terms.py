@@ -57,10 +57,15 @@ def ami_term(att1, att2, attention_mask, key, config, row_mask=None, map_rows=al
   if a.variant == "official":
     return official_ami_loss(att1, att2, key, weight=weight, num_samples=a.num_samples,
                              row_mask=row_mask, map_rows=map_rows, selection=selection, totals=totals)
-  return ami_loss(att1, att2, attention_mask, key, weight=weight, num_samples=a.num_samples,
-                  heads_per_slice=a.heads_per_slice, pool_layers=a.pool_layers,
-                  require_positive=a.require_positive, row_mask=row_mask, map_rows=map_rows,
-                  row_ids=row_ids, totals=totals, samples=samples)
+  return ami_loss(att1, att2, attention_mask, key, weight=weight, row_mask=row_mask, map_rows=map_rows,
+                  row_ids=row_ids, totals=totals, samples=samples, **paper_ami_options(config))
+
+
+def paper_ami_options(config) -> dict:
+  """The paper variant's sampling of the config's `ami` (`losses/ami.attention_mutual_information`)."""
+  a = config.ami
+  return {"num_samples": a.num_samples, "heads_per_slice": a.heads_per_slice, "pool_layers": a.pool_layers,
+          "require_positive": a.require_positive}
 
 
 def reconstruction_term(z1, z2, config, row_mask=None):
