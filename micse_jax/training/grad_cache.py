@@ -117,7 +117,10 @@ def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, r
     last = row_block.Block(jnp.int32(count - 1), count, devices)
     with jax.named_scope("embed_blocks"):  # pass 1: no activations kept, but the last block's
       stacked = _stacked(lambda block: blocks.embed(params, block), count - 1, count, devices)
-      last_embedded, kept = blocks.embed_kept(params, last)
+      # the kept forward after the other blocks' forwards, so that their memory is never held together
+      # (XLA inlines a loop of one trip, and could otherwise interleave them)
+      stacked, after = jax.lax.optimization_barrier((stacked, params))
+      last_embedded, kept = blocks.embed_kept(after, last)
     z1, z2, counts = _in_row_order(jax.tree.map(lambda s, x: jnp.concatenate([s, x[None]]), stacked, last_embedded),
                                    devices)
     ami = _ami_totals(counts, batch.get(ROW_MASK_KEY), config, _official_cells_per_slice(nets, blocks.length))
@@ -134,11 +137,14 @@ def value_and_unscaled_grad(config: ml_collections.ConfigDict, nets: Networks, r
     kept_grad = precision.value_and_unscaled_grad(lambda p: blocks.objective(p, last, pulled, kept), loss_scale,
                                                   period)
 
+    (_, last_aux), last_grads = kept_grad(params)  # the last block first: its forward was kept in pass 1
+    # the other blocks' forwards after its backward, for the same reason
+    last_grads, after = jax.lax.optimization_barrier((last_grads, params))
+
     def backprop(total, index):  # pass 3: each block's gradient, added up
       so_far, aux_so_far = total
-      (_, aux), grads = block_grad(params, row_block.Block(index, count, devices), so_far)
+      (_, aux), grads = block_grad(after, row_block.Block(index, count, devices), so_far)
       return (grads, jax.tree.map(jnp.add, aux_so_far, aux)), None
-    (_, last_aux), last_grads = kept_grad(params)  # the last block first: its forward was kept in pass 1
     (grads, (extra, shares)), _ = jax.lax.scan(backprop, (last_grads, last_aux),
                                                jnp.arange(count - 1, dtype=jnp.int32))
     metrics = {**metrics, **shares, **_batch_constants(config, ami[1])}
