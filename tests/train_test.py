@@ -77,10 +77,23 @@ def _run_steps(config, n):
   return init, state, history[-1]
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, minilm_dir):
+  """(config, step-0 state, state and metrics after 2 steps) of the tiny run of an objective, each run once
+  for the tests of this module that read it."""
+  root, runs = tmp_path_factory.mktemp("two_steps"), {}
+
+  def run(variant):
+    if variant not in runs:
+      config = tiny_training_config(root, minilm_dir, variant)
+      runs[variant] = (config, *_run_steps(config, 2))
+    return runs[variant]
+  return run
+
+
 @pytest.mark.parametrize("variant", ["simcse", "ami_simcse", "moco_simcse", "micse"])
-def test_one_step_of_each_objective(tmp_path, minilm_dir, variant):
-  config = tiny_training_config(tmp_path, minilm_dir, variant)
-  init, state, metrics = _run_steps(config, 2)  # step 0 has lr 0 (linear warm-up from 0, as HF)
+def test_one_step_of_each_objective(two_steps, variant):
+  config, init, state, metrics = two_steps(variant)  # step 0 has lr 0 (linear warm-up from 0, as HF)
   assert np.isfinite(metrics["loss"]) and int(state.step) == 2
   assert ("ami_mi" in metrics) == config.ami.enabled
   changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), init.params, state.params)
@@ -117,17 +130,18 @@ def test_bfloat16_compute_trains_with_float32_params(tmp_path, minilm_dir):
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), init.params["head"], state.params["head"])))
 
 
-def test_momentum_encoder_is_ema_of_updated_online_encoder(tmp_path, minilm_dir):
-  config = tiny_training_config(tmp_path, minilm_dir, "moco_simcse")
-  config.optim.warmup_steps = 0
-  init, state, _ = _run_steps(config, 1)
+def test_momentum_encoder_is_ema_of_updated_online_encoder(two_steps):
+  # The two warm-up steps of the tiny run: step 0 (lr 0) leaves the online encoder, so its EMA, where it
+  # started (to float32 rounding of 0.995·θ + 0.005·θ), and step 1 is the first update.
+  config, init, state, _ = two_steps("moco_simcse")
+  assert config.optim.warmup_steps == 2 and int(state.step) == 2
   expected = jax.tree.map(lambda t, o: 0.995 * np.asarray(t) + 0.005 * np.asarray(o),
                           init.ema_params, state.params["encoder"])
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), init.ema_params, state.ema_params))
   assert any(moved)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(state.ema_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  assert int(state.queue.ptr) == 8 and int(state.queue.valid.sum()) == 8
+  assert int(state.queue.ptr) == 16 % 12 and int(state.queue.valid.sum()) == 12  # two pushes of 8 into 12 slots
 
 
 def test_four_cpu_devices_match_one_device(tmp_path, minilm_dir):
