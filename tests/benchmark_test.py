@@ -11,6 +11,15 @@ from micse_jax.bench import __main__ as bench
 from micse_jax.bench import jax_step
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache():
+  """The trainer's compilation cache (the test session's folder, `conftest.py`): the bench runs and the
+  phase test below compile the same tiny step, read back after its first compile."""
+  from micse_jax import caches
+  from micse_jax.configs import micse
+  caches.enable_compilation_cache(micse.get_config())
+
+
 def test_bench_reports_step_times_ratio_and_breakdown(tmp_path, capsys):
   out = tmp_path / "bench.json"
   result = bench.main(["--model", "tiny", "--batch_size", "4", "--max_length", "16", "--steps", "1", "--rounds", "2",

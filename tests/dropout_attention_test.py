@@ -373,7 +373,10 @@ def _check_model(remat: str, cls_only: bool, target: choice.Target, exact: bool,
     np.testing.assert_allclose(got, want, rtol=2 ** -5, atol=2 ** -9 * scale)
 
 
-@pytest.mark.parametrize("remat,cls_only", [("none", False), ("layer", True), ("full", False)])
+# "layer" already recomputes the kernels' forward in the backward pass ("full" only recomputes the dense
+# matmuls besides): "full" runs with -m slow.
+@pytest.mark.parametrize("remat,cls_only", [("none", False), ("layer", True),
+                                            pytest.param("full", False, marks=pytest.mark.slow)])
 def test_model_with_the_kernels_is_the_explicit_model(remat, cls_only):
   _check_model(remat, cls_only, INTERPRET, exact=True)
 

@@ -9,12 +9,14 @@ import numpy as np
 
 
 def main(tmp, tokenizer_dir):
+  from micse_jax import caches
   from micse_jax.training import program, run_inputs
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
   # n = B: step 1's anchors all meet their own sentence in the queue, so the same-sentence mask
   # (sharded anchor ids against the replicated queue ids) is part of what must match.
   config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{"data.num_sentences": 8})
+  caches.enable_compilation_cache(config)  # as the trainer: programs other runs compiled are read back
   run = run_inputs.prepare(config)
   run.encoder_params = jax.device_get(run.encoder_params)  # host copy: each run donates its own
   finals = []

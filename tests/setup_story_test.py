@@ -24,7 +24,7 @@ def _direct_calls_of_the_set_up(config, workdir) -> list[str]:
 
 
 def test_the_set_up_enters_each_module_once_in_the_story_order_and_says_each_step(tmp_path, minilm_dir, caplog):
-  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=2)
+  config = tiny_training_config(tmp_path, minilm_dir)  # the tiny run: a program other tests compile too
   with caplog.at_level(logging.INFO):
     calls = _direct_calls_of_the_set_up(config, str(tmp_path / "run"))
   stays = [m for i, m in enumerate(calls) if i == 0 or calls[i - 1] != m]

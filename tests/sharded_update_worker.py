@@ -40,6 +40,7 @@ def _difference(plain: dict, split: dict, name: str) -> float:
 
 
 def main(tmp, tokenizer_dir):
+  from micse_jax import caches
   from micse_jax.training import run_inputs
   from tests.train_utils import tiny_training_config
   assert jax.device_count() == 4, jax.devices()
@@ -47,6 +48,7 @@ def main(tmp, tokenizer_dir):
   for shard_update in (False, True):
     config = tiny_training_config(pathlib.Path(tmp), tokenizer_dir, **{
         "mesh.shard_update": shard_update, "mesh.shard_min_elements": 1024})
+    caches.enable_compilation_cache(config)  # as the trainer: programs other runs compiled are read back
     host, text, local = run(config, run_inputs.prepare(config))
     out[str(shard_update)] = {"host": host, "collectives": collectives.collective_table(hlo_module.parse(text)), "local": local}
   plain, split = out["False"], out["True"]

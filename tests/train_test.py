@@ -77,10 +77,23 @@ def _run_steps(config, n):
   return init, state, history[-1]
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, minilm_dir):
+  """(config, step-0 state, state and metrics after 2 steps) of the tiny run of an objective, each run once
+  for the tests of this module that read it."""
+  root, runs = tmp_path_factory.mktemp("two_steps"), {}
+
+  def run(variant):
+    if variant not in runs:
+      config = tiny_training_config(root, minilm_dir, variant)
+      runs[variant] = (config, *_run_steps(config, 2))
+    return runs[variant]
+  return run
+
+
 @pytest.mark.parametrize("variant", ["simcse", "ami_simcse", "moco_simcse", "micse"])
-def test_one_step_of_each_objective(tmp_path, minilm_dir, variant):
-  config = tiny_training_config(tmp_path, minilm_dir, variant)
-  init, state, metrics = _run_steps(config, 2)  # step 0 has lr 0 (linear warm-up from 0, as HF)
+def test_one_step_of_each_objective(two_steps, variant):
+  config, init, state, metrics = two_steps(variant)  # step 0 has lr 0 (linear warm-up from 0, as HF)
   assert np.isfinite(metrics["loss"]) and int(state.step) == 2
   assert ("ami_mi" in metrics) == config.ami.enabled
   changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), init.params, state.params)
@@ -117,17 +130,18 @@ def test_bfloat16_compute_trains_with_float32_params(tmp_path, minilm_dir):
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), init.params["head"], state.params["head"])))
 
 
-def test_momentum_encoder_is_ema_of_updated_online_encoder(tmp_path, minilm_dir):
-  config = tiny_training_config(tmp_path, minilm_dir, "moco_simcse")
-  config.optim.warmup_steps = 0
-  init, state, _ = _run_steps(config, 1)
+def test_momentum_encoder_is_ema_of_updated_online_encoder(two_steps):
+  # The two warm-up steps of the tiny run: step 0 (lr 0) leaves the online encoder, so its EMA, where it
+  # started (to float32 rounding of 0.995·θ + 0.005·θ), and step 1 is the first update.
+  config, init, state, _ = two_steps("moco_simcse")
+  assert config.optim.warmup_steps == 2 and int(state.step) == 2
   expected = jax.tree.map(lambda t, o: 0.995 * np.asarray(t) + 0.005 * np.asarray(o),
                           init.ema_params, state.params["encoder"])
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), init.ema_params, state.ema_params))
   assert any(moved)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(state.ema_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  assert int(state.queue.ptr) == 8 and int(state.queue.valid.sum()) == 8
+  assert int(state.queue.ptr) == 16 % 12 and int(state.queue.valid.sum()) == 12  # two pushes of 8 into 12 slots
 
 
 def test_four_cpu_devices_match_one_device(tmp_path, minilm_dir):
@@ -146,21 +160,22 @@ def _leaves_equal(a, b):
 
 def test_resume_continues_bit_identically(tmp_path, minilm_dir, monkeypatch):
   # Few-shot (n = 16 < Q + B = 20): the queue's sentence ids matter and must survive the resume.
-  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=6, checkpoint_every=3,
-                                **{"data.num_sentences": 16})
+  # The tiny run's 4 steps, saved every 2 (its program is the one other tests compile: a cache hit).
+  config = tiny_training_config(tmp_path, minilm_dir, **{"data.num_sentences": 16})
+  assert (config.num_train_steps, config.checkpoint_every) == (4, 2)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
   trainer.train_and_evaluate(config, straight)
 
   train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, resumed)
-  assert workdir_lib.rolling_manager(resumed, 2).latest_step() == 3
-  trainer.train_and_evaluate(config, resumed)  # restarts from step 3, data position included
+  assert workdir_lib.rolling_manager(resumed, 2).latest_step() == 2
+  trainer.train_and_evaluate(config, resumed)  # restarts from step 2, data position included
 
   a, b = restore_latest(config, straight), restore_latest(config, resumed)
-  assert int(a.step) == int(b.step) == 6
+  assert int(a.step) == int(b.step) == 4
   _leaves_equal(a, b)  # params, ema, opt state, queue, ids, pointer, rng, step (= data position)
-  ids = np.asarray(b.queue.ids)  # 6 pushes of 8 into 12 slots: step 4's last 4 ids, step 5's 8, oldest at ptr
+  ids = np.asarray(b.queue.ids)  # 4 pushes of 8 into 12 slots: step 2's last 4 ids, step 3's 8, oldest at ptr
   run = run_inputs.prepare(config)
-  want = np.concatenate([run.batches.global_sentence_ids(s) for s in (4, 5)])
+  want = np.concatenate([run.batches.global_sentence_ids(s) for s in (2, 3)])
   np.testing.assert_array_equal(ids, np.roll(want[4:], int(b.queue.ptr)))
 
 
@@ -181,15 +196,15 @@ def test_a_checkpoint_resumes_under_another_dropout_generator(tmp_path, minilm_d
   assert int(restore_latest(config, workdir).step) == 3
 
 
-def test_a_workdir_of_an_unknown_state_layout_is_refused_in_one_line(tmp_path, minilm_dir):
+def test_a_workdir_of_an_unknown_state_layout_is_refused_in_one_line(tmp_path, minilm_dir, monkeypatch):
   """The queue as loose fields beside the flat optimizer state (a development layout) is neither this
   release's layout nor an older one that is converted: resume refuses it in one line and touches nothing."""
-  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=2, checkpoint_every=2)
+  config = tiny_training_config(tmp_path, minilm_dir)  # 4 steps, stopped after its step-2 save
   workdir = str(tmp_path / "old")
-  trainer.train_and_evaluate(config, workdir)
+  train_preempted_after_first_save(trainer, checkpoint, monkeypatch, config, workdir)
   state = restore_latest(config, workdir)
+  assert int(state.step) == 2
   rewrite_in_old_layout(workdir, state.replace(opt_state=in_flat_layout(state.opt_state)))
-  config.num_train_steps = 4
   with pytest.raises(CheckpointError) as error:
     trainer.train_and_evaluate(config, workdir)
   message = str(error.value)
@@ -203,7 +218,7 @@ def test_a_workdir_of_an_unknown_state_layout_is_refused_in_one_line(tmp_path, m
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_dir):
-  config = tiny_training_config(tmp_path, minilm_dir, num_train_steps=8, checkpoint_every=1)
+  config = tiny_training_config(tmp_path, minilm_dir, checkpoint_every=1)  # 4 steps
   config.optim.learning_rate = 1e12
   config.optim.grad_clip_norm = 0.0
   config.optim.warmup_steps = 0
@@ -212,6 +227,6 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, minilm_d
     trainer.train_and_evaluate(config, workdir)
   assert not [t for t in threading.enumerate() if t.name == "micse-prefetch"]  # the prefetch thread ended
   last = workdir_lib.rolling_manager(workdir, 2).latest_step()
-  assert last is not None and last < 8
+  assert last is not None and last < config.num_train_steps
   state = restore_latest(config, workdir)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

@@ -132,7 +132,10 @@ def initial_params(prog, run) -> tuple:
 def program_steps(config, steps: int, devices=None):
   """(step-0 state, final state, per-step metrics), on the host, of `steps` steps of the trainer's
   program (`training/program.py`: its networks, placements, packed batches and donated step, compiled
-  as the trainer compiles it, `program.compiled`), each step on the batch of its data position."""
+  as the trainer compiles it, `program.compiled`, through the compilation cache the trainer opens, so a
+  program another test or run compiled is read back), each step on the batch of its data position."""
+  from micse_jax import caches
+  caches.enable_compilation_cache(config)
   return steps_of(*prepared_program(config, devices), steps)
 
 
