@@ -19,8 +19,9 @@ and the step runs in three passes (`value_and_unscaled_grad`):
    `_carried`).
 
 The last block is the exception: pass 1 runs its forward keeping what its backward needs (`jax.vjp`),
-and pass 3 starts with that block's backward (`_replayed`), so its forward runs once. This costs one
-block's activations between the passes, the memory the other blocks' pass 3 needs anyway.
+and pass 3 starts with that block's backward (`_replayed`), so its forward runs once. Its activations
+are held through pass 2, so the peak rises only where pass 2's whole-batch terms are large against a
+block.
 
 The per-sentence terms are sums over rows divided by batch-wide counts that carry no gradient (Σ of
 AMI's pair weights and the official variant's kept slices, the masked tokens): pass 1 collects them,
