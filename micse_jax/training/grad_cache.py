@@ -258,7 +258,7 @@ class _Blocks:
 
   def counts(self, enc, rows, block: row_block.Block) -> dict:
     """`_counts` of a block's encoding, its AMI draws keyed by the rows' indices in the batch."""
-    row_ids = block.of_whole(jnp.arange(block.whole_rows(rows["input_ids"].shape[0]), dtype=jnp.int32))
+    row_ids = _row_ids(block, rows)
     return _counts(enc, rows, self.keys["ami"], self.config, self.map_rows, row_ids)
 
   def batch_terms(self, z1, z2, queue):
@@ -317,6 +317,11 @@ def _counts(enc, rows, key, config, map_rows, row_ids):
   return {"pairs": jnp.sum(res.weight, axis=-1), "indices": res.indices, "sample_weight": res.sample_weight}
 
 
+def _row_ids(block: row_block.Block, rows: dict) -> jax.Array:
+  """The indices in the whole batch of a block's `rows` (what AMI keys its draws by)."""
+  return block.of_whole(jnp.arange(block.whole_rows(rows["input_ids"].shape[0]), dtype=jnp.int32))
+
+
 def _ami_totals(counts: dict, row_mask, config, cells: int):
   """(the batch's AMI denominators `Totals`, the official variant's `OfficialSelection` or the paper
   variant's cells drawn in pass 1, (indices, sample_weight) `[B, S, m]`), or (None, None) without AMI."""
@@ -339,7 +344,7 @@ def _official_cells_per_slice(nets: Networks, length: int) -> int:
 def _ami_share(enc, rows, key, config, map_rows, block, totals, drawn, weight):
   """The block's share of the AMI term and its metrics (`terms.ami_term` on the block's rows), from what
   pass 1 `drawn` (`_ami_totals`) at the block's rows."""
-  row_ids = block.of_whole(jnp.arange(block.whole_rows(rows["input_ids"].shape[0]), dtype=jnp.int32))
+  row_ids = _row_ids(block, rows)
   selection = samples = None
   if config.ami.variant == "official":
     selection = drawn._replace(weight=block.of_whole(drawn.weight), num_valid=block.of_whole(drawn.num_valid),
